@@ -1,0 +1,217 @@
+"""Hub `config.json` -> `RuntimeConfig`, through pydantic DTOs.
+
+`DecoderConfig` reads the keys every Llama-family config on the hub uses, in all the spellings
+seen in the wild (`rope_scaling` with `type` or `rope_type`, transformers-5 `rope_parameters`,
+`torch_dtype` or `dtype`, ...). Architecture plugins subclass it and override what differs.
+Unknown keys are ignored; invalid ones raise `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import ValidationError as _ValidationError
+
+from core.config import (
+    DefaultRope,
+    DenseMLPSpec,
+    DynamicRope,
+    GQASpec,
+    LinearRope,
+    Llama3Rope,
+    RopeSpec,
+    RuntimeConfig,
+)
+from core.errors import ConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def validation_error(err: _ValidationError, source: str) -> ConfigError:
+    """Turn pydantic's report into one line that names every bad field."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(root)"
+        if e["type"] == "missing":
+            parts.append(f"missing required field '{loc}'")
+        else:
+            parts.append(f"field '{loc}': {e['msg']} (got {e.get('input')!r})")
+    return ConfigError(f"{source}: " + "; ".join(parts))
+
+
+class _Params(BaseModel):
+    """Base of the per-kind rope parameter blocks: unknown keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class _Factor(_Params):
+    factor: PositiveFloat
+
+
+class _Llama3(_Params):
+    factor: PositiveFloat
+    low_freq_factor: PositiveFloat
+    high_freq_factor: PositiveFloat
+    original_max_position_embeddings: PositiveInt
+
+
+def _default(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+    return DefaultRope(theta=theta, dim=dim)
+
+
+def _linear(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+    return LinearRope(theta=theta, dim=dim, factor=_Factor(**p).factor)
+
+
+def _dynamic(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+    factor = _Factor(**p).factor
+    return DynamicRope(
+        theta=theta, dim=dim, factor=factor, max_position_embeddings=cfg.max_position_embeddings
+    )
+
+
+def _llama3(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+    p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
+    q = _Llama3(**p)
+    if q.high_freq_factor <= q.low_freq_factor:
+        raise ConfigError(
+            f"rope_scaling: high_freq_factor ({q.high_freq_factor}) must exceed "
+            f"low_freq_factor ({q.low_freq_factor})"
+        )
+    return Llama3Rope(theta=theta, dim=dim, **q.model_dump())
+
+
+# rope kind -> builder(params, theta, rotary_dim, dto). Plugins extend this table for new kinds.
+ROPE_KINDS: dict[str, Callable[[dict, float, int, Any], RopeSpec]] = {
+    "default": _default,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "llama3": _llama3,
+}
+
+
+class DecoderConfig(BaseModel):
+    """A Llama-style decoder's config.json. Subclasses narrow `model_type` and add their keys."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model_type: str
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt | None = None  # absent: multi-head attention
+    head_dim: PositiveInt | None = None  # absent: hidden_size // num_attention_heads
+    intermediate_size: PositiveInt
+    hidden_act: Literal["silu"] = "silu"
+    rms_norm_eps: PositiveFloat = 1e-6
+    max_position_embeddings: PositiveInt = 2048
+    rope_theta: PositiveFloat | None = None
+    rope_scaling: dict[str, Any] | None = None  # transformers 4 style
+    rope_parameters: dict[str, Any] | None = None  # transformers 5 style (holds rope_theta too)
+    torch_dtype: str | None = None  # transformers 4 style
+    dtype: str | None = None  # transformers 5 style
+    bos_token_id: NonNegativeInt | None = None
+    eos_token_id: NonNegativeInt | list[NonNegativeInt] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    default_rope_theta: ClassVar[float] = (
+        10000.0  # what transformers assumes when the key is absent
+    )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DecoderConfig:
+        """Validate a raw config dict; errors become one `ConfigError` naming every bad field."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        try:
+            return cls.model_validate(raw)
+        except _ValidationError as err:
+            raise validation_error(err, source) from None
+
+    # --- derivations: each a small method a subclass may override -----------------------------
+    def resolved_head_dim(self) -> int:
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"config.json: hidden_size ({self.hidden_size}) is not divisible by "
+                f"num_attention_heads ({self.num_attention_heads}); set head_dim explicitly"
+            )
+        return self.hidden_size // self.num_attention_heads
+
+    def attention_spec(self) -> GQASpec:
+        kv = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % kv:
+            raise ConfigError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple "
+                f"of num_key_value_heads ({kv})"
+            )
+        return GQASpec(
+            num_heads=self.num_attention_heads,
+            num_kv_heads=kv,
+            head_dim=self.resolved_head_dim(),
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+        )
+
+    def mlp_spec(self) -> DenseMLPSpec:
+        return DenseMLPSpec(self.intermediate_size, bias=self.mlp_bias, act=self.hidden_act)
+
+    def rope_dim(self) -> int:
+        return self.resolved_head_dim()
+
+    def rope_spec(self) -> RopeSpec:
+        params = dict(self.rope_parameters or self.rope_scaling or {})
+        where = "rope_parameters" if self.rope_parameters else "rope_scaling"
+        kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+        theta = params.pop("rope_theta", None) or self.rope_theta or self.default_rope_theta
+        if not isinstance(theta, int | float) or theta <= 0:
+            raise ConfigError(
+                f"config.json: field 'rope_theta' must be a positive number: {theta!r}"
+            )
+        build = ROPE_KINDS.get(kind)
+        if build is None:
+            raise ConfigError(
+                f"config.json: unknown {where}.rope_type {kind!r}; supported: "
+                + ", ".join(sorted(ROPE_KINDS))
+            )
+        try:
+            return build(params, float(theta), self.rope_dim(), self)
+        except _ValidationError as err:
+            raise validation_error(err, f"config.json {where} ({kind})") from None
+
+    def runtime_dtype(self) -> str:
+        name = (self.dtype or self.torch_dtype or "float32").removeprefix("torch.")
+        if name not in DTYPES:
+            raise ConfigError(
+                f"config.json: field 'torch_dtype' {name!r} is not one of {', '.join(DTYPES)}"
+            )
+        return name
+
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+    def to_runtime(self) -> RuntimeConfig:
+        """The frozen config the core builds from; every derivation and check happens here."""
+        return RuntimeConfig(
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_hidden_layers,
+            attention=self.attention_spec(),
+            mlp=self.mlp_spec(),
+            rope=self.rope_spec(),
+            norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            dtype=self.runtime_dtype(),
+            bos_token_id=self.bos_token_id,
+            eos_token_ids=self.eos_ids(),
+        )

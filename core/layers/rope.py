@@ -1,0 +1,79 @@
+"""Rotary position embeddings: inverse frequencies per rope kind, and the cos/sin table.
+
+Frequencies and tables are built in fp32 with the same operations as transformers, so the
+angles agree to the last bit; `kernels.apply_rope` rotates q and k with them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from core.config import DefaultRope, DynamicRope, LinearRope, Llama3Rope, RopeSpec
+
+
+def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def inv_freq(spec: RopeSpec, seq_len: int | None = None) -> torch.Tensor:
+    """(dim/2,) fp32 inverse frequencies. `seq_len` matters only to dynamic NTK scaling."""
+    if isinstance(spec, LinearRope):
+        return _base_inv_freq(spec.theta, spec.dim) / spec.factor
+    if isinstance(spec, DynamicRope):
+        # Same fp32 tensor arithmetic as transformers, which receives seq_len as a tensor.
+        mpe = spec.max_position_embeddings
+        if seq_len is None or seq_len <= mpe:
+            return _base_inv_freq(spec.theta, spec.dim)
+        seq = torch.tensor(seq_len)
+        f, d = spec.factor, spec.dim
+        theta = spec.theta * ((f * seq / mpe) - (f - 1)) ** (d / (d - 2))
+        return _base_inv_freq(theta, d)
+    if isinstance(spec, Llama3Rope):
+        return _llama3_inv_freq(spec)
+    if type(spec) is DefaultRope:
+        return _base_inv_freq(spec.theta, spec.dim)
+    raise TypeError(f"no inverse frequencies for rope spec {type(spec).__name__}")
+
+
+def _llama3_inv_freq(spec: Llama3Rope) -> torch.Tensor:
+    inv = _base_inv_freq(spec.theta, spec.dim)
+    old = spec.original_max_position_embeddings
+    low_wavelen = old / spec.low_freq_factor  # longer waves than this are divided by factor
+    high_wavelen = old / spec.high_freq_factor  # shorter waves than this stay as they are
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / spec.factor, inv)
+    smooth = (old / wavelen - spec.low_freq_factor) / (spec.high_freq_factor - spec.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def cos_sin(inv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (len(positions), dim/2) tables of cos and sin of position * inv_freq."""
+    freqs = positions.float()[:, None] * inv[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table for positions [0, max_seq_len); slices it per forward."""
+
+    def __init__(self, spec: RopeSpec, max_seq_len: int, device: torch.device | str):
+        super().__init__()
+        self.spec = spec
+        cos, sin = cos_sin(inv_freq(spec), torch.arange(max_seq_len))
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+
+    def forward(self, start_pos: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (1, length, dim/2) for positions start_pos .. start_pos+length-1."""
+        end = start_pos + length
+        spec = self.spec
+        if isinstance(spec, DynamicRope) and end > spec.max_position_embeddings:
+            # Dynamic NTK: frequencies depend on the current length, as in transformers.
+            pos = torch.arange(start_pos, end)
+            cos, sin = cos_sin(inv_freq(spec, end), pos)
+            return cos.to(self.cos.device)[None], sin.to(self.sin.device)[None]
+        return self.cos[None, start_pos:end], self.sin[None, start_pos:end]

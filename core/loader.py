@@ -1,0 +1,132 @@
+"""The strict weight loader: checkpoint tensors -> a model built on the meta device.
+
+Every parameter (and every shard of a fused one) must be filled exactly once. The whole plan is
+checked from metadata first, so missing, unexpected and wrong-shape tensors are reported together
+before a single byte is read; then each tensor is copied straight into its target dtype/device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from core.checkpoint import Checkpoint
+from core.errors import CheckpointError
+from core.plugins import WeightMap
+
+log = logging.getLogger("zoo")
+
+
+def map_name(name: str, weight_map: WeightMap) -> tuple[str, str | None] | None:
+    """Checkpoint tensor name -> (core parameter name, shard or None); None skips the tensor.
+
+    `model.layers.3.mlp.gate_proj.weight` looks up `model.layers.{}.mlp.gate_proj`; the layer
+    indices fill the target's `{}`s first, then the shard's (for stacked experts).
+    """
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".")
+    ints = [p for p in parts if p.isdigit()]
+    key = ".".join("{}" if p.isdigit() else p for p in parts)
+    target = weight_map.get(key, key)
+    if target is None:
+        return None
+    shard = None
+    if isinstance(target, tuple):
+        target, shard = target
+    n = target.count("{}")
+    target = target.format(*ints[:n])
+    if shard is not None:
+        shard = shard.format(*ints[n:])
+    return (f"{target}.{leaf}" if target else leaf), shard
+
+
+def _listing(kind: str, items: list[str], limit: int = 8) -> str:
+    more = f", ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"{len(items)} {kind} ({', '.join(items[:limit])}{more})"
+
+
+def plan_load(
+    net: nn.Module, ckpt: Checkpoint, weight_map: WeightMap, ignore: set[str]
+) -> list[tuple[str, str, tuple]]:
+    """Check the checkpoint against the model from metadata alone.
+
+    Returns (checkpoint name, parameter name, index into the parameter) triples, or raises one
+    `CheckpointError` listing every missing, unexpected, duplicate and wrong-shape tensor.
+    """
+    params = dict(net.named_parameters())
+    plan, filled = [], defaultdict(set)
+    unexpected, wrong, duplicate = [], [], []
+    for name in ckpt.tensor_names():
+        mapped = None if name in ignore else map_name(name, weight_map)
+        if mapped is None:
+            continue
+        target, shard = mapped
+        p = params.get(target)
+        shards = getattr(p, "shards", None)
+        if p is None or (shard is not None and (shards is None or shard not in shards)):
+            unexpected.append(name)
+            continue
+        index = () if shard is None else shards[shard]
+        want, got = tuple(p[index].shape), ckpt.shape(name)
+        if want != got:
+            wrong.append(f"{name}: {list(got)} but the model needs {list(want)}")
+            continue
+        if shard in filled[target]:
+            duplicate.append(name)
+        filled[target].add(shard)
+        plan.append((name, target, index))
+    missing = []
+    for pname, p in params.items():
+        need = set(getattr(p, "shards", None) or [None])
+        have = filled.get(pname, set())
+        # a fused parameter may also be stored whole (shard None), e.g. Phi-3's qkv_proj
+        if have != need and have != {None}:
+            missing += [
+                pname if s is None else f"{pname}[{s}]" for s in sorted(need - have, key=str)
+            ]
+    problems = [
+        _listing(kind, items)
+        for kind, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("with the wrong shape", wrong),
+            ("given twice", duplicate),
+        )
+        if items
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{ckpt.path}: the checkpoint does not fit the model: {'; '.join(problems)}. "
+            "Check that config.json belongs to these weights."
+        )
+    return plan
+
+
+def load_weights(
+    net: nn.Module,
+    ckpt: Checkpoint,
+    weight_map: WeightMap,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    ignore: set[str] = frozenset(),
+    progress: bool = False,
+) -> None:
+    """Fill `net` (built on the meta device) from `ckpt`, converting on the fly."""
+    plan = plan_load(net, ckpt, weight_map, ignore)
+    state = {n: torch.empty(p.shape, dtype=dtype, device=device) for n, p in net.named_parameters()}
+    for name, target, index in _progress(plan, progress):
+        state[target][index].copy_(ckpt.read(name))
+    net.load_state_dict(state, strict=True, assign=True)
+
+
+def _progress(plan: list, enabled: bool) -> Iterator:
+    if not enabled:
+        return iter(plan)
+    from tqdm import tqdm
+
+    return iter(tqdm(plan, desc="loading weights", unit="tensor", leave=False))

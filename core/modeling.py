@@ -1,0 +1,67 @@
+"""The generic decoder: blocks and a causal LM assembled from a `RuntimeConfig`.
+
+Parameter names follow the hub's Llama layout (`model.layers.N.self_attn.qkv_proj.weight`),
+so an architecture's weight map only lists where its checkpoint differs.
+"""
+
+import torch
+from torch import nn
+
+from core.config import RuntimeConfig
+from core.kv_cache import StaticKVCache
+from core.layers import Embedding, GatedMLP, GQAAttention, LMHead, RMSNorm, RotaryEmbedding
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, cfg: RuntimeConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.norm_eps)
+        self.self_attn = GQAAttention(h, cfg.attention, cfg.rope.interleaved)
+        self.post_attention_layernorm = RMSNorm(h, cfg.norm_eps)
+        self.mlp = GatedMLP(h, cfg.mlp)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start_pos: int) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start_pos)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: RuntimeConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Token ids -> logits. Build on the meta device, load weights, then `setup_caches`."""
+
+    def __init__(self, cfg: RuntimeConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tied_to=tied)
+        self.kv_cache: StaticKVCache | None = None
+        self.rotary: RotaryEmbedding | None = None
+
+    def ignored_checkpoint_names(self) -> set[str]:
+        """Checkpoint tensors that are expected but not loaded: a tied head's copy."""
+        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate the KV cache and the rope table on the weights' device and dtype."""
+        w = self.model.embed_tokens.weight
+        self.kv_cache = StaticKVCache(self.config, max_batch_size, max_seq_len, w.dtype, w.device)
+        self.rotary = RotaryEmbedding(self.config.rope, max_seq_len, w.device)
+
+    def forward(self, input_ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """input_ids (B, T) at positions start_pos.. -> logits (B, T, vocab); fills the cache."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(start_pos, input_ids.shape[1])
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, *self.kv_cache.layer(i), start_pos)
+        return self.lm_head(self.model.norm(x))

@@ -1,0 +1,66 @@
+"""Torch references of every kernel op: the ground truth the Triton kernels are tested against,
+and the path taken on CPUs. Shapes use B batch, T new tokens, S cached tokens, H heads, D dims."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight, accumulated in fp32, returned in x's dtype.
+
+    Rounds like transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale.
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first 2*cos.shape[-1] dims of q (B, Hq, T, D) and k (B, Hk, T, D).
+
+    cos, sin: (B or 1, T, R/2) in fp32. Half-split layout pairs dim i with i + R/2 (Llama);
+    interleaved pairs 2i with 2i+1 (DeepSeek). Dims past R pass through unchanged.
+    """
+    c = cos[:, None].to(q.dtype)
+    s = sin[:, None].to(q.dtype)
+    return _rotate(q, c, s, interleaved), _rotate(k, c, s, interleaved)
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    r = 2 * c.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where gate_up (..., 2I) holds [gate | up] along its last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of q (B, Hq, T, D) over the cache k, v (B, Hkv, start_pos+T, D).
+
+    Query t sits at position start_pos + t and sees cached positions <= its own.
+    Returns (B, Hq, T, Dv).
+    """
+    t, s = q.shape[2], k.shape[2]
+    mask = None
+    if t > 1:
+        pos_q = torch.arange(start_pos, start_pos + t, device=q.device)[:, None]
+        mask = torch.arange(s, device=q.device)[None, :] <= pos_q  # (T, S)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )

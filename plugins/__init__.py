@@ -1,0 +1,1 @@
+"""Zoo's built-in plugins: architectures (llama3) and checkpoint formats (safetensors)."""

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random checkpoints made by transformers, saved with hub-style keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+# A Llama 3.2-style tiny model: GQA (4 q heads / 2 kv heads), explicit head_dim != hidden/heads,
+# llama3 rope scaling, tied embeddings.
+LLAMA32 = dict(
+    model_type="llama",
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    ),
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=[2, 3],
+    torch_dtype="bfloat16",
+)
+# A Llama 3.1-style tiny model: untied head, plain rope scaling kinds chosen per test.
+LLAMA31 = dict(
+    LLAMA32,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=None,
+    tie_word_embeddings=False,
+    rope_scaling=None,
+    rope_theta=10000.0,
+    eos_token_id=2,
+)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Scale weights up from the tiny init so that a wrong op changes the logits visibly."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+
+
+def hub_style(cfg: dict, *, rope_key: str = "rope_type") -> dict:
+    """Rewrite a saved config.json the way real hub repos spell it (transformers 4 style)."""
+    cfg = dict(cfg)
+    params = cfg.pop("rope_parameters", None) or {}
+    cfg["rope_theta"] = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
+    kind = params.get("rope_type", "default")
+    cfg["rope_scaling"] = None if kind == "default" else {rope_key: kind, **scaling}
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def make_checkpoint(
+    root: Path, spec: dict, *, seed: int = 0, rope_key: str = "rope_type", raw: bool = False
+):
+    """Build a transformers model from `spec`, save it under root, rewrite config.json.
+
+    Returns (folder, the transformers model in fp32 eval mode) for reference runs.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {k: v for k, v in spec.items() if v is not None}
+    config = AutoConfig.for_model(**spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(model, seed)
+    model.save_pretrained(root, safe_serialization=True)
+    if not raw:
+        cfg_path = root / "config.json"
+        cfg_path.write_text(
+            json.dumps(hub_style(json.loads(cfg_path.read_text()), rope_key=rope_key))
+        )
+    return root, model
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """Factory fixture: checkpoint(spec, **kw) -> (folder, reference model)."""
+    n = iter(range(1000))
+
+    def make(spec: dict, **kw):
+        return make_checkpoint(tmp_path / f"ckpt{next(n)}", spec, **kw)
+
+    return make
