@@ -64,3 +64,50 @@ def attention(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def mla_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    start_pos: int,
+    scale: float,
+) -> torch.Tensor:
+    """Multi-head latent attention over the compressed cache, with kv_b_proj absorbed.
+
+    q_lat (B, H, T, R): the no-rope query already multiplied into the latent space (q_nope @ W_uk);
+    q_pe (B, H, T, Dr): the roped query part; latent (B, S, R) and k_pe (B, S, Dr): the cache,
+    shared by all heads, S = start_pos + T. Returns (B, H, T, R): softmax(scores) @ latent,
+    which the caller maps to values with W_uv.
+    """
+    t, s = q_lat.shape[2], latent.shape[1]
+    scores = torch.einsum("bhtr,bsr->bhts", q_lat.float(), latent.float())
+    scores = scores + torch.einsum("bhtd,bsd->bhts", q_pe.float(), k_pe.float())
+    scores = scores * scale
+    if t > 1:
+        pos_q = torch.arange(start_pos, start_pos + t, device=q_lat.device)[:, None]
+        visible = torch.arange(s, device=q_lat.device)[None, :] <= pos_q
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhts,bsr->bhtr", probs, latent.float()).to(q_lat.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: sum_k w[n,k] * expert[ids[n,k]](x[n]).
+
+    x (N, H); topk_ids (N, K) int; topk_weights (N, K); gate_up (E, 2I, H) stacked [gate | up];
+    down (E, H, I). Returns (N, H) in x's dtype. Loops over the experts that received tokens.
+    """
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = swiglu(x[token] @ gate_up[e].T) @ down[e].T
+        out.index_add_(0, token, h * topk_weights[token, slot, None].to(x.dtype))
+    return out
