@@ -30,6 +30,7 @@ class Model:
         self.config: RuntimeConfig = net.config
         self.tokenizer = tokenizer
         self.path = path
+        self.eos_token_ids: set[int] = set(self.config.eos_token_ids)  # generation stops on these
 
     @property
     def device(self) -> torch.device:
@@ -91,7 +92,7 @@ class Model:
                 f"pass load_model(..., max_seq_len={need})"
             )
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
-        eos = set(self.config.eos_token_ids)
+        eos = self.eos_token_ids
         t0 = time.perf_counter()
         logits = self.forward(torch.tensor([ids]), 0)[:, -1]
         out, finish = [], "length"

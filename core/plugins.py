@@ -135,7 +135,8 @@ def plugin_manager() -> pluggy.PluginManager:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as err:
-        raise PluginError(f"plugin {err.plugin_name!r}: {err}; check the hook's name") from None
+        name = pm.get_name(err.plugin) or repr(err.plugin)
+        raise PluginError(f"plugin {name!r}: {err}; check the hook's name") from None
     return pm
 
 

@@ -81,6 +81,7 @@ def make_checkpoint(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    drop = [k for k, v in spec.items() if v is None]  # keys a hub config would not carry
     spec = {k: v for k, v in spec.items() if v is not None}
     config = AutoConfig.for_model(**spec)
     torch.manual_seed(seed)
@@ -89,9 +90,9 @@ def make_checkpoint(
     model.save_pretrained(root, safe_serialization=True)
     if not raw:
         cfg_path = root / "config.json"
-        cfg_path.write_text(
-            json.dumps(hub_style(json.loads(cfg_path.read_text()), rope_key=rope_key))
-        )
+        cfg = hub_style(json.loads(cfg_path.read_text()), rope_key=rope_key)
+        cfg = {k: v for k, v in cfg.items() if k not in drop}
+        cfg_path.write_text(json.dumps(cfg, indent=1))
     return root, model
 
 

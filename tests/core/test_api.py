@@ -1,0 +1,84 @@
+"""load_model's options and Model's request checks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import LLAMA31
+
+from core import HubError, RequestError, ZooError, load_model
+
+
+@pytest.fixture
+def root(checkpoint):
+    return checkpoint(LLAMA31)[0]
+
+
+def test_defaults_on_cpu(root, caplog):
+    with caplog.at_level(logging.INFO, logger="zoo"):
+        m = load_model(root)
+    assert m.device.type == "cpu" and m.dtype == torch.float32  # fp32 on the CPU
+    # max_seq_len = min(max_position_embeddings, 4096); shape (layers, B, kv_heads, S, head_dim)
+    assert m.max_seq_len == 128 and m.max_batch_size == 1
+    assert tuple(m.net.kv_cache.k.shape) == (2, 1, 1, 128, 16)
+    assert "KV cache 1 x 128 tokens" in caplog.text
+
+
+def test_cache_size_options(root):
+    m = load_model(root, max_seq_len=20, max_batch_size=3)
+    assert tuple(m.net.kv_cache.v.shape) == (2, 3, 1, 20, 16)
+
+
+def test_missing_path_is_a_zoo_error(tmp_path):
+    with pytest.raises(HubError, match="not a local folder"):
+        load_model(tmp_path / "nope")
+
+
+def test_prompt_beyond_cache_is_refused_before_compute(root):
+    m = load_model(root, max_seq_len=10)
+    with pytest.raises(RequestError) as exc:
+        m.generate(list(range(4, 12)), max_new_tokens=5)
+    msg = str(exc.value)
+    assert "8 tokens" in msg and "13" in msg and "max_seq_len=10" in msg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [
+        ({"prompt": []}, "empty"),
+        ({"prompt": [5], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": [5], "temperature": -1.0}, "temperature"),
+    ],
+)
+def test_bad_generate_arguments(root, kwargs, word):
+    with pytest.raises(RequestError, match=word):
+        load_model(root).generate(**kwargs)
+
+
+def test_forward_checks_batch_and_length(root):
+    m = load_model(root, max_seq_len=8)
+    with pytest.raises(RequestError, match="max_batch_size=1"):
+        m.forward(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(RequestError, match="max_seq_len=8"):
+        m.forward(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_bad_dtype_name(root):
+    with pytest.raises(RequestError, match="'float8'"):
+        load_model(root, dtype="float8")
+
+
+def test_sampling_is_reproducible_with_seed(root):
+    m = load_model(root)
+    a = m.generate([5, 6, 7], max_new_tokens=6, temperature=1.0, seed=11).token_ids
+    b = m.generate([5, 6, 7], max_new_tokens=6, temperature=1.0, seed=11).token_ids
+    assert a == b
+
+
+def test_every_error_is_a_zoo_error():
+    import core
+
+    for name in ("ConfigError", "CheckpointError", "PluginError", "RequestError", "HubError"):
+        assert issubclass(getattr(core, name), ZooError)

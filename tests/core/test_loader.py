@@ -1,0 +1,143 @@
+"""The strict loader: sharded and single files, tying, and every mismatch reported at once."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import LLAMA31, LLAMA32
+from safetensors.torch import load_file, save_file
+
+from core import CheckpointError, ConfigError, load_model
+from core.loader import map_name
+from plugins.llama3 import WEIGHT_MAP
+
+
+def edit_tensors(root, fn):
+    f = root / "model.safetensors"
+    tensors = load_file(f)
+    fn(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def logits(m, n=9):
+    return m.forward(torch.arange(4, 4 + n)[None])
+
+
+def test_map_name_fuses_and_passes_through():
+    assert map_name("model.layers.11.self_attn.k_proj.bias", WEIGHT_MAP) == (
+        "model.layers.11.self_attn.qkv_proj.bias",
+        "k",
+    )
+    assert map_name("model.norm.weight", WEIGHT_MAP) == ("model.norm.weight", None)
+    assert map_name("model.layers.0.self_attn.rotary_emb.inv_freq", WEIGHT_MAP) is None
+    experts = {"model.layers.{}.mlp.experts.{}.up_proj": ("model.layers.{}.mlp.experts.w", "{}.up")}
+    assert map_name("model.layers.2.mlp.experts.7.up_proj.weight", experts) == (
+        "model.layers.2.mlp.experts.w.weight",
+        "7.up",
+    )
+
+
+def test_sharded_equals_single_file(checkpoint, tmp_path):
+    root, ref = checkpoint(LLAMA31)
+    sharded = tmp_path / "sharded"
+    ref.save_pretrained(sharded, max_shard_size="40KB")
+    (sharded / "config.json").write_text((root / "config.json").read_text())
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    torch.testing.assert_close(
+        logits(load_model(sharded)), logits(load_model(root)), rtol=0, atol=0
+    )
+
+
+def test_loads_straight_into_target_dtype(checkpoint):
+    root, _ = checkpoint(LLAMA31)
+    m = load_model(root, dtype=torch.float16)
+    assert {p.dtype for p in m.net.parameters()} == {torch.float16}
+    assert m.net.kv_cache.k.dtype == torch.float16
+
+
+def test_tied_head_ignores_lm_head_in_file(checkpoint):
+    root, _ = checkpoint(LLAMA32)
+    before = logits(load_model(root))
+    edit_tensors(root, lambda t: t.__setitem__("lm_head.weight", torch.randn(96, 48)))
+    torch.testing.assert_close(logits(load_model(root)), before, rtol=0, atol=0)
+
+
+def test_untied_head_requires_lm_head(checkpoint):
+    root, _ = checkpoint(LLAMA31)
+    edit_tensors(root, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match=r"1 missing \(lm_head.weight\)"):
+        load_model(root)
+
+
+def test_every_mismatch_reported_together(checkpoint):
+    root, _ = checkpoint(LLAMA31)
+
+    def break_it(t):
+        t.pop("model.layers.1.self_attn.k_proj.weight")
+        t.pop("model.norm.weight")
+        t["model.layers.0.extra.weight"] = torch.zeros(3)
+        t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(5, 5)
+
+    edit_tensors(root, break_it)
+    with pytest.raises(CheckpointError) as exc:
+        load_model(root)
+    msg = str(exc.value)
+    assert "3 missing" in msg  # k shard, norm, and the up shard whose tensor had the wrong shape
+    assert "model.layers.1.self_attn.qkv_proj.weight[k]" in msg and "model.norm.weight" in msg
+    assert "1 unexpected (model.layers.0.extra.weight)" in msg
+    assert "1 with the wrong shape" in msg and "[5, 5] but the model needs [80, 64]" in msg
+    assert str(root) in msg
+
+
+def test_index_shard_missing_is_reported_before_loading(checkpoint, tmp_path):
+    _, ref = checkpoint(LLAMA31)
+    sharded = tmp_path / "s"
+    ref.save_pretrained(sharded, max_shard_size="40KB")
+    victim = sorted(sharded.glob("*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=re.escape(f"missing: {victim.name}")):
+        load_model(sharded)
+
+
+def test_index_naming_tensor_no_shard_holds(checkpoint, tmp_path):
+    _, ref = checkpoint(LLAMA31)
+    sharded = tmp_path / "s"
+    ref.save_pretrained(sharded, max_shard_size="40KB")
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.ghost.weight"] = next(iter(index["weight_map"].values()))
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"names 1 tensor\(s\) no shard holds: model.ghost"):
+        load_model(sharded)
+
+
+def test_pickle_checkpoints_are_refused(checkpoint):
+    root, _ = checkpoint(LLAMA31)
+    (root / "model.safetensors").unlink()
+    (root / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(
+        CheckpointError, match=r"pytorch_model\.bin: pickle checkpoints are refused"
+    ):
+        load_model(root)
+
+
+def test_config_not_json(checkpoint):
+    root, _ = checkpoint(LLAMA31)
+    (root / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):
+        load_model(root)
+
+
+def test_unknown_model_type_lists_supported_and_suggests(checkpoint):
+    root, _ = checkpoint(LLAMA31)
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, "model_type": "lama"}))
+    with pytest.raises(ConfigError) as exc:
+        load_model(root)
+    msg = str(exc.value)
+    assert "'lama'" in msg and "supported: " in msg and "Did you mean 'llama'" in msg
+    assert "zoo plugins" in msg
