@@ -18,7 +18,7 @@ __all__ = [
     "load_model",
 ]
 
-_LAZY = {"load_model": "core.api", "Model": "core.api", "GenerationResult": "core.generation"}
+_LAZY = {"load_model": "core.api", "Model": "core.model", "GenerationResult": "core.generation"}
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""The public entry points: `load_model` and the `Model` it returns."""
+"""`load_model`: a name or path -> a ready `Model` (see core/model.py)."""
 
 from __future__ import annotations
 
@@ -8,113 +8,16 @@ from pathlib import Path
 
 import torch
 
-from core.config import RuntimeConfig
 from core.errors import HubError, RequestError
-from core.generation import GenerationResult, sample
 from core.loader import load_weights
+from core.model import Model
 from core.modeling import CausalLM
 from core.plugins import registry
-from core.tokenizer import Tokenizer
 
 log = logging.getLogger("zoo")
 
 DEFAULT_MAX_SEQ_LEN = 4096
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class Model:
-    """A loaded model with its static KV cache. Not thread-safe: one caller at a time."""
-
-    def __init__(self, net: CausalLM, tokenizer: Tokenizer | None, path: Path):
-        self.net = net
-        self.config: RuntimeConfig = net.config
-        self.tokenizer = tokenizer
-        self.path = path
-        self.eos_token_ids: set[int] = set(self.config.eos_token_ids)  # generation stops on these
-
-    @property
-    def device(self) -> torch.device:
-        return self.net.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.net.model.embed_tokens.weight.dtype
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.net.kv_cache.max_seq_len
-
-    @property
-    def max_batch_size(self) -> int:
-        return self.net.kv_cache.max_batch_size
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Logits (B, T, vocab) for input_ids (B, T) at positions start_pos.., filling the cache."""
-        b, t = input_ids.shape
-        if b > self.max_batch_size:
-            raise RequestError(
-                f"batch of {b} exceeds max_batch_size={self.max_batch_size}; "
-                f"pass load_model(..., max_batch_size={b})"
-            )
-        if start_pos + t > self.max_seq_len:
-            raise RequestError(
-                f"positions up to {start_pos + t} exceed the KV cache (max_seq_len="
-                f"{self.max_seq_len}); pass load_model(..., max_seq_len={start_pos + t})"
-            )
-        return self.net(input_ids.to(self.device), start_pos)
-
-    def reset(self) -> None:
-        """Clear the KV cache."""
-        self.net.kv_cache.reset()
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompt: list[int],
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        seed: int | None = None,
-    ) -> GenerationResult:
-        """Continue `prompt` (token ids) by up to `max_new_tokens`, stopping at an eos token."""
-        ids = [int(i) for i in prompt]
-        if not ids:
-            raise RequestError("prompt is empty; pass at least one token id")
-        if max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {temperature}")
-        need = len(ids) + max_new_tokens
-        if need > self.max_seq_len:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
-                f"exceeds the KV cache (max_seq_len={self.max_seq_len}); "
-                f"pass load_model(..., max_seq_len={need})"
-            )
-        gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
-        eos = self.eos_token_ids
-        t0 = time.perf_counter()
-        logits = self.forward(torch.tensor([ids]), 0)[:, -1]
-        out, finish = [], "length"
-        t1 = time.perf_counter()
-        for _ in range(max_new_tokens):
-            tok = sample(logits, temperature, gen)
-            out.append(int(tok))
-            if out[-1] in eos:
-                finish = "stop"
-                break
-            if len(out) == max_new_tokens:
-                break
-            logits = self.forward(tok[:, None], len(ids) + len(out) - 1)[:, -1]
-        t2 = time.perf_counter()
-        text = self.tokenizer.decode(out) if self.tokenizer else ""
-        return GenerationResult(
-            out,
-            text,
-            finish,
-            prompt_tokens=len(ids),
-            timings={"prefill_s": t1 - t0, "decode_s": t2 - t1},
-        )
 
 
 def _resolve_path(name_or_path: str | Path) -> Path:
@@ -173,6 +76,8 @@ def load_model(
         load_weights(
             net, ckpt, arch.weight_map, dtype=dt, device=dev, ignore=net.ignored_checkpoint_names()
         )
+        tokenizer = ckpt.tokenizer()
+        gen_config = ckpt.generation_config()
     finally:
         ckpt.close()
     net.setup_caches(max_batch_size, seq)
@@ -188,5 +93,4 @@ def load_model(
         seq,
         net.kv_cache.nbytes / 2**20,
     )
-    tokenizer = Tokenizer.from_folder(path) if path.is_dir() else None
-    return Model(net, tokenizer, path)
+    return Model(net, tokenizer, path, gen_config)

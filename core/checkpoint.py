@@ -11,6 +11,8 @@ from core.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from core.tokenizer import Tokenizer
+
 
 class Checkpoint(Protocol):
     """A read-only view of one checkpoint. Tensor names are in the hub's (transformers') style."""
@@ -28,6 +30,12 @@ class Checkpoint(Protocol):
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor itself, on the CPU, in its stored dtype."""
+
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (with chat template and special tokens), or None if it has none."""
+
+    def generation_config(self) -> dict[str, Any]:
+        """generation_config.json-style defaults ({} when the checkpoint has none)."""
 
     def close(self) -> None:
         """Release file handles and maps."""

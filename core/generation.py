@@ -1,26 +1,198 @@
-"""Generation results and the token loop."""
+"""The token loop: prefill a batch once, then one token per row per step through the static
+cache; each row stops on its own (eos, stop token, stop string, or length)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
 
+from core.sampling import SamplingParams, apply_penalties, draw, filter_logits
+from core.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
 
 @dataclass
 class GenerationResult:
-    token_ids: list[int]  # the new tokens only
-    text: str = ""
-    finish_reason: str = "length"  # "stop" (an eos token) | "length" (max_new_tokens)
+    token_ids: list[int]  # the new tokens only (a final eos / stop token included)
+    text: str = ""  # their text, cut before a stop string
+    finish_reason: str = "length"  # "stop" | "length"
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def usage(self) -> dict[str, int]:
+        n = len(self.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+        }
 
-def sample(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids; temperature 0 is greedy."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+class _StopStrings:
+    """Holds back just enough text to cut it before a stop string that may still be forming."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Append text; return (what is safe to emit, whether a stop string was hit)."""
+        self.text += piece
+        hits = [i for s in self.stops if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0]
+        if hits:
+            cut = min(hits)
+            out, self.text, self.sent = self.text[self.sent : cut], self.text[:cut], cut
+            return out, True
+        safe = len(self.text) - self.hold
+        if safe <= self.sent:
+            return "", False
+        out, self.sent = self.text[self.sent : safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+class _Row:
+    """One prompt's progress through the loop."""
+
+    def __init__(self, prompt: list[int], tok: Tokenizer | None, p: SamplingParams):
+        self.prompt_len = len(prompt)
+        self.out: list[int] = []
+        self.text: list[str] = []
+        self.decoder = StreamDecoder(tok) if tok else None
+        self.stops = _StopStrings(p.stop)
+        self.logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
+        self.finish: str | None = None
+
+    def push(self, token: int, stop_ids: set[int], max_new: int) -> str:
+        """Take one token; return the text it makes visible."""
+        self.out.append(token)
+        if token in stop_ids:
+            self.finish = "stop"
+            piece = self.decoder.flush() if self.decoder else ""
+        else:
+            piece = self.decoder.push(token) if self.decoder else ""
+            if len(self.out) >= max_new:
+                self.finish = "length"
+                piece += self.decoder.flush() if self.decoder else ""
+        out, hit = self.stops.feed(piece)
+        if hit:
+            self.finish = "stop"
+        elif self.finish:
+            out += self.stops.flush()
+        self.text.append(out)
+        return out
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenLogprob]:
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+    top = lp.topk(n, dim=-1) if n else None
+    out = []
+    for row, tid in enumerate(tokens.tolist()):
+        alts = (
+            dict(zip(top.indices[row].tolist(), top.values[row].tolist(), strict=True)) if n else {}
+        )
+        out.append(TokenLogprob(tid, chosen[row], alts))
+    return out
+
+
+def run(
+    forward: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor],
+    prompts: list[list[int]],
+    p: SamplingParams,
+    *,
+    tokenizer: Tokenizer | None,
+    stop_ids: set[int],
+    vocab_size: int,
+    device: torch.device,
+) -> Generator[tuple[int, str], None, list[GenerationResult]]:
+    """Yield (row, text piece) as tokens arrive; return the results.
+
+    `forward(ids, start_pos)` is the model's: ids (B, T), start_pos an int or per-row (B,) tensor.
+    """
+    b = len(prompts)
+    lens = torch.tensor([len(x) for x in prompts], device=device)
+    ids = torch.zeros(b, int(lens.max()), dtype=torch.long, device=device)  # right-padded
+    for row, x in enumerate(prompts):
+        ids[row, : len(x)] = torch.tensor(x, device=device)
+    generators = [
+        torch.Generator(device).manual_seed(p.seed) if p.seed is not None else None
+        for _ in range(b)
+    ]
+    penalize = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    if penalize:
+        seen = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, ids, True)
+        seen[:, 0] = torch.tensor([0 in x for x in prompts], device=device)  # undo padding's 0
+        counts = torch.zeros(b, vocab_size, device=device)
+    rows = [_Row(x, tokenizer, p) for x in prompts]
+
+    t0 = time.perf_counter()
+    logits = forward(ids, 0)[torch.arange(b, device=device), lens - 1].float()  # (B, V)
+    pos = lens - 1  # position of the token fed next, per row
+    t_first = None
+    for _ in range(p.max_new_tokens):
+        raw = logits
+        if penalize:
+            logits = apply_penalties(logits, counts, seen, p)
+        if p.greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = draw(filter_logits(logits, p), generators)
+        lps = _logprobs(raw, tokens, p.logprobs) if p.logprobs is not None else None
+        if t_first is None:
+            t_first = time.perf_counter()
+        for row, (r, t) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            if r.finish:
+                continue
+            if lps is not None:
+                r.logprobs.append(lps[row])
+            piece = r.push(t, stop_ids, p.max_new_tokens)
+            if piece:
+                yield row, piece
+        active = torch.tensor([r.finish is None for r in rows], device=device)
+        if not active.any():
+            break
+        if penalize:
+            counts[torch.arange(b, device=device), tokens] += active.float()
+            seen[torch.arange(b, device=device), tokens] |= active
+        pos = pos + active  # finished rows stay put, rewriting their own last slot
+        step_pos = int(pos[0]) if b == 1 else pos
+        logits = forward(tokens[:, None], step_pos)[:, -1].float()
+    t_end = time.perf_counter()
+
+    n_decode = max(len(r.out) for r in rows) - 1
+    timings = {
+        "time_to_first_token_s": (t_first or t_end) - t0,
+        "prefill_tokens_per_s": float(lens.sum()) / max((t_first or t_end) - t0, 1e-9),
+        "decode_tokens_per_s": n_decode * b / max(t_end - (t_first or t_end), 1e-9),
+    }
+    return [
+        GenerationResult(
+            token_ids=r.out,
+            text="".join(r.text),
+            finish_reason=r.finish or "length",
+            prompt_tokens=r.prompt_len,
+            logprobs=r.logprobs,
+            timings=timings,
+        )
+        for r in rows
+    ]

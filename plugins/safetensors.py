@@ -69,6 +69,15 @@ class SafetensorsCheckpoint:
     def config(self) -> dict:
         return read_json(self.path / "config.json")
 
+    def tokenizer(self):
+        from core.tokenizer import Tokenizer
+
+        return Tokenizer.from_folder(self.path)
+
+    def generation_config(self) -> dict:
+        f = self.path / "generation_config.json"
+        return read_json(f) if f.is_file() else {}
+
     def tensor_names(self) -> list[str]:
         return list(self._where)
 

@@ -1,0 +1,170 @@
+"""`Model`: a loaded network with its static KV cache, tokenizer and generation defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core import generation
+from core.config import RuntimeConfig
+from core.errors import RequestError
+from core.generation import GenerationResult
+from core.modeling import CausalLM
+from core.sampling import SamplingParams, defaults_from_generation_config
+from core.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+def _ids(value: Any) -> list[int] | None:
+    """A token-id list, or None if `value` is not one."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    is_seq = isinstance(value, Sequence) and not isinstance(value, str)
+    if is_seq and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return [int(i) for i in value]
+    return None
+
+
+class Model:
+    """A loaded model. Not thread-safe: one caller at a time (the server queues requests)."""
+
+    def __init__(
+        self,
+        net: CausalLM,
+        tokenizer: Tokenizer | None,
+        path: Path,
+        generation_config: dict[str, Any] | None = None,
+    ):
+        self.net = net
+        self.config: RuntimeConfig = net.config
+        self.tokenizer = tokenizer
+        self.path = path
+        gen = generation_config or {}
+        # generation stops on every eos id of config.json and generation_config.json
+        extra = gen.get("eos_token_id")
+        extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+        self.eos_token_ids: set[int] = set(self.config.eos_token_ids) | set(extra)
+        self.defaults: dict[str, Any] = defaults_from_generation_config(gen)
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.model.embed_tokens.weight.dtype
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.net.kv_cache.max_seq_len
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.net.kv_cache.max_batch_size
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+        """Logits (B, T, vocab) for input_ids (B, T) at positions start_pos.. (an int, or one
+        per row as a (B,) tensor), writing their keys and values into the cache."""
+        b, t = input_ids.shape
+        if b > self.max_batch_size:
+            raise RequestError(
+                f"batch of {b} exceeds max_batch_size={self.max_batch_size}; "
+                f"pass load_model(..., max_batch_size={b})"
+            )
+        end = int(start_pos.max() if isinstance(start_pos, torch.Tensor) else start_pos) + t
+        if end > self.max_seq_len:
+            raise RequestError(
+                f"positions up to {end} exceed the KV cache (max_seq_len={self.max_seq_len}); "
+                f"pass load_model(..., max_seq_len={end})"
+            )
+        return self.net(input_ids.to(self.device), start_pos)
+
+    def reset(self) -> None:
+        """Clear the KV cache."""
+        self.net.kv_cache.reset()
+
+    # --- generation ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Text is encoded (with BOS, no chat template); token ids are checked against the vocab."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.path} has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = _ids(prompt)
+            if ids is None:
+                raise RequestError("prompt must be a str or a list of token ids")
+        if not ids:
+            raise RequestError("prompt is empty; pass some text or at least one token id")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise RequestError(
+                f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        return ids
+
+    def _start(
+        self, prompts: list[Prompt], params: dict[str, Any]
+    ) -> tuple[list[list[int]], SamplingParams]:
+        p = SamplingParams.build(self.defaults, **params)
+        ids = [self.encode_prompt(x) for x in prompts]
+        if len(ids) > self.max_batch_size:
+            raise RequestError(
+                f"batch of {len(ids)} prompts exceeds max_batch_size={self.max_batch_size}; "
+                f"pass load_model(..., max_batch_size={len(ids)})"
+            )
+        longest = max(len(x) for x in ids)
+        if longest + p.max_new_tokens > self.max_seq_len:
+            raise RequestError(
+                f"prompt ({longest} tokens) + max_new_tokens ({p.max_new_tokens}) = "
+                f"{longest + p.max_new_tokens} exceeds the KV cache (max_seq_len="
+                f"{self.max_seq_len}); pass load_model(..., max_seq_len="
+                f"{longest + p.max_new_tokens}) or ask for fewer tokens"
+            )
+        return ids, p
+
+    def _loop(self, ids: list[list[int]], p: SamplingParams):
+        stop = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        return generation.run(
+            self.net,
+            ids,
+            p,
+            tokenizer=self.tokenizer,
+            stop_ids=stop,
+            vocab_size=self.config.vocab_size,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt: Prompt | list[Prompt], **params: Any
+    ) -> GenerationResult | list[GenerationResult]:
+        """Continue a prompt (str or token ids), or a list of them as one batch.
+
+        params: see `core.sampling.SamplingParams`; defaults come from generation_config.json.
+        A batch runs in one static-cache pass and returns one result per prompt.
+        """
+        batch = isinstance(prompt, list | tuple) and _ids(prompt) is None
+        prompts = list(prompt) if batch else [prompt]
+        if batch and not prompts:
+            raise RequestError("prompt is an empty list; pass text, token ids or a list of them")
+        loop = self._loop(*self._start(prompts, params))
+        while True:
+            try:
+                next(loop)
+            except StopIteration as done:
+                results = done.value
+                break
+        return results if batch else results[0]
+
+    @torch.inference_mode()
+    def stream(self, prompt: Prompt, **params: Any) -> Iterator[str]:
+        """Yield text pieces as they are generated; together they equal `generate(...).text`."""
+        loop = self._loop(*self._start([prompt], params))
+        for _, piece in loop:
+            yield piece

@@ -1,0 +1,129 @@
+"""Sampling parameters (validated with pydantic) and the logits -> token step.
+
+Order of operations, as in vLLM: penalties, temperature, top-k, top-p, min-p, then a draw.
+All of it runs on the logits' device; nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from core.errors import RequestError
+
+
+class SamplingParams(BaseModel):
+    """What `Model.generate` / `Model.stream` accept besides the prompt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0 = greedy
+    top_k: int = Field(0, ge=0)  # 0 = off
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # transformers' multiplicative penalty
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's additive penalties
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)  # top-n alternatives per generated token
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @classmethod
+    def build(cls, defaults: dict[str, Any], **params: Any) -> SamplingParams:
+        """Validate `params` over `defaults`; a bad value raises `RequestError` naming it."""
+        try:
+            return cls(**{**defaults, **params})
+        except ValidationError as err:
+            parts = []
+            for e in err.errors():
+                name = ".".join(str(x) for x in e["loc"])
+                if e["type"] == "extra_forbidden":
+                    parts.append(f"unknown parameter '{name}'")
+                else:
+                    parts.append(f"'{name}': {e['msg']} (got {e.get('input')!r})")
+            raise RequestError("invalid generation parameter " + "; ".join(parts)) from None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def defaults_from_generation_config(gen: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json keys -> SamplingParams defaults (only what the file sets)."""
+    out: dict[str, Any] = {}
+    if gen.get("do_sample"):
+        out["temperature"] = gen.get("temperature", 1.0)
+        for key in ("top_k", "top_p", "min_p"):
+            if gen.get(key) is not None:
+                out[key] = gen[key]
+    elif "do_sample" in gen:
+        out["temperature"] = 0.0
+    if gen.get("repetition_penalty") is not None:
+        out["repetition_penalty"] = gen["repetition_penalty"]
+    if gen.get("max_new_tokens"):
+        out["max_new_tokens"] = gen["max_new_tokens"]
+    return out
+
+
+def apply_penalties(
+    logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, p: SamplingParams
+) -> torch.Tensor:
+    """logits (B, V) fp32; counts (B, V): generated-token counts; seen (B, V) bool: prompt or
+    generated. Repetition penalty divides positive logits and multiplies negative ones."""
+    if p.repetition_penalty != 1.0:
+        penalized = torch.where(
+            logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty
+        )
+        logits = torch.where(seen, penalized, logits)
+    if p.frequency_penalty:
+        logits = logits - p.frequency_penalty * counts
+    if p.presence_penalty:
+        logits = logits - p.presence_penalty * (counts > 0)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p (smallest set with mass >= p), min-p; masked to -inf."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (probs.cumsum(dim=-1) - probs) >= p.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if p.min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(
+            probs < p.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf")
+        )
+    return logits
+
+
+def draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row from softmax(logits), each row with its own generator (B,)."""
+    probs = logits.softmax(dim=-1)
+    # exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one generator per row
+    noise = torch.empty_like(probs)
+    for row, g in enumerate(generators):
+        noise[row].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
