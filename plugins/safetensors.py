@@ -4,13 +4,81 @@ unpickles anything."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import math
 from pathlib import Path
+from typing import Any
 
 from core.checkpoint import read_json
 from core.errors import CheckpointError
 from core.hookspecs import hookimpl
 
 INDEX = "model.safetensors.index.json"
+ITEMSIZE = {
+    **{"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1},
+    **{"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1},
+}
+MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+
+def check_file(f: Path) -> None:
+    """Validate a safetensors file's framing before mapping it: say what the file really is
+    (empty, a git-LFS pointer, an HTML page, truncated) and reject bad offsets."""
+    size = f.stat().st_size
+    with f.open("rb") as fh:
+        head = fh.read(min(size, 512))
+        if size == 0:
+            raise CheckpointError(f"{f}: the file is empty (0 bytes); download it again")
+        if head.startswith(b"version https://git-lfs"):
+            raise CheckpointError(
+                f"{f}: this is a git-LFS pointer file, not the weights; fetch the real file "
+                "with `git lfs pull` or download it from the hub"
+            )
+        if head.lstrip()[:15].lower().startswith((b"<!doctype", b"<html")):
+            raise CheckpointError(
+                f"{f}: this is an HTML page (an error or login page saved in place of the "
+                "weights); download the file again"
+            )
+        if size < 8:
+            raise CheckpointError(f"{f}: truncated ({size} bytes); download it again")
+        n = int.from_bytes(head[:8], "little")
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(
+                f"{f}: header claims {n:,} bytes but the file has {size:,}; the file is "
+                "truncated or not safetensors, download it again"
+            )
+        fh.seek(8)
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{f}: corrupt safetensors header ({err})") from None
+    _check_offsets(f, header, size - 8 - n)
+
+
+def _check_offsets(f: Path, header: Any, data_size: int) -> None:
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{f}: corrupt safetensors header (not a JSON object)")
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            count = math.prod(int(d) for d in info["shape"])
+            need = count * ITEMSIZE[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{f}: corrupt header entry for tensor {name!r}") from None
+        if not 0 <= begin <= end <= data_size or end - begin != need:
+            raise CheckpointError(
+                f"{f}: tensor {name!r} has offsets [{begin}, {end}) outside the {data_size:,} "
+                f"data bytes or not matching its {need:,} bytes; the file is corrupt or truncated"
+            )
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise CheckpointError(f"{f}: tensors {a!r} and {b!r} overlap; the file is corrupt")
 
 
 class SafetensorsCheckpoint:
@@ -20,6 +88,8 @@ class SafetensorsCheckpoint:
         self.path = path
         files, listed = self._shards(path)
         self._handles = {}
+        for f in files:
+            check_file(f)
         for f in files:
             try:
                 self._handles[f] = safe_open(f, framework="pt", device="cpu")
