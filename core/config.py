@@ -7,6 +7,8 @@ happen there, once. Nothing in here imports torch, so listing and inspecting mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
+from typing import Literal
 
 
 # --- rotary position embeddings: one frozen spec per kind -------------------------------------
@@ -44,6 +46,25 @@ class Llama3Rope(DefaultRope):
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(frozen=True, kw_only=True)
+class YarnRope(DefaultRope):
+    """YaRN: frequencies ramp from extrapolated to interpolated between the beta bounds.
+
+    `attention_factor` multiplies cos and sin (so q.k by its square); it is derived once from
+    factor / mscale / mscale_all_dim when the config does not give it. mscale and mscale_all_dim
+    keep 0.0 for "not set", which transformers treats the same way.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float = 1.0
+    truncate: bool = True  # round the correction range outward to whole dims
+
+
 RopeSpec = DefaultRope  # every kind is a DefaultRope subclass
 
 
@@ -66,6 +87,41 @@ class GQASpec:
     def scale(self) -> float:
         return self.head_dim**-0.5
 
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """What one layer caches, in the order forward() takes it: full K and V per kv head."""
+        shape = (batch, self.num_kv_heads, seq, self.head_dim)  # (B, H_kv, S, D)
+        return {"k": shape, "v": shape}
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek V2/V3): K and V are decompressed per head from a
+    shared latent (kv_lora_rank) plus one roped key part (qk_rope_head_dim) per token."""
+
+    num_heads: int
+    q_lora_rank: int | None  # None: a plain q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scale: float  # the softmax scale, with YaRN's mscale correction already folded in
+    bias: bool = False  # on q_a_proj, kv_a_proj_with_mqa and o_proj
+    norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """The compressed cache: the normed latent and the roped key part, shared by all heads."""
+        return {
+            "latent": (batch, seq, self.kv_lora_rank),
+            "k_pe": (batch, seq, self.qk_rope_head_dim),
+        }
+
+
+AttentionSpec = GQASpec | MLASpec
+
 
 @dataclass(frozen=True)
 class DenseMLPSpec:
@@ -74,6 +130,37 @@ class DenseMLPSpec:
     intermediate_size: int
     bias: bool = False
     act: str = "silu"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed SwiGLU experts (+ optional always-on shared experts) on the listed layers.
+
+    Routing: scores = softmax | sigmoid(router logits, fp32); pick top_k experts by
+    - "greedy": the highest scores;
+    - "group_limited_greedy": only within the topk_groups groups with the highest max score;
+    - "noaux_tc": by score + e_score_correction_bias, within the topk_groups groups with the
+      highest sum of their top-2 biased scores; weights are the unbiased scores.
+    Then weights /= their sum if norm_topk_prob, and *= routed_scaling_factor.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    num_shared_experts: int  # shared MLP width = num_shared_experts * intermediate_size; 0: none
+    layers: tuple[int, ...]  # indices of the layers whose MLP is this MoE
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+    num_groups: int = 1
+    topk_groups: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    shared_bias: bool = False  # the shared experts' linear layers carry a bias
+    act: str = "silu"
+
+    @property
+    def shared(self) -> DenseMLPSpec:
+        return DenseMLPSpec(self.num_shared_experts * self.intermediate_size, self.shared_bias)
 
 
 # --- the whole model -------------------------------------------------------------------------
@@ -85,8 +172,8 @@ class RuntimeConfig:
     vocab_size: int
     hidden_size: int
     num_layers: int
-    attention: GQASpec
-    mlp: DenseMLPSpec
+    attention: AttentionSpec  # one kind for every layer
+    mlp: DenseMLPSpec  # every layer's MLP, except the MoE layers below
     rope: RopeSpec
     norm_eps: float
     max_position_embeddings: int
@@ -94,8 +181,18 @@ class RuntimeConfig:
     dtype: str  # the checkpoint's dtype: "float32" | "float16" | "bfloat16"
     bos_token_id: int | None = None  # None: the model has no BOS token
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoESpec | None = None  # None: a dense model
+    mtp_layers: int = 0  # checkpoint layers past num_layers (multi-token prediction): not loaded
+
+    def layer_mlp(self, i: int) -> DenseMLPSpec | MoESpec:
+        """The MLP kind of layer i."""
+        return self.moe if self.moe is not None and i in self.moe.layers else self.mlp
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes the static KV cache holds per token (all layers, K and V)."""
-        a = self.attention
-        return 2 * self.num_layers * a.num_kv_heads * a.head_dim * itemsize
+        """Bytes the static KV cache holds per token, all layers together.
+
+        GQA: 2 * layers * kv_heads * head_dim * itemsize; MLA: layers * (kv_lora_rank +
+        qk_rope_head_dim) * itemsize.
+        """
+        per_layer = sum(prod(s) for s in self.attention.cache_layout(1, 1).values())
+        return self.num_layers * per_layer * itemsize

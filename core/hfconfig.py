@@ -8,6 +8,7 @@ Unknown keys are ignored; invalid ones raise `ConfigError` naming the field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -21,8 +22,10 @@ from core.config import (
     GQASpec,
     LinearRope,
     Llama3Rope,
+    MoESpec,
     RopeSpec,
     RuntimeConfig,
+    YarnRope,
 )
 from core.errors import ConfigError
 
@@ -58,6 +61,24 @@ class _Llama3(_Params):
     original_max_position_embeddings: PositiveInt
 
 
+class _Yarn(_Params):
+    factor: PositiveFloat
+    original_max_position_embeddings: PositiveInt
+    beta_fast: float | None = None  # None (or 0): 32, as in transformers
+    beta_slow: float | None = None  # None (or 0): 1
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: PositiveFloat | None = None  # None: derived from factor and the mscales
+    truncate: bool = True
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `scale` times (DeepSeek's form)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _default(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
     return DefaultRope(theta=theta, dim=dim)
 
@@ -84,12 +105,42 @@ def _llama3(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
     return Llama3Rope(theta=theta, dim=dim, **q.model_dump())
 
 
+def _yarn(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+    p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
+    q = _Yarn(**p)
+    beta_fast, beta_slow = q.beta_fast or 32.0, q.beta_slow or 1.0
+    if beta_fast < beta_slow:
+        raise ConfigError(
+            f"rope_scaling: beta_fast ({beta_fast}) must not be below beta_slow ({beta_slow})"
+        )
+    mscale, mscale_all_dim = q.mscale or 0.0, q.mscale_all_dim or 0.0
+    attention_factor = q.attention_factor
+    if attention_factor is None:  # the same expressions as transformers' _compute_yarn_parameters
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(q.factor, mscale) / yarn_mscale(q.factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(q.factor)
+    return YarnRope(
+        theta=theta,
+        dim=dim,
+        factor=q.factor,
+        original_max_position_embeddings=q.original_max_position_embeddings,
+        beta_fast=float(beta_fast),
+        beta_slow=float(beta_slow),
+        mscale=float(mscale),
+        mscale_all_dim=float(mscale_all_dim),
+        attention_factor=float(attention_factor),
+        truncate=q.truncate,
+    )
+
+
 # rope kind -> builder(params, theta, rotary_dim, dto). Plugins extend this table for new kinds.
 ROPE_KINDS: dict[str, Callable[[dict, float, int, Any], RopeSpec]] = {
     "default": _default,
     "linear": _linear,
     "dynamic": _dynamic,
     "llama3": _llama3,
+    "yarn": _yarn,
 }
 
 
@@ -166,10 +217,15 @@ class DecoderConfig(BaseModel):
     def rope_dim(self) -> int:
         return self.resolved_head_dim()
 
-    def rope_spec(self) -> RopeSpec:
+    def rope_params(self) -> tuple[str, dict[str, Any]]:
+        """(rope kind, its parameters) from `rope_parameters` or `rope_scaling`, any key style."""
         params = dict(self.rope_parameters or self.rope_scaling or {})
+        rope_type, legacy = params.pop("rope_type", None), params.pop("type", None)
+        return rope_type or legacy or "default", params
+
+    def rope_spec(self) -> RopeSpec:
+        kind, params = self.rope_params()
         where = "rope_parameters" if self.rope_parameters else "rope_scaling"
-        kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
         theta = params.pop("rope_theta", None) or self.rope_theta or self.default_rope_theta
         if not isinstance(theta, int | float) or theta <= 0:
             raise ConfigError(
@@ -185,6 +241,14 @@ class DecoderConfig(BaseModel):
             return build(params, float(theta), self.rope_dim(), self)
         except _ValidationError as err:
             raise validation_error(err, f"config.json {where} ({kind})") from None
+
+    def moe_spec(self) -> MoESpec | None:
+        """The routed-experts MLP and the layers it replaces the dense MLP on; None: dense."""
+        return None
+
+    def mtp_layers(self) -> int:
+        """Extra checkpoint layers past num_hidden_layers that the model does not run."""
+        return 0
 
     def runtime_dtype(self) -> str:
         name = (self.dtype or self.torch_dtype or "float32").removeprefix("torch.")
@@ -214,4 +278,6 @@ class DecoderConfig(BaseModel):
             dtype=self.runtime_dtype(),
             bos_token_id=self.bos_token_id,
             eos_token_ids=self.eos_ids(),
+            moe=self.moe_spec(),
+            mtp_layers=self.mtp_layers(),
         )

@@ -1,4 +1,9 @@
-"""The static KV cache: allocated once, written in place, never reallocated."""
+"""The static KV cache: allocated once, written in place, never reallocated.
+
+What a layer caches per token is the attention kind's business: its spec's `cache_layout`
+names the tensors (GQA: `k`, `v`; MLA: `latent`, `k_pe`) and their per-layer shapes. The cache
+stacks each over the layers and hands a layer its slices in that order.
+"""
 
 import torch
 from torch import nn
@@ -7,7 +12,11 @@ from core.config import RuntimeConfig
 
 
 class StaticKVCache(nn.Module):
-    """k, v: (layers, max_batch_size, kv_heads, max_seq_len, head_dim) in the model dtype."""
+    """One buffer per cached tensor: (layers, *cache_layout shape) in the model dtype.
+
+    GQA: k, v (layers, max_batch_size, kv_heads, max_seq_len, head_dim);
+    MLA: latent (layers, max_batch_size, max_seq_len, kv_lora_rank), k_pe (..., qk_rope_head_dim).
+    """
 
     def __init__(
         self,
@@ -18,20 +27,22 @@ class StaticKVCache(nn.Module):
         device: torch.device | str,
     ):
         super().__init__()
-        a = cfg.attention
-        shape = (cfg.num_layers, max_batch_size, a.num_kv_heads, max_seq_len, a.head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        layout = cfg.attention.cache_layout(max_batch_size, max_seq_len)
+        self.names = tuple(layout)
+        for name, shape in layout.items():
+            buf = torch.zeros((cfg.num_layers, *shape), dtype=dtype, device=device)
+            self.register_buffer(name, buf, persistent=False)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(getattr(self, n).nbytes for n in self.names)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Layer i's cache tensors, in the order its attention's forward() takes them."""
+        return tuple(getattr(self, n)[i] for n in self.names)
 
     def reset(self) -> None:
-        self.k.zero_()
-        self.v.zero_()
+        for n in self.names:
+            getattr(self, n).zero_()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ def _listing(kind: str, items: list[str], limit: int = 8) -> str:
 
 
 def plan_load(
-    net: nn.Module, ckpt: Checkpoint, weight_map: WeightMap, ignore: set[str]
+    net: nn.Module, ckpt: Checkpoint, weight_map: WeightMap, ignore: Container[str]
 ) -> list[tuple[str, str, tuple]]:
     """Check the checkpoint against the model from metadata alone.
 
@@ -113,12 +113,21 @@ def load_weights(
     *,
     dtype: torch.dtype,
     device: torch.device,
-    ignore: set[str] = frozenset(),
+    ignore: Container[str] = frozenset(),
     progress: bool = False,
 ) -> None:
-    """Fill `net` (built on the meta device) from `ckpt`, converting on the fly."""
+    """Fill `net` (built on the meta device) from `ckpt`, converting on the fly.
+
+    `ignore` holds checkpoint names to skip (any container: a set, or a rule by name).
+    Parameters marked `keep_fp32` (e.g. a router's correction bias) stay in float32.
+    """
     plan = plan_load(net, ckpt, weight_map, ignore)
-    state = {n: torch.empty(p.shape, dtype=dtype, device=device) for n, p in net.named_parameters()}
+    state = {
+        n: torch.empty(
+            p.shape, dtype=torch.float32 if getattr(p, "keep_fp32", False) else dtype, device=device
+        )
+        for n, p in net.named_parameters()
+    }
     for name, target, index in _progress(plan, progress):
         state[target][index].copy_(ckpt.read(name))
     net.load_state_dict(state, strict=True, assign=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +162,30 @@ class Model:
                 break
         return results if batch else results[0]
 
-    @torch.inference_mode()
-    def stream(self, prompt: Prompt, **params: Any) -> Iterator[str]:
-        """Yield text pieces as they are generated; together they equal `generate(...).text`."""
-        loop = self._loop(*self._start([prompt], params))
-        for _, piece in loop:
-            yield piece
+    def stream(self, prompt: Prompt, **params: Any) -> TextStream:
+        """Text pieces as they are generated; together they equal `generate(...).text`.
+
+        The returned iterator's `.result` holds the `GenerationResult` once it is exhausted.
+        """
+        with torch.inference_mode():
+            return TextStream(self._loop(*self._start([prompt], params)))
+
+
+class TextStream(Iterator[str]):
+    """Iterates over text pieces of one generation; `.result` is set when it ends."""
+
+    def __init__(self, loop: Generator[tuple[int, str], None, list[GenerationResult]]):
+        self._loop = loop
+        self.result: GenerationResult | None = None
+
+    def __next__(self) -> str:
+        with torch.inference_mode():
+            try:
+                return next(self._loop)[1]
+            except StopIteration as done:
+                self.result = done.value[0]
+                raise
+
+    def close(self) -> None:
+        """Stop generating (e.g. on Ctrl-C); the KV cache needs no cleanup."""
+        self._loop.close()

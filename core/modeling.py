@@ -1,38 +1,74 @@
 """The generic decoder: blocks and a causal LM assembled from a `RuntimeConfig`.
 
 Parameter names follow the hub's Llama layout (`model.layers.N.self_attn.qkv_proj.weight`),
-so an architecture's weight map only lists where its checkpoint differs.
+so an architecture's weight map only lists where its checkpoint differs. Each layer's
+attention and MLP module is looked up by the kind of its spec.
 """
 
 import torch
 from torch import nn
 
-from core.config import RuntimeConfig
+from core.config import DenseMLPSpec, GQASpec, MLASpec, MoESpec, RuntimeConfig
 from core.kv_cache import StaticKVCache
-from core.layers import Embedding, GatedMLP, GQAAttention, LMHead, RMSNorm, RotaryEmbedding
+from core.layers import (
+    Embedding,
+    GatedMLP,
+    GQAAttention,
+    LMHead,
+    MLAAttention,
+    MoE,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+# spec kind -> module built from (hidden_size, spec[, rope_interleaved])
+ATTENTION_KINDS: dict[type, type[nn.Module]] = {GQASpec: GQAAttention, MLASpec: MLAAttention}
+MLP_KINDS: dict[type, type[nn.Module]] = {DenseMLPSpec: GatedMLP, MoESpec: MoE}
 
 
 class DecoderBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
 
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.norm_eps)
-        self.self_attn = GQAAttention(h, cfg.attention, cfg.rope.interleaved)
+        attention = ATTENTION_KINDS[type(cfg.attention)]
+        self.self_attn = attention(h, cfg.attention, cfg.rope.interleaved)
         self.post_attention_layernorm = RMSNorm(h, cfg.norm_eps)
-        self.mlp = GatedMLP(h, cfg.mlp)
+        mlp = cfg.layer_mlp(index)
+        self.mlp = MLP_KINDS[type(mlp)](h, mlp)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start_pos: int) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start_pos)
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos: int):
+        """`cache`: this layer's cache tensors, as its attention kind lays them out."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class IgnoredNames:
+    """Checkpoint names expected but not loaded: exact names, and whole layers by index
+    (multi-token-prediction layers stored past the last decoder layer)."""
+
+    def __init__(self, names: set[str], layers: range = range(0)):
+        self.names, self.layers = names, layers
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.names:
+            return True
+        parts = str(name).split(".")
+        return (
+            parts[:2] == ["model", "layers"]
+            and len(parts) > 2
+            and parts[2].isdigit()
+            and int(parts[2]) in self.layers
+        )
 
 
 class Decoder(nn.Module):
     def __init__(self, cfg: RuntimeConfig):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
@@ -48,9 +84,11 @@ class CausalLM(nn.Module):
         self.kv_cache: StaticKVCache | None = None
         self.rotary: RotaryEmbedding | None = None
 
-    def ignored_checkpoint_names(self) -> set[str]:
-        """Checkpoint tensors that are expected but not loaded: a tied head's copy."""
-        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+    def ignored_checkpoint_names(self) -> IgnoredNames:
+        """Checkpoint tensors that are expected but not loaded: a tied head's copy, MTP layers."""
+        cfg = self.config
+        names = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        return IgnoredNames(names, range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers))
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate the KV cache and the rope table on the weights' device and dtype."""
@@ -63,5 +101,5 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(start_pos, input_ids.shape[1])
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, *self.kv_cache.layer(i), start_pos)
+            x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos)
         return self.lm_head(self.model.norm(x))

@@ -13,7 +13,7 @@ import importlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,12 @@ from core.errors import CheckpointError, ConfigError, PluginError
 log = logging.getLogger("zoo")
 
 ENTRY_POINT_GROUP = "zoo.plugins"
-BUILTIN_PLUGINS = ("plugins.llama3", "plugins.safetensors")
+BUILTIN_PLUGINS = (
+    "plugins.llama3",
+    "plugins.qwen2",
+    "plugins.deepseek",
+    "plugins.safetensors",
+)
 
 # checkpoint module path (integers as "{}") -> core module path, or (core path, shard name),
 # or None to skip the tensor. Anything not listed maps to itself.
@@ -101,13 +106,20 @@ class Registry:
         )
 
 
-def _register(pm: pluggy.PluginManager, load: Callable[[], Any], name: str) -> None:
+# plugin name -> (distribution, version) it came from, for `zoo plugins`
+_SOURCES: dict[str, tuple[str, str]] = {}
+
+
+def _register(
+    pm: pluggy.PluginManager, load: Callable[[], Any], name: str, dist: str, version: str
+) -> None:
     """The one path every plugin takes, built in or from an entry point."""
     try:
         plugin = load()
     except Exception as err:  # a broken third-party package must not take Zoo down
         log.warning("zoo: skipping plugin %s: failed to import: %s", name, err)
         return
+    _SOURCES[name] = (dist, version)
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as err:
@@ -128,10 +140,10 @@ def plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager("zoo")
     pm.add_hookspecs(hookspecs)
     for mod in BUILTIN_PLUGINS:
-        _register(pm, functools.partial(importlib.import_module, mod), mod)
+        _register(pm, functools.partial(importlib.import_module, mod), mod, "zoo", _own_version())
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist.name if ep.dist else "?"
-        _register(pm, ep.load, f"{dist}:{ep.name}")
+        dist, version = (ep.dist.name, ep.dist.version) if ep.dist else ("?", "?")
+        _register(pm, ep.load, f"{dist}:{ep.name}", dist, version)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as err:
@@ -147,3 +159,25 @@ def registry() -> Registry:
     _call(pm, "zoo_register_formats", reg)
     _call(pm, "zoo_register_architectures", reg)
     return reg
+
+
+def _own_version() -> str:
+    try:
+        return version("zoo")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "source"
+
+
+def describe_plugins() -> list[dict[str, Any]]:
+    """Each loaded plugin: name, distribution, version, and what it registered."""
+    pm, reg = plugin_manager(), registry()
+    rows = []
+    for name, _ in pm.list_name_plugin():
+        dist, ver = _SOURCES.get(name, ("?", "?"))
+        registers: dict[str, list[str]] = {}
+        for kind, table in (("architectures", reg.architectures), ("formats", reg.formats)):
+            names = sorted(k for k, v in table.items() if v.plugin == name)
+            if names:
+                registers[kind] = names
+        rows.append({"name": name, "distribution": dist, "version": ver, "registers": registers})
+    return rows

@@ -3,7 +3,9 @@
 from core.layers.attention import GQAAttention
 from core.layers.embedding import Embedding, LMHead
 from core.layers.linear import FusedLinear
+from core.layers.mla import MLAAttention
 from core.layers.mlp import GatedMLP
+from core.layers.moe import MoE
 from core.layers.norm import RMSNorm
 from core.layers.rope import RotaryEmbedding
 
@@ -13,6 +15,8 @@ __all__ = [
     "GQAAttention",
     "GatedMLP",
     "LMHead",
+    "MLAAttention",
+    "MoE",
     "RMSNorm",
     "RotaryEmbedding",
 ]

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from core.config import DefaultRope, DynamicRope, LinearRope, Llama3Rope, RopeSpec
+from core.config import DefaultRope, DynamicRope, LinearRope, Llama3Rope, RopeSpec, YarnRope
 
 
 def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
@@ -33,6 +33,8 @@ def inv_freq(spec: RopeSpec, seq_len: int | None = None) -> torch.Tensor:
         return _base_inv_freq(theta, d)
     if isinstance(spec, Llama3Rope):
         return _llama3_inv_freq(spec)
+    if isinstance(spec, YarnRope):
+        return _yarn_inv_freq(spec)
     if type(spec) is DefaultRope:
         return _base_inv_freq(spec.theta, spec.dim)
     raise TypeError(f"no inverse frequencies for rope spec {type(spec).__name__}")
@@ -51,6 +53,32 @@ def _llama3_inv_freq(spec: Llama3Rope) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(spec: YarnRope) -> torch.Tensor:
+    """transformers' `_compute_yarn_parameters`, expression for expression (bit-identical)."""
+    dim, base, old = spec.dim, spec.theta, spec.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times in `old`
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (spec.factor * pos_freqs)
+    keep = 1 - ramp  # 1: high frequencies kept as they are; 0: low ones divided by factor
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def attention_factor(spec: RopeSpec) -> float:
+    """The factor cos and sin are multiplied by (YaRN's temperature); 1 for the other kinds."""
+    return spec.attention_factor if isinstance(spec, YarnRope) else 1.0
+
+
 def cos_sin(inv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (len(positions), dim/2) tables of cos and sin of position * inv_freq."""
     freqs = positions.float()[:, None] * inv[None, :]
@@ -64,6 +92,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.spec = spec
         cos, sin = cos_sin(inv_freq(spec), torch.arange(max_seq_len))
+        if attention_factor(spec) != 1.0:  # fp32 product, as transformers scales its table
+            cos, sin = cos * attention_factor(spec), sin * attention_factor(spec)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
 

@@ -1,0 +1,113 @@
+"""Mixture of experts: a router, stacked routed experts, and optional shared experts.
+
+Checkpoints store each expert separately (`mlp.experts.7.gate_proj.weight`); the core keeps them
+stacked, `experts.gate_up_proj.weight` (E, 2I, H) and `experts.down_proj.weight` (E, H, I), with
+one named shard per expert slice ("7.gate", "7.up", "7") for the loader to fill.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from core.config import MoESpec
+from core.layers.mlp import GatedMLP
+
+
+def route(
+    logits: torch.Tensor, spec: MoESpec, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (N, E) fp32 -> (topk_ids (N, K), topk_weights (N, K) fp32).
+
+    See `MoESpec` for the methods; `correction_bias` (E,) is noaux_tc's e_score_correction_bias.
+    """
+    scores = logits.softmax(-1) if spec.scoring == "softmax" else logits.sigmoid()
+    n, e, g = scores.shape[0], spec.num_experts, spec.num_groups
+    if spec.topk_method == "greedy":
+        weights, ids = scores.topk(spec.top_k, dim=-1, sorted=False)
+    else:
+        choice = scores if correction_bias is None else scores + correction_bias
+        grouped = choice.view(n, g, e // g)  # (N, groups, experts per group)
+        if spec.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:  # group_limited_greedy
+            group_scores = grouped.max(dim=-1).values
+        keep = group_scores.topk(spec.topk_groups, dim=-1, sorted=False)[1]  # (N, topk_groups)
+        mask = torch.zeros_like(group_scores).scatter_(1, keep, 1).bool()
+        mask = mask[:, :, None].expand(n, g, e // g).reshape(n, e)
+        # noaux_tc masks with -inf (transformers, vLLM), since biased scores may be negative
+        fill = float("-inf") if spec.topk_method == "noaux_tc" else 0.0
+        ids = choice.masked_fill(~mask, fill).topk(spec.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)  # the unbiased scores
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * spec.routed_scaling_factor
+
+
+class Router(nn.Module):
+    """The gate: logits = x @ W.T in fp32, then `route`. noaux_tc adds a correction bias."""
+
+    def __init__(self, hidden: int, spec: MoESpec):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
+        if spec.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts))
+            self.e_score_correction_bias.keep_fp32 = True  # small differences decide routing
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        bias = getattr(self, "e_score_correction_bias", None)
+        return route(logits, self.spec, None if bias is None else bias.float())
+
+
+class StackedLinear(nn.Module):
+    """E linear maps in one (E, out, in) weight. Shard "e" is expert e's whole matrix; with
+    named parts (gate, up), shard "e.gate" is its rows of that part."""
+
+    def __init__(self, num: int, in_features: int, out: int | dict[str, int]):
+        super().__init__()
+        parts = out if isinstance(out, dict) else None
+        rows = sum(parts.values()) if parts else out
+        self.weight = nn.Parameter(torch.empty(num, rows, in_features))
+        shards = {}
+        for e in range(num):
+            if parts is None:
+                shards[str(e)] = (e,)
+                continue
+            offset = 0
+            for name, size in parts.items():
+                shards[f"{e}.{name}"] = (e, slice(offset, offset + size))
+                offset += size
+        self.weight.shards = shards
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, spec: MoESpec):
+        super().__init__()
+        i = spec.intermediate_size
+        self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i})
+        self.down_proj = StackedLinear(spec.num_experts, i, hidden)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return kernels.moe_experts(x, ids, weights, self.gate_up_proj.weight, self.down_proj.weight)
+
+
+class MoE(nn.Module):
+    """out = sum_k w_k * expert_k(x) + shared_experts(x)."""
+
+    def __init__(self, hidden: int, spec: MoESpec):
+        super().__init__()
+        self.gate = Router(hidden, spec)
+        self.experts = Experts(hidden, spec)
+        if spec.num_shared_experts:
+            self.shared_experts = GatedMLP(hidden, spec.shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, hidden)
+        ids, weights = self.gate(flat)
+        out = self.experts(flat, ids, weights).view(shape)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,62 @@
+"""The parity checks every architecture passes against its transformers reference (fp32).
+
+Each takes a loaded Zoo model and the transformers model the checkpoint was saved from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOL = 1e-4  # max |error| / max |reference logit|, fp32
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def ids(vocab: int, b: int, t: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(4, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def check_prefill(m, ref, x: torch.Tensor) -> None:
+    m.reset()
+    assert rel_err(m.forward(x), ref(x).logits) < TOL
+
+
+@torch.no_grad()
+def check_decode(m, ref, x: torch.Tensor, prefill: int) -> None:
+    """Prefill `prefill` tokens, then one token at a time against the full-sequence logits."""
+    m.reset()
+    want = ref(x).logits
+    got = [m.forward(x[:, :prefill], 0)]
+    for t in range(prefill, x.shape[1]):
+        got.append(m.forward(x[:, t : t + 1], t))
+    assert rel_err(torch.cat(got, dim=1), want) < TOL
+
+
+@torch.no_grad()
+def check_greedy(m, ref, prompt: torch.Tensor, n: int = 12) -> None:
+    t = prompt.shape[1]
+    want = ref.generate(
+        prompt, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    m.reset()
+    m.eos_token_ids = set()  # transformers was told not to stop; ours must not either
+    got = m.generate(prompt[0].tolist(), max_new_tokens=n)
+    assert got.token_ids == want[0, t:].tolist()
+    assert len(got.token_ids) == n
+
+
+@torch.no_grad()
+def check_batch_of_two(m, x: torch.Tensor) -> None:
+    """Rows of a batch equal each row alone, in prefill and in a decode step."""
+    m.reset()
+    both = m.forward(x)
+    for row in range(2):
+        m.reset()
+        assert rel_err(both[row : row + 1], m.forward(x[row : row + 1])) < 1e-5
+    m.reset()
+    m.forward(x[:, :-1])
+    t = x.shape[1] - 1
+    assert rel_err(m.forward(x[:, t:], t), both[:, t:]) < TOL
