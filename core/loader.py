@@ -29,9 +29,11 @@ def map_name(name: str, weight_map: WeightMap) -> tuple[str, str | None] | None:
     """
     module, _, leaf = name.rpartition(".")
     parts = module.split(".")
-    ints = [p for p in parts if p.isdigit()]
-    key = ".".join("{}" if p.isdigit() else p for p in parts)
-    target = weight_map.get(key, key)
+    ints = [p for p in parts if _is_index(p)]
+    key = ".".join("{}" if _is_index(p) else p for p in parts)
+    if key not in weight_map:
+        return name, None  # identity: core parameters carry the hub's names
+    target = weight_map[key]
     if target is None:
         return None
     shard = None
@@ -42,6 +44,10 @@ def map_name(name: str, weight_map: WeightMap) -> tuple[str, str | None] | None:
     if shard is not None:
         shard = shard.format(*ints[n:])
     return (f"{target}.{leaf}" if target else leaf), shard
+
+
+def _is_index(part: str) -> bool:
+    return part.isascii() and part.isdigit()
 
 
 def _listing(kind: str, items: list[str], limit: int = 8) -> str:

@@ -59,6 +59,7 @@ class IgnoredNames:
         return (
             parts[:2] == ["model", "layers"]
             and len(parts) > 2
+            and parts[2].isascii()
             and parts[2].isdigit()
             and int(parts[2]) in self.layers
         )
