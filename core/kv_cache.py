@@ -46,3 +46,20 @@ class StaticKVCache(nn.Module):
     def reset(self) -> None:
         for n in self.names:
             getattr(self, n).zero_()
+
+
+def cache_write(
+    cache: torch.Tensor, new: torch.Tensor, start_pos: int | torch.Tensor, end: int, seq_dim: int
+) -> torch.Tensor:
+    """Write `new` (B, ..., T, ...) into cache rows [:B] at positions start_pos.. along
+    `seq_dim` (an int, or a (B,) tensor of per-row positions); return cache[:B] up to `end`,
+    the slice attention reads (end >= every row's start_pos + T)."""
+    b, t = new.shape[0], new.shape[seq_dim]
+    rows = cache[:b]
+    if isinstance(start_pos, int):
+        rows.narrow(seq_dim, start_pos, t).copy_(new)
+    else:
+        pos = start_pos[:, None] + torch.arange(t, device=new.device)  # (B, T)
+        index = torch.arange(b, device=new.device)[:, None]
+        rows.movedim(seq_dim, 1)[index, pos] = new.movedim(seq_dim, 1)
+    return rows.narrow(seq_dim, 0, end)

@@ -39,9 +39,10 @@ class DecoderBlock(nn.Module):
         mlp = cfg.layer_mlp(index)
         self.mlp = MLP_KINDS[type(mlp)](h, mlp)
 
-    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos: int):
-        """`cache`: this layer's cache tensors, as its attention kind lays them out."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos)
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos, end: int):
+        """`cache`: this layer's cache tensors, as its attention kind lays them out;
+        `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -97,10 +98,19 @@ class CausalLM(nn.Module):
         self.kv_cache = StaticKVCache(self.config, max_batch_size, max_seq_len, w.dtype, w.device)
         self.rotary = RotaryEmbedding(self.config.rope, max_seq_len, w.device)
 
-    def forward(self, input_ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """input_ids (B, T) at positions start_pos.. -> logits (B, T, vocab); fills the cache."""
+    def forward(self, input_ids: torch.Tensor, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+        """input_ids (B, T) at positions start_pos.. -> logits (B, T, vocab); fills the cache.
+
+        start_pos: one int for the batch, or a (B,) tensor of per-row positions (rows of
+        unequal length decoding together)."""
+        t = input_ids.shape[1]
+        if isinstance(start_pos, torch.Tensor):
+            start_pos = start_pos.to(input_ids.device)
+            end = int(start_pos.max()) + t  # the one host sync of a step
+        else:
+            end = start_pos + t
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(start_pos, input_ids.shape[1])
+        cos, sin = self.rotary(start_pos, t, end)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos)
+            x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos, end)
         return self.lm_head(self.model.norm(x))

@@ -5,6 +5,7 @@ from torch import nn
 
 import kernels
 from core.config import GQASpec
+from core.kv_cache import cache_write
 from core.layers.linear import FusedLinear
 
 
@@ -26,7 +27,8 @@ class GQAAttention(nn.Module):
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # (B_max, H_kv, S_max, D), written in place
         v_cache: torch.Tensor,
-        start_pos: int,
+        start_pos: int | torch.Tensor,  # an int, or (B,) per-row positions
+        end: int,  # max(start_pos) + T: how much of the cache attention reads
     ) -> torch.Tensor:
         b, t, _ = x.shape
         s = self.spec
@@ -35,8 +37,7 @@ class GQAAttention(nn.Module):
         k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
-        end = start_pos + t
-        k_cache[:b, :, start_pos:end] = k
-        v_cache[:b, :, start_pos:end] = v
-        o = kernels.attention(q, k_cache[:b, :, :end], v_cache[:b, :, :end], start_pos, s.scale)
+        keys = cache_write(k_cache, k, start_pos, end, seq_dim=2)
+        values = cache_write(v_cache, v, start_pos, end, seq_dim=2)
+        o = kernels.attention(q, keys, values, start_pos, s.scale)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.num_heads * s.head_dim))

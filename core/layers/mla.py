@@ -15,6 +15,7 @@ from torch import nn
 
 import kernels
 from core.config import MLASpec
+from core.kv_cache import cache_write
 from core.layers.norm import RMSNorm
 
 
@@ -53,7 +54,8 @@ class MLAAttention(nn.Module):
         sin: torch.Tensor,
         latent_cache: torch.Tensor,  # (B_max, S_max, R), written in place
         k_pe_cache: torch.Tensor,  # (B_max, S_max, D_rope), written in place
-        start_pos: int,
+        start_pos: int | torch.Tensor,  # an int, or (B,) per-row positions
+        end: int,  # max(start_pos) + T: how much of the cache attention reads
     ) -> torch.Tensor:
         b, t, _ = x.shape
         s = self.spec
@@ -62,13 +64,10 @@ class MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split((s.kv_lora_rank, s.qk_rope_head_dim), -1)
         latent = self.kv_a_layernorm(latent)  # (B, T, R)
         q_pe, k_pe = kernels.apply_rope(q_pe, k_pe[:, None], cos, sin, self.interleaved)
-        end = start_pos + t
-        latent_cache[:b, start_pos:end] = latent
-        k_pe_cache[:b, start_pos:end] = k_pe[:, 0]
+        latents = cache_write(latent_cache, latent, start_pos, end, seq_dim=1)
+        k_pes = cache_write(k_pe_cache, k_pe[:, 0], start_pos, end, seq_dim=1)
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)  # (B, H, T, R)
-        o_lat = kernels.mla_attention(
-            q_lat, q_pe, latent_cache[:b, :end], k_pe_cache[:b, :end], start_pos, s.scale
-        )
+        o_lat = kernels.mla_attention(q_lat, q_pe, latents, k_pes, start_pos, s.scale)
         o = torch.einsum("bhtr,hvr->bthv", o_lat, w_uv)  # (B, T, H, D_v)
         return self.o_proj(o.reshape(b, t, s.num_heads * s.v_head_dim))

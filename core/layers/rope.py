@@ -97,13 +97,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
 
-    def forward(self, start_pos: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (1, length, dim/2) for positions start_pos .. start_pos+length-1."""
-        end = start_pos + length
+    def forward(
+        self, start_pos: int | torch.Tensor, length: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions start_pos .. start_pos+length-1: (1, length, dim/2) for an int
+        start_pos, (B, length, dim/2) for per-row (B,) positions. `end` is the largest position
+        + 1 in the batch."""
         spec = self.spec
+        per_row = isinstance(start_pos, torch.Tensor)
         if isinstance(spec, DynamicRope) and end > spec.max_position_embeddings:
-            # Dynamic NTK: frequencies depend on the current length, as in transformers.
-            pos = torch.arange(start_pos, end)
-            cos, sin = cos_sin(inv_freq(spec, end), pos)
-            return cos.to(self.cos.device)[None], sin.to(self.sin.device)[None]
-        return self.cos[None, start_pos:end], self.sin[None, start_pos:end]
+            # Dynamic NTK: frequencies depend on the current length (the batch's longest, as in
+            # transformers), so the table does not apply.
+            pos = (start_pos.cpu()[:, None] if per_row else start_pos) + torch.arange(length)
+            cos, sin = cos_sin(inv_freq(spec, end), pos.flatten())
+            shape = (-1, length, cos.shape[-1])
+            return cos.to(self.cos.device).view(shape), sin.to(self.sin.device).view(shape)
+        if per_row:
+            pos = start_pos[:, None] + torch.arange(length, device=start_pos.device)
+            return self.cos[pos], self.sin[pos]
+        stop = start_pos + length
+        return self.cos[None, start_pos:stop], self.sin[None, start_pos:stop]

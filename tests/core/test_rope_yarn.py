@@ -72,7 +72,7 @@ def test_cos_sin_table_carries_the_attention_factor():
     raw = dict(BASE, rope_scaling={"type": "yarn", **CASES["mscale ratio"]})
     spec = LlamaConfig.from_dict(raw).to_runtime().rope
     table = RotaryEmbedding(spec, 32, "cpu")
-    cos, sin = table(0, 32)
+    cos, sin = table(0, 32, 32)
     freqs = torch.arange(32).float()[:, None] * inv_freq(spec)[None]
     assert attention_factor(spec) != 1.0
     assert torch.equal(cos[0], freqs.cos() * attention_factor(spec))

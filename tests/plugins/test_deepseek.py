@@ -15,7 +15,15 @@ import re
 import pytest
 import torch
 from conftest import hub_style, randomize
-from parity import check_batch_of_two, check_decode, check_greedy, check_prefill, ids, rel_err
+from parity import (
+    check_batch_of_two,
+    check_decode,
+    check_greedy,
+    check_prefill,
+    check_ragged_batch,
+    ids,
+    rel_err,
+)
 from safetensors.torch import load_file, save_file
 
 from core import CheckpointError, ConfigError, load_model
@@ -199,6 +207,11 @@ def test_greedy_tokens_identical(deepseek):
 def test_batch_of_two_equals_each_alone(deepseek):
     m, _ = deepseek
     check_batch_of_two(m, ids(VOCAB, 2, 13))
+
+
+def test_ragged_batch_at_per_row_positions(deepseek):
+    m, ref = deepseek
+    check_ragged_batch(m, ref, VOCAB)
 
 
 def test_cache_holds_the_latent_not_full_kv(deepseek):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import LLAMA31, LLAMA32
+from parity import check_ragged_batch
 
 from core import load_model
 
@@ -112,6 +113,12 @@ def test_batch_of_two_equals_each_alone(checkpoint):
     m.forward(x[:, :12])
     step = m.forward(x[:, 12:13], 12)
     assert rel_err(step, both[:, 12:13]) < 1e-4
+
+
+@pytest.mark.parametrize("spec", [LLAMA32, LLAMA31], ids=["tied", "untied"])
+def test_ragged_batch_at_per_row_positions(checkpoint, spec):
+    root, ref = checkpoint(spec)
+    check_ragged_batch(load_model(root, max_batch_size=2), ref, VOCAB)
 
 
 def test_bf16_close_to_fp32_reference(checkpoint):

@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 from conftest import make_checkpoint
-from parity import check_batch_of_two, check_decode, check_greedy, check_prefill, ids, rel_err
+from parity import (
+    check_batch_of_two,
+    check_decode,
+    check_greedy,
+    check_prefill,
+    check_ragged_batch,
+    ids,
+    rel_err,
+)
 
 from core import ConfigError, load_model
 from core.config import YarnRope
@@ -78,6 +86,11 @@ def test_greedy_tokens_identical(qwen):
 def test_batch_of_two_equals_each_alone(qwen):
     m, _ = qwen
     check_batch_of_two(m, ids(VOCAB, 2, 13))
+
+
+def test_ragged_batch_at_per_row_positions(qwen):
+    m, ref = qwen
+    check_ragged_batch(m, ref, VOCAB)
 
 
 def test_biases_are_loaded_and_matter(qwen):
