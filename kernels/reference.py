@@ -17,6 +17,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def rms_norm_residual(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h), h) with h = x + residual in x's dtype: the pre-norm block's residual add
+    fused with the next norm. Returns (normed, new_residual)."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,19 +57,31 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
-) -> torch.Tensor:
-    """Causal GQA attention of q (B, Hq, T, D) over the cache k, v (B, Hkv, start_pos+T, D).
+def _visible(start_pos: int | torch.Tensor, t: int, s: int, device) -> torch.Tensor | None:
+    """Causal mask: query t at position start_pos + t sees cache positions <= its own.
 
-    Query t sits at position start_pos + t and sees cached positions <= its own.
+    (T, S) for an int start_pos, (B, 1, T, S) for a per-row (B,) tensor; None for one token at
+    an int start_pos, which sees the whole cache slice it is given.
+    """
+    if isinstance(start_pos, torch.Tensor):
+        pos_q = start_pos.to(device).view(-1, 1, 1, 1) + torch.arange(t, device=device)[:, None]
+        return torch.arange(s, device=device) <= pos_q
+    if t == 1:
+        return None
+    pos_q = torch.arange(start_pos, start_pos + t, device=device)[:, None]
+    return torch.arange(s, device=device)[None, :] <= pos_q
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of q (B, Hq, T, D) over the cache k, v (B, Hkv, S, D).
+
+    Query t of row b sits at position start_pos + t (start_pos an int, or a (B,) tensor of
+    per-row positions) and sees cached positions <= its own; S >= max(start_pos) + T.
     Returns (B, Hq, T, Dv).
     """
-    t, s = q.shape[2], k.shape[2]
-    mask = None
-    if t > 1:
-        pos_q = torch.arange(start_pos, start_pos + t, device=q.device)[:, None]
-        mask = torch.arange(s, device=q.device)[None, :] <= pos_q  # (T, S)
+    mask = _visible(start_pos, q.shape[2], k.shape[2], q.device)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -71,23 +92,22 @@ def mla_attention(
     q_pe: torch.Tensor,
     latent: torch.Tensor,
     k_pe: torch.Tensor,
-    start_pos: int,
+    start_pos: int | torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Multi-head latent attention over the compressed cache, with kv_b_proj absorbed.
 
     q_lat (B, H, T, R): the no-rope query already multiplied into the latent space (q_nope @ W_uk);
     q_pe (B, H, T, Dr): the roped query part; latent (B, S, R) and k_pe (B, S, Dr): the cache,
-    shared by all heads, S = start_pos + T. Returns (B, H, T, R): softmax(scores) @ latent,
-    which the caller maps to values with W_uv.
+    shared by all heads, S >= max(start_pos) + T (start_pos: an int or per-row (B,) tensor).
+    Returns (B, H, T, R): softmax(scores) @ latent, which the caller maps to values with W_uv.
     """
     t, s = q_lat.shape[2], latent.shape[1]
     scores = torch.einsum("bhtr,bsr->bhts", q_lat.float(), latent.float())
     scores = scores + torch.einsum("bhtd,bsd->bhts", q_pe.float(), k_pe.float())
     scores = scores * scale
-    if t > 1:
-        pos_q = torch.arange(start_pos, start_pos + t, device=q_lat.device)[:, None]
-        visible = torch.arange(s, device=q_lat.device)[None, :] <= pos_q
+    visible = _visible(start_pos, t, s, q_lat.device)
+    if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bhts,bsr->bhtr", probs, latent.float()).to(q_lat.dtype)
