@@ -1,7 +1,30 @@
-"""Shared kernel ops. Core layers call `kernels.<op>()` only; the dispatch here picks the
-implementation. Today every op runs its torch reference (`kernels.reference`); Triton
-launchers plug in per op behind `ZOO_KERNELS=triton|torch`."""
+"""Shared kernel ops. Core layers call `kernels.<op>()` only.
 
-from kernels.reference import apply_rope, attention, mla_attention, moe_experts, rms_norm, swiglu
+Each op dispatches (kernels/dispatch.py) to its Triton launcher on CUDA, or to its torch
+reference (kernels/reference.py) elsewhere; `ZOO_KERNELS=auto|triton|torch` overrides.
+Triton launchers live one op per file: rmsnorm.py, rope.py, silu_mul.py, decode_attention.py,
+prefill_attention.py, moe.py. (No file is named after an op: importing a submodule `kernels.x`
+would overwrite the op function `kernels.x` that the layers call.)
+"""
 
-__all__ = ["apply_rope", "attention", "mla_attention", "moe_experts", "rms_norm", "swiglu"]
+from kernels.dispatch import (
+    KernelError,
+    apply_rope,
+    attention,
+    mla_attention,
+    moe_experts,
+    rms_norm,
+    rms_norm_residual,
+    swiglu,
+)
+
+__all__ = [
+    "KernelError",
+    "apply_rope",
+    "attention",
+    "mla_attention",
+    "moe_experts",
+    "rms_norm",
+    "rms_norm_residual",
+    "swiglu",
+]

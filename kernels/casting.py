@@ -1,0 +1,38 @@
+"""Casts shared by the Triton kernels, made to round the same on a GPU and in the interpreter.
+
+The CPU interpreter (TRITON_INTERPRET=1) stores bf16 as uint16 in numpy: it truncates fp32 to
+bf16 instead of rounding to nearest even, and `tl.dot` on bf16 operands returns garbage. Under
+the interpreter these helpers emulate the GPU (bit-level RTNE, fp32 dot operands, which give the
+same products as a bf16 MMA with fp32 accumulation); compiled for a GPU they are plain casts.
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.dispatch import interpreting
+
+INTERPRETED = interpreting()
+_EMULATE = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def round_to(x, dt: tl.constexpr):
+    """fp32 x -> dtype dt, rounding to nearest even."""
+    if _EMULATE and dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def mma(a, b):
+    """a @ b accumulated in fp32: tensor cores for 16-bit operands; for fp32 operands exact
+    fp32 products ("ieee"), not tl.dot's TF32 default, which would break fp32 parity."""
+    if _EMULATE:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)

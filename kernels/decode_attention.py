@@ -1,0 +1,374 @@
+"""Decode attention (one new token per row) over the static cache: split-K flash-decoding.
+
+Stage 1: program (b, kv-head x query-head block, split) scores the query heads that share one kv
+head against its slice of the cache, so K/V are read once per group (GQA: any Hq/Hkv ratio);
+the query heads sit in the M dim of a tensor-core tile (padded to 16). It writes an unnormalised
+partial output and its log-sum-exp. Stage 2 merges the splits. Splits let a single sequence fill
+the GPU; per-row lengths (`seq_lens`) leave a row's tail of the cache unread.
+
+MLA is the same kernel with one kv "head" (the latent cache, read once as both K and V) and an
+extra rope score term (q_pe . k_pe).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.casting import mma, round_to
+from kernels.dispatch import interpreting, require
+
+INTERPRETED = interpreting()
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,  # (B, Hq, D) view
+    QPE,  # (B, Hq, DPE), when HAS_PE
+    K,  # (B, Hkv, S, D)
+    KPE,  # (B, S, DPE), when HAS_PE
+    V,  # (B, Hkv, S, DV); ignored when V_IS_K
+    LENS,  # (B,) int32, when HAS_LENS
+    O_PART,  # (B, Hq, NS, DV) fp32; with DIRECT (one split) the output (B, Hq, DV) itself
+    LSE_PART,  # (B, Hq, NS) fp32, log2 domain; unused with DIRECT
+    sq_b,
+    sq_h,
+    sqp_b,
+    sqp_h,
+    sk_b,
+    sk_h,
+    sk_s,
+    skp_b,
+    skp_s,
+    sv_b,
+    sv_h,
+    sv_s,
+    so_b,
+    so_h,
+    so_s,
+    sl_b,
+    sl_h,
+    group,  # query heads per kv head
+    n_gblocks,  # cdiv(group, BLOCK_G)
+    seq_len,
+    split_len,
+    qk_scale,  # softmax scale * log2(e)
+    D,
+    DPE,
+    DV,
+    HAS_PE: tl.constexpr,
+    HAS_LENS: tl.constexpr,
+    V_IS_K: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1) // n_gblocks
+    g = (tl.program_id(1) % n_gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    split = tl.program_id(2)
+    g_mask = g < group
+    heads = kvh * group + g  # (BLOCK_G,) query heads
+    length = seq_len
+    if HAS_LENS:
+        length = tl.load(LENS + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
+        mask=g_mask[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    )
+    if HAS_PE:
+        offs_p = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(
+            QPE + b * sqp_b + heads[:, None] * sqp_h + offs_p[None, :],
+            mask=g_mask[:, None] & (offs_p < DPE)[None, :],
+            other=0.0,
+        )
+    k_base = K + b * sk_b + kvh * sk_h
+    v_base = V + b * sv_b + kvh * sv_h
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k = tl.load(
+            k_base + offs_n[:, None] * sk_s + offs_d[None, :],
+            mask=n_mask[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
+        scores = mma(q, tl.trans(k))  # (BLOCK_G, BLOCK_N) fp32
+        if HAS_PE:
+            kpe = tl.load(
+                KPE + b * skp_b + offs_n[:, None] * skp_s + offs_p[None, :],
+                mask=n_mask[:, None] & (offs_p < DPE)[None, :],
+                other=0.0,
+            )
+            scores += mma(qpe, tl.trans(kpe))
+        scores = tl.where(n_mask[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(
+                v_base + offs_n[:, None] * sv_s + offs_dv[None, :],
+                mask=n_mask[:, None] & (offs_dv < DV)[None, :],
+                other=0.0,
+            )
+        p = round_to(p, V.dtype.element_ty)  # P in V's dtype, as flash kernels do
+        acc = acc * alpha[:, None] + mma(p, v)
+        m_i = m_new
+
+    # an empty split (past this row's length) leaves l_i = 0: write 0 and lse = -inf
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptr = O_PART + b * so_b + heads[:, None] * so_h + split * so_s + offs_dv[None, :]
+    out = round_to(out, O_PART.dtype.element_ty)  # fp32 partials, or the final dtype
+    tl.store(o_ptr, out, mask=g_mask[:, None] & (offs_dv < DV)[None, :])
+    if not DIRECT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(LSE_PART + b * sl_b + heads * sl_h + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    O_PART,
+    LSE_PART,
+    OUT,  # (B, Hq, DV) view
+    n_heads,
+    n_splits,
+    so_b,
+    so_h,
+    so_s,
+    sl_b,
+    sl_h,
+    sout_b,
+    sout_h,
+    DV,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    b = (tl.program_id(0) // n_heads).to(tl.int64)
+    h = tl.program_id(0) % n_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_mask = offs_s < n_splits
+    lse = tl.load(LSE_PART + b * sl_b + h * sl_h + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: output 0, not NaN
+    w = tl.exp2(lse - m)  # (BLOCK_S,)
+    o = tl.load(
+        O_PART + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_dv[None, :],
+        mask=s_mask[:, None] & (offs_dv < DV)[None, :],
+        other=0.0,
+    )
+    den = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(
+        OUT + b * sout_b + h * sout_h + offs_dv,
+        round_to(out, OUT.dtype.element_ty),
+        mask=offs_dv < DV,
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, to exercise the merge
+
+
+def _p2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
+    """q (B, Hq, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, DV)."""
+    bsz, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    dv = k.shape[3] if v is None else v.shape[3]
+    require(hq % hkv == 0, op, f"{hq} query heads are not a multiple of {hkv} kv heads")
+    require(k.shape[0] >= bsz and k.shape[3] == d, op, f"k {tuple(k.shape)} vs q {q.shape}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_pe", qpe), ("k_pe", kpe)):
+        if t is not None:
+            require(t.stride(-1) == 1, op, f"{name} must be contiguous in its last dim")
+            require(t.device == q.device, op, f"{name} on {t.device}, q on {q.device}")
+            require(t.dtype == k.dtype, op, f"{name} is {t.dtype}, the cache is {k.dtype}")
+    out = torch.empty(bsz, hq, 1, dv, dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    group = hq // hkv
+    block_d, block_dv = _p2(d), _p2(dv)
+    # query heads fill the tile's M dim (>= 16 for tl.dot); wide latent values get small tiles
+    block_g = max(16, min(_p2(group), 64 if block_dv <= 128 else 16))
+    n_gblocks = triton.cdiv(group, block_g)
+    block_n = 64 if block_d <= 128 else 32
+    if q.dtype == torch.float32:  # exact fp32 dots: twice the registers per element
+        block_n //= 2
+    if num_splits is None:  # enough programs for ~2 waves of the GPU
+        num_splits = triton.cdiv(2 * _num_sms(q.device), bsz * hkv * n_gblocks)
+    num_splits = max(1, min(num_splits, triton.cdiv(s, block_n), 128))
+    split_len = triton.cdiv(triton.cdiv(s, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(s, split_len)
+    direct = num_splits == 1  # one split: stage 1 writes the output, no merge launch
+    o3 = out.view(bsz, hq, dv)
+    if direct:
+        o_part, lse_part = o3[:, :, None], o3[:, :, 0]  # strides only; lse is not written
+    else:
+        o_part = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    lens = seq_lens if seq_lens is not None else o_part  # a dummy pointer when unused
+    has_pe = qpe is not None
+    qpe_ = qpe if has_pe else q
+    kpe_ = kpe if has_pe else k
+    v_ = k if v is None else v
+    _decode_split_kernel[(bsz, hkv * n_gblocks, num_splits)](
+        q,
+        qpe_,
+        k,
+        kpe_,
+        v_,
+        lens,
+        o_part,
+        lse_part,
+        q.stride(0),
+        q.stride(1),
+        qpe_.stride(0),
+        qpe_.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        kpe_.stride(0),
+        kpe_.stride(-2),
+        v_.stride(0),
+        v_.stride(1),
+        v_.stride(2),
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse_part.stride(0),
+        lse_part.stride(1),
+        group,
+        n_gblocks,
+        s,
+        split_len,
+        scale * LOG2E,
+        d,
+        qpe_.shape[-1],
+        dv,
+        HAS_PE=has_pe,
+        HAS_LENS=seq_lens is not None,
+        V_IS_K=v is None,
+        DIRECT=direct,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_DPE=_p2(qpe_.shape[-1]) if has_pe else 16,
+        BLOCK_DV=block_dv,
+        num_warps=4,
+        num_stages=2,
+    )
+    if direct:
+        return out
+    _decode_merge_kernel[(bsz * hq,)](
+        o_part,
+        lse_part,
+        o3,
+        hq,
+        num_splits,
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse_part.stride(0),
+        lse_part.stride(1),
+        o3.stride(0),
+        o3.stride(1),
+        dv,
+        BLOCK_S=_p2(num_splits),
+        BLOCK_DV=block_dv,
+        num_warps=4,
+    )
+    return out
+
+
+def _check_lens(seq_lens, q, op):
+    if seq_lens is None:
+        return None
+    bsz = q.shape[0]
+    require(
+        seq_lens.shape == (bsz,) and not seq_lens.is_floating_point(),
+        op,
+        f"seq_lens must be ({bsz},) integers, got {tuple(seq_lens.shape)} {seq_lens.dtype}",
+    )
+    # lengths past the cache (> S) are the caller's bug: checking would cost a device sync
+    return seq_lens.to(device=q.device, dtype=torch.int32)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    seq_lens: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q (B, Hq, 1, D) over the cache k, v (B', Hkv, S, D/Dv) with B' >= B -> (B, Hq, 1, Dv).
+
+    Row b sees cache positions [0, seq_lens[b]) (default: all S). The last query token sits at
+    the last visible position, so no causal mask is needed.
+    """
+    op = "attention (decode)"
+    require(q.ndim == 4 and q.shape[2] == 1, op, f"q {tuple(q.shape)} must be (B, Hq, 1, D)")
+    require(k.ndim == 4 and v.ndim == 4, op, "k and v must be (B, Hkv, S, D)")
+    require(k.shape[:3] == v.shape[:3], op, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    lens = _check_lens(seq_lens, q, op)
+    return _launch(q[:, :, 0], None, k, None, v, lens, scale, num_splits, op)
+
+
+def mla_decode_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    scale: float,
+    seq_lens: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q_lat (B, H, 1, R), q_pe (B, H, 1, Dr) over latent (B', S, R), k_pe (B', S, Dr).
+
+    Returns (B, H, 1, R) = softmax(scale * (q_lat.latent + q_pe.k_pe)) @ latent; each latent
+    tile is read once and serves as both key and value.
+    """
+    op = "mla_attention (decode)"
+    require(q_lat.ndim == 4 and q_lat.shape[2] == 1, op, f"q_lat {tuple(q_lat.shape)}: T != 1")
+    require(q_pe.shape[:3] == q_lat.shape[:3], op, f"q_pe {tuple(q_pe.shape)} vs q_lat")
+    require(latent.ndim == 3 and k_pe.ndim == 3, op, "latent, k_pe must be (B, S, R), (B, S, Dr)")
+    require(latent.shape[:2] == k_pe.shape[:2], op, f"latent {latent.shape} vs k_pe {k_pe.shape}")
+    require(k_pe.shape[2] == q_pe.shape[3], op, f"k_pe {k_pe.shape} vs q_pe {q_pe.shape}")
+    lens = _check_lens(seq_lens, q_lat, op)
+    return _launch(
+        q_lat[:, :, 0],
+        q_pe[:, :, 0],
+        latent[:, None],  # one kv head shared by all query heads
+        k_pe,
+        None,
+        lens,
+        scale,
+        num_splits,
+        op,
+    )

@@ -1,0 +1,232 @@
+"""Per op, per (device, dtype): run the Triton launcher or the torch reference.
+
+`ZOO_KERNELS` picks the policy, read on every call so tests can flip it:
+- `auto` (default): Triton for CUDA tensors where triton is installed and the GPU supports the
+  dtype (bf16 needs sm80+); the torch reference everywhere else.
+- `triton`: Triton always, also for CPU tensors under `TRITON_INTERPRET=1`; raises `KernelError`
+  instead of falling back when a kernel cannot run.
+- `torch`: the references in `kernels.reference` always.
+
+The choice is cached per (op, policy, device, dtype, interpreter flag) and logged once on the
+"zoo" logger, so the hot path costs two env lookups and one dict lookup. Triton modules are
+imported only when first chosen: importing `kernels` works without triton installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+from core.errors import ZooError
+from kernels import reference
+
+log = logging.getLogger("zoo")
+
+ENV = "ZOO_KERNELS"
+MODES = ("auto", "triton", "torch")
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class KernelError(ZooError):
+    """A Triton kernel was demanded (ZOO_KERNELS=triton) but cannot run, or got bad inputs."""
+
+
+def require(ok: bool, op: str, msg: str) -> None:
+    """Launcher-side argument check: raise KernelError("<op>: <msg>") unless ok."""
+    if not ok:
+        raise KernelError(f"{op}: {msg}")
+
+
+def interpreting() -> bool:
+    """Whether `@triton.jit` decorates into the CPU interpreter right now (TRITON_INTERPRET)."""
+    try:
+        from triton import knobs  # triton >= 3.4 reads the variable through knobs
+
+        return bool(knobs.runtime.interpret)
+    except ImportError:
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@cache
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:  # triton ships for Linux only
+        return f"triton is not installed ({e}); `pip install triton` on Linux"
+    return None
+
+
+def kernel_module(name: str):
+    """Import a kernel module, re-decorating it if TRITON_INTERPRET changed since its import
+    (`@triton.jit` reads the variable when it decorates)."""
+    stale = False
+    for n in ("kernels.casting", name):  # casting first: the kernel module imports its helpers
+        mod = importlib.import_module(n)
+        if stale or interpreting() != mod.INTERPRETED:
+            mod, stale = importlib.reload(mod), True
+    return mod
+
+
+def _lens(start_pos: int | torch.Tensor) -> torch.Tensor | None:
+    """Decode: per-row start positions -> per-row visible lengths; an int start_pos sees the
+    whole cache slice (S = start_pos + 1), so no lengths are needed."""
+    return start_pos + 1 if isinstance(start_pos, torch.Tensor) else None
+
+
+def _attention_launcher() -> Callable:
+    dec = kernel_module("kernels.decode_attention")
+    pre = kernel_module("kernels.prefill_attention")
+
+    def attention(q, k, v, start_pos, scale):
+        if q.shape[2] == 1:  # one new token per row: split-K flash-decoding
+            return dec.decode_attention(q, k, v, scale, seq_lens=_lens(start_pos))
+        return pre.prefill_attention(q, k, v, start_pos, scale)
+
+    return attention
+
+
+def _mla_launcher() -> Callable:
+    dec = kernel_module("kernels.decode_attention")
+    pre = kernel_module("kernels.prefill_attention")
+
+    def mla_attention(q_lat, q_pe, latent, k_pe, start_pos, scale):
+        if q_lat.shape[2] == 1:
+            return dec.mla_decode_attention(q_lat, q_pe, latent, k_pe, scale, _lens(start_pos))
+        return pre.mla_prefill_attention(q_lat, q_pe, latent, k_pe, start_pos, scale)
+
+    return mla_attention
+
+
+# op -> the Triton launcher, loaded on first use
+_TRITON: dict[str, Callable[[], Callable]] = {
+    "rms_norm": lambda: kernel_module("kernels.rmsnorm").rms_norm,
+    "rms_norm_residual": lambda: kernel_module("kernels.rmsnorm").rms_norm_residual,
+    "apply_rope": lambda: kernel_module("kernels.rope").apply_rope,
+    "swiglu": lambda: kernel_module("kernels.silu_mul").swiglu,
+    "attention": _attention_launcher,
+    "mla_attention": _mla_launcher,
+    "moe_experts": lambda: kernel_module("kernels.moe").moe_experts,
+}
+OPS = tuple(_TRITON)
+
+
+def triton_op(op: str) -> Callable:
+    """The Triton implementation of `op`, for tests and benchmarks; KernelError without triton."""
+    err = _triton_import_error()
+    if err is not None:
+        raise KernelError(f"{op}: {err}")
+    return _TRITON[op]()
+
+
+def _unsupported(x: torch.Tensor) -> str | None:
+    """Why Triton cannot run on tensors like x, or None when it can."""
+    err = _triton_import_error()
+    if err is not None:
+        return err
+    if x.dtype not in KERNEL_DTYPES:
+        return f"no kernel for dtype {x.dtype}"
+    if x.device.type == "cuda":
+        cap = torch.cuda.get_device_capability(x.device)
+        if x.dtype == torch.bfloat16 and torch.version.hip is None and cap < (8, 0):
+            return f"bfloat16 needs compute capability 8.0+ (Ampere); this GPU is {cap}"
+        return None
+    if x.device.type == "cpu" and interpreting():
+        return None
+    return f"{x.device.type} tensors need CUDA, or TRITON_INTERPRET=1 for CPU tensors"
+
+
+_chosen: dict[tuple, Callable] = {}
+_logged: set[tuple[str, str]] = set()
+
+
+def _resolve(op: str, mode: str, x: torch.Tensor) -> Callable:
+    if mode not in MODES:
+        raise KernelError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}")
+    ref = getattr(reference, op)
+    if mode == "torch":
+        fn, path = ref, "torch (ZOO_KERNELS=torch)"
+    elif mode == "auto" and x.device.type != "cuda":
+        fn, path = ref, f"torch ({x.device.type} tensors)"
+    else:
+        why = _unsupported(x)
+        if why is None:
+            fn, path = _TRITON[op](), "triton"
+        elif mode == "triton":
+            raise KernelError(f"{ENV}=triton, but {op} cannot run in Triton: {why}")
+        else:
+            fn, path = ref, f"torch ({why})"
+    if (op, path) not in _logged:
+        _logged.add((op, path))
+        log.info("zoo kernels: %s -> %s [%s %s]", op, path, x.device, x.dtype)
+    return fn
+
+
+def pick(op: str, x: torch.Tensor) -> Callable:
+    """The implementation of `op` for inputs like x under the current ZOO_KERNELS policy."""
+    mode = os.environ.get(ENV) or "auto"
+    key = (op, mode, x.device, x.dtype, os.environ.get("TRITON_INTERPRET"))
+    fn = _chosen.get(key)
+    if fn is None:
+        fn = _chosen[key] = _resolve(op, mode, x)
+    return fn
+
+
+# --- the ops the core layers call: same signatures as kernels.reference -----------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's last dim, fp32 accumulation, output in x's dtype (see reference)."""
+    return pick("rms_norm", x)(x, weight, eps)
+
+
+def rms_norm_residual(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass."""
+    return pick("rms_norm_residual", x)(x, residual, weight, eps)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first 2*cos.shape[-1] dims of q and k; Triton does it in place."""
+    return pick("apply_rope", q)(q, k, cos, sin, interleaved)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused (..., 2I) [gate | up] tensor."""
+    return pick("swiglu", gate_up)(gate_up)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention over the cache, start_pos an int or per-row (B,) tensor; Triton
+    routes T == 1 to decode, T > 1 to prefill."""
+    return pick("attention", q)(q, k, v, start_pos, scale)
+
+
+def mla_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed multi-head latent attention over the latent cache (see reference)."""
+    return pick("mla_attention", q_lat)(q_lat, q_pe, latent, k_pe, start_pos, scale)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts, weighted and summed over each token's top-k (see reference)."""
+    return pick("moe_experts", x)(x, topk_ids, topk_weights, gate_up, down)

@@ -1,0 +1,265 @@
+"""Prefill attention: causal flash attention of T new tokens over the static cache, with GQA.
+
+Program (query block, b * Hq + h) streams the keys its block can see, [0, start_pos + last
+query], through an online softmax; query t sits at position start_pos + t. Query head h reads
+kv head h // (Hq / Hkv); the group's programs hit the same K/V tiles in L2.
+
+MLA prefill is the same kernel with one kv "head" (the latent cache, read once as both K and V)
+and an extra rope score term (q_pe . k_pe), as in decode_attention.py.
+
+Whether this kernel or torch SDPA (cuDNN / FlashAttention-2 backends) is faster at prefill is
+pending a GPU measurement (benchmarks/kernels.py; see docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.casting import mma, round_to
+from kernels.dispatch import interpreting, require
+
+INTERPRETED = interpreting()
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    Q,  # (B, Hq, T, D)
+    QPE,  # (B, Hq, T, DPE), when HAS_PE
+    K,  # (B, Hkv, S, D)
+    KPE,  # (B, S, DPE), when HAS_PE
+    V,  # (B, Hkv, S, DV); ignored when V_IS_K
+    OUT,  # (B, Hq, T, DV)
+    STARTS,  # (B,) int32 per-row start positions, when PER_ROW
+    sq_b,
+    sq_h,
+    sq_t,
+    sqp_b,
+    sqp_h,
+    sqp_t,
+    sk_b,
+    sk_h,
+    sk_s,
+    skp_b,
+    skp_s,
+    sv_b,
+    sv_h,
+    sv_s,
+    so_b,
+    so_h,
+    so_t,
+    n_heads,
+    group,
+    n_q,
+    n_kv,
+    start_pos,
+    qk_scale,  # softmax scale * log2(e)
+    D,
+    DPE,
+    DV,
+    HAS_PE: tl.constexpr,
+    V_IS_K: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = (tl.program_id(1) // n_heads).to(tl.int64)
+    h = tl.program_id(1) % n_heads
+    kvh = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < n_q
+    if PER_ROW:
+        start_pos = tl.load(STARTS + b)
+    pos = start_pos + offs_m  # (BLOCK_M,) absolute positions of the queries
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
+        mask=m_mask[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    )
+    if HAS_PE:
+        offs_p = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(
+            QPE + b * sqp_b + h * sqp_h + offs_m[:, None] * sqp_t + offs_p[None, :],
+            mask=m_mask[:, None] & (offs_p < DPE)[None, :],
+            other=0.0,
+        )
+    k_base = K + b * sk_b + kvh * sk_h
+    v_base = V + b * sv_b + kvh * sv_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    hi = tl.minimum(n_kv, start_pos + (pid_m + 1) * BLOCK_M)  # keys past the block's last query
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_kv
+        k = tl.load(
+            k_base + offs_n[:, None] * sk_s + offs_d[None, :],
+            mask=n_mask[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
+        scores = mma(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
+        if HAS_PE:
+            kpe = tl.load(
+                KPE + b * skp_b + offs_n[:, None] * skp_s + offs_p[None, :],
+                mask=n_mask[:, None] & (offs_p < DPE)[None, :],
+                other=0.0,
+            )
+            scores += mma(qpe, tl.trans(kpe))
+        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        # key 0 is visible to every row, so the first tile makes m_new finite
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(
+                v_base + offs_n[:, None] * sv_s + offs_dv[None, :],
+                mask=n_mask[:, None] & (offs_dv < DV)[None, :],
+                other=0.0,
+            )
+        p = round_to(p, V.dtype.element_ty)  # P in V's dtype, as flash kernels do
+        acc = acc * alpha[:, None] + mma(p, v)
+        m_i = m_new
+
+    out = round_to(acc / l_i[:, None], OUT.dtype.element_ty)
+    o_ptr = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_dv[None, :]
+    tl.store(o_ptr, out, mask=m_mask[:, None] & (offs_dv < DV)[None, :])
+
+
+def _p2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _launch(q, qpe, k, kpe, v, start_pos, scale, op):
+    """q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, T, DV).
+
+    start_pos: an int, or a (B,) tensor of per-row positions (then S >= max + T is the
+    caller's to ensure: checking it would cost a device sync)."""
+    bsz, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    dv = k.shape[3] if v is None else v.shape[3]
+    require(hq % hkv == 0, op, f"{hq} query heads are not a multiple of {hkv} kv heads")
+    require(k.shape[0] >= bsz and k.shape[3] == d, op, f"k {tuple(k.shape)} vs q {q.shape}")
+    per_row = isinstance(start_pos, torch.Tensor)
+    if per_row:
+        require(start_pos.shape == (bsz,), op, f"start_pos {tuple(start_pos.shape)} != ({bsz},)")
+        starts = start_pos.to(device=q.device, dtype=torch.int32)
+    else:
+        require(
+            s >= start_pos + t, op, f"cache holds {s} positions < start_pos {start_pos} + T {t}"
+        )
+        starts = None
+    for name, x in (("q", q), ("k", k), ("v", v), ("q_pe", qpe), ("k_pe", kpe)):
+        if x is not None:
+            require(x.stride(-1) == 1, op, f"{name} must be contiguous in its last dim")
+            require(x.device == q.device, op, f"{name} on {x.device}, q on {q.device}")
+            require(x.dtype == k.dtype, op, f"{name} is {x.dtype}, the cache is {k.dtype}")
+    out = torch.empty(bsz, hq, t, dv, dtype=q.dtype, device=q.device)
+    if bsz * t == 0:
+        return out
+    block_d, block_dv = _p2(d), _p2(dv)
+    wide = block_d + block_dv > 256  # MLA's 512-wide latent: smaller tiles fit in registers
+    block_m, block_n = (32, 32) if wide else (64, 64)
+    if q.dtype == torch.float32:  # exact fp32 dots run on FMA units, and twice the registers
+        block_m, block_n = block_m // 2, block_n // 2
+    if INTERPRETED:  # small tiles exercise the block edges and the causal diagonal on tiny tests
+        block_m, block_n = 16, 16
+    has_pe = qpe is not None
+    qpe_ = qpe if has_pe else q
+    kpe_ = kpe if has_pe else k
+    v_ = k if v is None else v
+    _prefill_kernel[(triton.cdiv(t, block_m), bsz * hq)](
+        q,
+        qpe_,
+        k,
+        kpe_,
+        v_,
+        out,
+        starts if per_row else out,  # a dummy pointer when unused
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        qpe_.stride(0),
+        qpe_.stride(1),
+        qpe_.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        kpe_.stride(0),
+        kpe_.stride(-2),
+        v_.stride(0),
+        v_.stride(1),
+        v_.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        hq,
+        hq // hkv,
+        t,
+        s,
+        0 if per_row else start_pos,
+        scale * LOG2E,
+        d,
+        qpe_.shape[-1],
+        dv,
+        HAS_PE=has_pe,
+        V_IS_K=v is None,
+        PER_ROW=per_row,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_DPE=_p2(qpe_.shape[-1]) if has_pe else 16,
+        BLOCK_DV=block_dv,
+        num_warps=4 if not wide else 8,
+        num_stages=2,
+    )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention of q (B, Hq, T, D) over the cache k, v (B', Hkv, S, D/Dv), B' >= B.
+
+    Query t of row b sits at position start_pos + t (an int, or a (B,) tensor of per-row
+    positions) and sees cache positions <= its own.
+    Returns (B, Hq, T, Dv) in q's dtype.
+    """
+    op = "attention (prefill)"
+    require(q.ndim == 4 and k.ndim == 4 and v.ndim == 4, op, "q, k, v must be (B, H, T|S, D)")
+    require(k.shape[:3] == v.shape[:3], op, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    return _launch(q, None, k, None, v, start_pos, scale, op)
+
+
+def mla_prefill_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal absorbed MLA: q_lat (B, H, T, R), q_pe (B, H, T, Dr) over latent (B', S, R) and
+    k_pe (B', S, Dr) -> (B, H, T, R) = softmax(scale * (q_lat.latent + q_pe.k_pe)) @ latent."""
+    op = "mla_attention (prefill)"
+    require(q_lat.ndim == 4 and q_pe.shape[:3] == q_lat.shape[:3], op, "q_lat, q_pe shapes")
+    require(latent.ndim == 3 and k_pe.ndim == 3, op, "latent, k_pe must be (B, S, R), (B, S, Dr)")
+    require(latent.shape[:2] == k_pe.shape[:2], op, f"latent {latent.shape} vs k_pe {k_pe.shape}")
+    require(k_pe.shape[2] == q_pe.shape[3], op, f"k_pe {k_pe.shape} vs q_pe {q_pe.shape}")
+    return _launch(q_lat, q_pe, latent[:, None], k_pe, None, start_pos, scale, op)

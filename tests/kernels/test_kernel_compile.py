@@ -1,0 +1,26 @@
+"""The kernels compile for a real GPU (sm90, bf16) with triton's own compiler and ptxas, even
+here without one: the interpreter tests cannot catch code that only fails to lower."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    cmd = [sys.executable, "benchmarks/compile_check.py", "--arch", "90", "--dtype", "bfloat16"]
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "all kernels compile" in run.stdout
+    assert " stack 0 " in run.stdout and not any(
+        " stack 0 " not in line for line in run.stdout.splitlines() if line.startswith("sm90")
+    ), "a kernel spills registers:\n" + run.stdout
