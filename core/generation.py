@@ -179,11 +179,11 @@ def run(
         logits = forward(tokens[:, None], step_pos)[:, -1].float()
     t_end = time.perf_counter()
 
-    n_decode = max(len(r.out) for r in rows) - 1
+    n_decode = sum(len(r.out) - 1 for r in rows)  # tokens after each row's first
     timings = {
         "time_to_first_token_s": (t_first or t_end) - t0,
         "prefill_tokens_per_s": float(lens.sum()) / max((t_first or t_end) - t0, 1e-9),
-        "decode_tokens_per_s": n_decode * b / max(t_end - (t_first or t_end), 1e-9),
+        "decode_tokens_per_s": n_decode / max(t_end - (t_first or t_end), 1e-9),
     }
     return [
         GenerationResult(

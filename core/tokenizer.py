@@ -101,9 +101,10 @@ class Tokenizer:
 
         try:
             template = _environment().from_string(self.chat_template)
-            return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special, **kw
-            )
+            # request variables override the special tokens, as in transformers
+            variables = {**self.special, **kw}
+            variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+            return template.render(**variables)
         except SecurityError as err:
             raise ConfigError(
                 f"chat template refused: it tried an unsafe operation ({err})"
