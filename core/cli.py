@@ -154,6 +154,52 @@ def _plugins(args: argparse.Namespace) -> None:
             print(f"    {kind}: {', '.join(names)}")
 
 
+def _bench(args: argparse.Namespace) -> None:
+    import time
+
+    from core import bench
+    from core.catalog import named_models
+    from core.errors import RequestError
+
+    lens = bench.parse_ints(args.prompt_lens, "prompt-lens")
+    batches = bench.parse_ints(args.batches, "batches")
+    sizes = {"max_seq_len": max(max(lens), 64) + args.decode_tokens, "max_batch_size": max(batches)}
+    t0 = time.perf_counter()
+    if args.random_weights:
+        name = args.shape or args.model
+        shape = named_models().get(name, {}).get("shape")
+        if not shape:
+            known = ", ".join(n for n, e in named_models().items() if e.get("shape"))
+            raise RequestError(f"no shape for {name!r} in registry.yaml; known shapes: {known}")
+        model = bench.random_model(shape, device=args.device, dtype=args.dtype, **sizes)
+    else:
+        model = _load(args, **sizes)
+    load_s = time.perf_counter() - t0
+    report = bench.measure(
+        model,
+        prompt_lens=lens,
+        batches=batches,
+        decode_tokens=args.decode_tokens,
+        repeat=args.repeat,
+    )
+    report.load_s = load_s
+    if args.compare == "transformers":
+        if args.random_weights:
+            raise RequestError("--compare needs real weights; drop --random-weights")
+        if model.tokenizer is None:  # no tokenizer: a fixed 42-token prompt of random ids
+            ids = bench.random_prompt(model.config.vocab_size, 1, 42)[0]
+        else:
+            prompt = _prompt_ids(model, [{"role": "user", "content": args.prompt}], None)
+            ids = prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
+        report.compare = bench.compare_transformers(
+            model, model.path, prompt=ids, decode_tokens=args.decode_tokens,
+            repeat=args.repeat, compile_hf=args.hf_compile,
+        )  # fmt: skip
+    print(bench.render(report))
+    if args.json:
+        bench.write_json(report, args.json)
+
+
 def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:
     if optional:
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="name, hub repo or path")
@@ -198,6 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, parameters, dtype, KV bytes per token")
     _model_options(info, optional=False)
     info.set_defaults(func=_info)
+
+    b = sub.add_parser("bench", help="throughput, latency, memory and bandwidth figures")
+    _model_options(b)
+    b.add_argument("--shape", help="a registry name whose shape to use with --random-weights")
+    b.add_argument("--random-weights", action="store_true", help="no download: random weights")
+    b.add_argument("--prompt-lens", default="128,512,2048", help="prefill lengths")
+    b.add_argument("--batches", default="1,4,16", help="decode batch sizes")
+    b.add_argument("--decode-tokens", type=int, default=64)
+    b.add_argument("--repeat", type=int, default=3, help="runs per figure (best / median)")
+    b.add_argument("--compare", choices=["transformers"], help="same run, same weights")
+    b.add_argument("--hf-compile", action="store_true", help="transformers: static cache + compile")
+    b.add_argument("--prompt", default="What is the capital of France?", help="for --compare")
+    b.add_argument("--json", help="also write the report as JSON to this file ('-': stdout)")
+    b.set_defaults(func=_bench)
 
     sub.add_parser("list", help="the named models of registry.yaml").set_defaults(func=_list)
     sub.add_parser("plugins", help="loaded plugins and what they register").set_defaults(

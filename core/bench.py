@@ -1,0 +1,234 @@
+"""`zoo bench`: load time, prefill and decode throughput, memory, and achieved bandwidth, with an
+optional same-run comparison against transformers. A benchmark prints figures; it asserts
+nothing about speed."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import RequestError
+
+# Peak memory bandwidth (GB/s) of devices we can name, for "fraction of peak".
+PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0}
+
+
+@dataclass
+class BenchReport:
+    model: str
+    device: str
+    dtype: str
+    load_s: float
+    params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    prefill: dict[int, dict[str, float]] = field(default_factory=dict)  # prompt len -> figures
+    decode: dict[int, dict[str, float]] = field(default_factory=dict)  # batch -> figures
+    peak_memory_bytes: int = 0
+    peak_bandwidth_gbps: float | None = None
+    compare: dict[str, Any] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_gbps(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_GBPS.items() if k in name), None)
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def random_model(shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int):
+    """A `Model` of a registry entry's shape (its config.json keys) with random weights."""
+    from core.model import Model
+    from core.modeling import CausalLM
+    from core.plugins import registry
+
+    arch = registry().architecture(shape.get("model_type"), source="registry shape")
+    cfg = arch.config.from_dict(shape, source="registry shape").to_runtime()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dt = dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        with dev, torch.no_grad():
+            net = CausalLM(cfg)
+            for p in net.parameters():
+                p.normal_(0.0, 0.02)
+    finally:
+        torch.set_default_dtype(default)
+    net.setup_caches(max_batch_size, max_seq_len)
+    return Model(net.eval(), None, Path(f"<random {cfg.model_type}>"))
+
+
+def random_prompt(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 1, (batch, length), generator=g).tolist()
+
+
+def measure(model, *, prompt_lens, batches, decode_tokens: int, repeat: int) -> BenchReport:
+    """Prefill and decode figures through `Model.generate` (what users get), best of `repeat`."""
+    dev, cfg = model.device, model.config
+    itemsize = model.dtype.itemsize
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.net.parameters())
+    report = BenchReport(
+        model=str(model.path),
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        dtype=str(model.dtype).removeprefix("torch."),
+        load_s=0.0,
+        params=sum(p.numel() for p in model.net.parameters()),
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=cfg.kv_bytes_per_token(itemsize),
+        kv_cache_bytes=model.net.kv_cache.nbytes,
+        peak_bandwidth_gbps=_peak_gbps(dev),
+    )
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    model.generate([1, 2, 3], max_new_tokens=2, **greedy)  # warm-up: allocations, kernels
+    for n in prompt_lens:
+        runs = []
+        for r in range(repeat):
+            prompt = random_prompt(cfg.vocab_size, 1, n, r)[0]
+            res = model.generate(prompt, max_new_tokens=1, **greedy)
+            runs.append(res.timings["time_to_first_token_s"])
+        best = min(runs)
+        report.prefill[n] = {"time_to_first_token_s": best, "tokens_per_s": n / best}
+    for b in batches:
+        prompts = random_prompt(cfg.vocab_size, b, 32)
+        rates = []
+        for _ in range(repeat):
+            res = model.generate(
+                prompts if b > 1 else prompts[0], max_new_tokens=decode_tokens, **greedy
+            )
+            rates.append((res if b == 1 else res[0]).timings["decode_tokens_per_s"])
+        tps = max(rates)
+        step_s = b / tps
+        context = 32 + decode_tokens / 2  # average tokens attended per row
+        bytes_per_step = weight_bytes + b * context * report.kv_bytes_per_token
+        gbps = bytes_per_step / step_s / 1e9
+        row = {"tokens_per_s": tps, "step_ms": step_s * 1e3, "achieved_gbps": gbps}
+        if report.peak_bandwidth_gbps:
+            row["fraction_of_peak"] = gbps / report.peak_bandwidth_gbps
+        report.decode[b] = row
+    _sync(dev)
+    report.peak_memory_bytes = _peak_memory(dev)
+    return report
+
+
+def compare_transformers(model, source: Path, *, prompt: list[int], decode_tokens: int,
+                         repeat: int, compile_hf: bool) -> dict[str, Any]:  # fmt: skip
+    """Greedy generate of the same prompt on the same weights, alternating Zoo and
+    transformers; returns median end-to-end tokens/s of each and the ratio."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {"dtype": model.dtype}
+    if source.is_file():  # GGUF
+        kw["gguf_file"] = source.name
+        source = source.parent
+    hf = AutoModelForCausalLM.from_pretrained(source, **kw).to(model.device).eval()
+    if compile_hf:  # transformers' fastest setting: static cache + compiled forward
+        hf.generation_config.cache_implementation = "static"
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor([prompt], device=model.device)
+    hf_kw = dict(max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
+
+    def run_hf() -> float:
+        _sync(model.device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), **hf_kw)
+        _sync(model.device)
+        return decode_tokens / (time.perf_counter() - t)
+
+    def run_zoo() -> float:
+        t = time.perf_counter()
+        model.generate(prompt, max_new_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+        _sync(model.device)
+        return decode_tokens / (time.perf_counter() - t)
+
+    run_hf(), run_zoo()  # warm-up (and compilation) outside the timed runs
+    zoo, theirs = [], []
+    for _ in range(repeat):  # alternate, so drift in clocks or load hits both alike
+        zoo.append(run_zoo())
+        theirs.append(run_hf())
+    z, h = statistics.median(zoo), statistics.median(theirs)
+    return {
+        "peer": "transformers" + (" (static cache + torch.compile)" if compile_hf else ""),
+        "prompt_tokens": len(prompt),
+        "new_tokens": decode_tokens,
+        "zoo_tokens_per_s": z,
+        "transformers_tokens_per_s": h,
+        "speedup": z / h,
+        "runs": {"zoo": zoo, "transformers": theirs},
+    }
+
+
+def render(report: BenchReport) -> str:
+    """The report as a plain-text table."""
+    gib = 2**30
+    lines = [
+        f"model    {report.model}  ({report.params / 1e6:,.0f}M parameters, {report.dtype})",
+        f"device   {report.device}; load {report.load_s:.2f} s; peak memory "
+        f"{report.peak_memory_bytes / gib:.2f} GiB",
+        f"weights  {report.weight_bytes / gib:.2f} GiB; KV {report.kv_bytes_per_token:,} B/token, "
+        f"cache {report.kv_cache_bytes / gib:.3f} GiB",
+        "",
+        f"{'prefill':>10} {'TTFT ms':>10} {'tokens/s':>12}",
+    ]
+    for n, r in report.prefill.items():
+        lines.append(
+            f"{n:>10} {r['time_to_first_token_s'] * 1e3:>10.1f} {r['tokens_per_s']:>12,.0f}"
+        )
+    lines += ["", f"{'decode B':>10} {'step ms':>10} {'tokens/s':>12} {'GB/s':>10} {'of peak':>8}"]
+    for b, r in report.decode.items():
+        frac = f"{r['fraction_of_peak']:.0%}" if "fraction_of_peak" in r else "n/a"
+        lines.append(
+            f"{b:>10} {r['step_ms']:>10.2f} {r['tokens_per_s']:>12,.1f} "
+            f"{r['achieved_gbps']:>10.1f} {frac:>8}"
+        )
+    if report.compare:
+        c = report.compare
+        lines += [
+            "",
+            f"vs {c['peer']}: {c['prompt_tokens']}-token prompt, {c['new_tokens']} new tokens, "
+            f"end to end: zoo {c['zoo_tokens_per_s']:.1f} tok/s, transformers "
+            f"{c['transformers_tokens_per_s']:.1f} tok/s -> {c['speedup']:.2f}x",
+        ]
+    return "\n".join(lines)
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    data = json.dumps(asdict(report), indent=2)
+    if path == "-":
+        print(data, file=sys.stdout)
+    else:
+        Path(path).write_text(data + "\n")
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise RequestError(f"--{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise RequestError(f"--{what} needs positive integers, got {text!r}")
+    return values

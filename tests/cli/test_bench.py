@@ -1,0 +1,46 @@
+"""`zoo bench` runs end to end and reports every figure (speed itself is never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import LLAMA31
+
+
+def bench(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "core.cli", "bench", *args],
+        capture_output=True, text=True, timeout=600, cwd=cwd,
+    )  # fmt: skip
+
+
+def test_bench_reports_every_figure_and_compares(checkpoint, tmp_path):
+    root, _ = checkpoint(LLAMA31)
+    small = ["--prompt-lens", "8,16", "--batches", "1,2", "--decode-tokens", "4", "--repeat", "1"]
+    out = bench(str(root), *small, "--compare", "transformers", "--json", "r.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert set(report["prefill"]) == {"8", "16"} and set(report["decode"]) == {"1", "2"}
+    for row in report["decode"].values():
+        assert row["tokens_per_s"] > 0 and row["achieved_gbps"] > 0
+    assert (
+        report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4
+    )  # K,V x layers x kv heads x dim x fp32
+    assert report["compare"]["peer"] == "transformers" and report["compare"]["speedup"] > 0
+    assert "tokens/s" in out.stdout and "vs transformers" in out.stdout
+
+
+def test_bench_random_weights_of_a_registry_shape(tmp_path):
+    small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "2", "--repeat", "1"]
+    out = bench("--shape", "smollm2", "--random-weights", *small, "--json", "-", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout[out.stdout.index("{") :])
+    assert report["params"] == 134_515_008  # SmolLM2-135M's parameter count, tied head
+    assert report["model"] == "<random llama>"
+
+
+def test_bench_unknown_shape_is_one_line(tmp_path):
+    out = bench("--shape", "nope", "--random-weights", cwd=tmp_path)
+    assert out.returncode == 1 and "known shapes: smollm2" in out.stderr
