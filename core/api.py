@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from core.errors import RequestError
+from core.errors import CheckpointError, RequestError
 from core.loader import load_weights
 from core.model import Model
 from core.modeling import CausalLM
@@ -41,6 +41,41 @@ def _resolve_device_dtype(device, dtype, ckpt_dtype: str) -> tuple[torch.device,
     return dev, dtype
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` (None when unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:  # Linux: what can be allocated without swapping
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _check_fits(net: CausalLM, cfg, dtype, device, batch: int, seq: int) -> None:
+    """Refuse, before reading any weight, a model + KV cache larger than free memory."""
+    free = available_memory(device)
+    weights = sum(p.numel() for p in net.parameters()) * dtype.itemsize
+    cache = cfg.kv_bytes_per_token(dtype.itemsize) * batch * seq
+    if free is not None and weights + cache > free:
+        gib = 2**30
+        raise RequestError(
+            f"the KV cache for {batch} x {seq} tokens needs {cache:,} bytes ({cache / gib:.2f} "
+            f"GiB) on top of {weights / gib:.2f} GiB of weights, but only {free / gib:.2f} GiB "
+            f"is free on {device}; pass a smaller max_seq_len or max_batch_size"
+        )
+
+
+def _check_finite(net: CausalLM, path: Path) -> None:
+    bad = [n for n, p in net.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise CheckpointError(
+            f"{path}: {len(bad)} tensor(s) hold NaN or Inf values: {', '.join(bad[:8])}; "
+            "the checkpoint is corrupt or was saved from a diverged run"
+        )
+
+
 def load_model(
     name_or_path: str | Path,
     *,
@@ -50,11 +85,13 @@ def load_model(
     max_batch_size: int = 1,
     revision: str | None = None,
     offline: bool | None = None,
+    check_finite: bool = False,
 ) -> Model:
-    """Load a model from a local checkpoint folder.
+    """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
     device: CUDA when available, else CPU. dtype: the checkpoint's on CUDA, float32 on CPU.
     max_seq_len: the KV cache length, by default min(max_position_embeddings, 4096).
+    revision / offline: for hub downloads. check_finite: refuse weights holding NaN or Inf.
     """
     path = _resolve_path(name_or_path, revision=revision, offline=offline)
     reg = registry()
@@ -73,9 +110,12 @@ def load_model(
         t0 = time.perf_counter()
         with torch.device("meta"):
             net = CausalLM(cfg)
+        _check_fits(net, cfg, dt, dev, max_batch_size, seq)
         load_weights(
             net, ckpt, arch.weight_map, dtype=dt, device=dev, ignore=net.ignored_checkpoint_names()
         )
+        if check_finite:
+            _check_finite(net, path)
         tokenizer = ckpt.tokenizer()
         gen_config = ckpt.generation_config()
     finally:

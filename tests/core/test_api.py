@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import LLAMA31
 
-from core import HubError, RequestError, ZooError, load_model
+from core import CheckpointError, HubError, RequestError, ZooError, load_model
 
 
 @pytest.fixture
@@ -82,3 +82,23 @@ def test_every_error_is_a_zoo_error():
 
     for name in ("ConfigError", "CheckpointError", "PluginError", "RequestError", "HubError"):
         assert issubclass(getattr(core, name), ZooError)
+
+
+def test_cache_that_cannot_fit_is_refused_up_front(root):
+    with pytest.raises(RequestError) as exc:
+        load_model(root, max_seq_len=10**9, max_batch_size=64)
+    msg = str(exc.value)
+    # 64 rows x 1e9 tokens x 256 bytes per token (2 K/V x 2 layers x 1 kv head x 16 dims x fp32)
+    assert f"{64 * 10**9 * 256:,} bytes" in msg and "max_seq_len" in msg
+
+
+def test_nonfinite_weights_are_an_opt_in_check(root):
+    from safetensors.torch import load_file, save_file
+
+    f = root / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 4] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    load_model(root)  # off by default: loading stays one pass over the file
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) hold NaN or Inf.*down_proj"):
+        load_model(root, check_finite=True)
