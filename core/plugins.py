@@ -85,6 +85,8 @@ class Registry:
         """The architecture for a config's model_type, or a `ConfigError` saying what exists."""
         if not model_type:
             raise ConfigError(f"{source}: missing required field 'model_type'")
+        if not isinstance(model_type, str):
+            raise ConfigError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
         arch = self.architectures.get(model_type)
         if arch is None:
             known = sorted(self.architectures)
