@@ -112,7 +112,13 @@ def load_model(
             net = CausalLM(cfg)
         _check_fits(net, cfg, dt, dev, max_batch_size, seq)
         load_weights(
-            net, ckpt, arch.weight_map, dtype=dt, device=dev, ignore=net.ignored_checkpoint_names()
+            net,
+            ckpt,
+            arch.weight_map,
+            dtype=dt,
+            device=dev,
+            ignore=net.ignored_checkpoint_names(),
+            progress=True,
         )
         if check_finite:
             _check_finite(net, path)

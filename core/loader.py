@@ -144,4 +144,5 @@ def _progress(plan: list, enabled: bool) -> Iterator:
         return iter(plan)
     from tqdm import tqdm
 
-    return iter(tqdm(plan, desc="loading weights", unit="tensor", leave=False))
+    # disable=None: a bar on a terminal, nothing in logs and pipes
+    return iter(tqdm(plan, desc="loading weights", unit="tensor", leave=False, disable=None))

@@ -19,12 +19,18 @@ ITEMSIZE = {
     **{"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1},
     **{"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1},
 }
+_TORCH_DTYPES = {
+    **{"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "BOOL": "bool"},
+    **{"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U8": "uint8", "I8": "int8"},
+    **{"I16": "int16", "I32": "int32", "I64": "int64", "U16": "uint16", "U32": "uint32"},
+    "U64": "uint64",
+}
 MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
-def check_file(f: Path) -> None:
-    """Validate a safetensors file's framing before mapping it: say what the file really is
-    (empty, a git-LFS pointer, an HTML page, truncated) and reject bad offsets."""
+def check_file(f: Path) -> tuple[dict[str, Any], int]:
+    """Validate a safetensors file's framing: say what the file really is (empty, a git-LFS
+    pointer, an HTML page, truncated) and reject bad offsets. Returns (header, data start)."""
     size = f.stat().st_size
     with f.open("rb") as fh:
         head = fh.read(min(size, 512))
@@ -54,6 +60,8 @@ def check_file(f: Path) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{f}: corrupt safetensors header ({err})") from None
     _check_offsets(f, header, size - 8 - n)
+    header.pop("__metadata__", None)
+    return header, 8 + n
 
 
 def _check_offsets(f: Path, header: Any, data_size: int) -> None:
@@ -64,9 +72,11 @@ def _check_offsets(f: Path, header: Any, data_size: int) -> None:
         if name == "__metadata__":
             continue
         try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            count = math.prod(int(d) for d in info["shape"])
-            need = count * ITEMSIZE[info["dtype"]]
+            begin, end = info["data_offsets"]
+            dims = list(info["shape"])
+            need = math.prod(dims) * ITEMSIZE[info["dtype"]]
+            if not all(type(x) is int and x >= 0 for x in (begin, end, *dims)):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{f}: corrupt header entry for tensor {name!r}") from None
         if not 0 <= begin <= end <= data_size or end - begin != need:
@@ -82,26 +92,18 @@ def _check_offsets(f: Path, header: Any, data_size: int) -> None:
 
 
 class SafetensorsCheckpoint:
-    def __init__(self, path: Path):
-        from safetensors import SafetensorError, safe_open
+    """Reads tensors with plain file reads into their own buffers (no memory map), so loading
+    never holds more than the model plus one tensor: no file pages pile up in the process."""
 
+    def __init__(self, path: Path):
         self.path = path
         files, listed = self._shards(path)
-        self._handles = {}
+        self._where: dict[str, tuple[Path, int, dict]] = {}  # name -> (file, data start, entry)
         for f in files:
-            check_file(f)
-        for f in files:
-            try:
-                self._handles[f] = safe_open(f, framework="pt", device="cpu")
-            except (SafetensorError, OSError) as err:
-                raise CheckpointError(
-                    f"{f}: not a readable safetensors file ({err}); re-download it"
-                ) from None
-        self._where = {}
-        for h in self._handles.values():
-            for name in h.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                self._where[name] = h
-        absent = sorted(n for n, f in listed.items() if n not in self._where)
+            header, start = check_file(f)
+            for name, entry in header.items():
+                self._where[name] = (f, start, entry)
+        absent = sorted(n for n in listed if n not in self._where)
         if absent:
             raise CheckpointError(
                 f"{path / INDEX} names {len(absent)} tensor(s) no shard holds: "
@@ -152,13 +154,24 @@ class SafetensorsCheckpoint:
         return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._where[name].get_slice(name).get_shape())
+        return tuple(int(d) for d in self._where[name][2]["shape"])
 
     def read(self, name: str):
-        return self._where[name].get_tensor(name)
+        import torch
+
+        f, start, entry = self._where[name]
+        begin, end = entry["data_offsets"]
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{f}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with f.open("rb") as fh:
+            fh.seek(start + begin)
+            if fh.readinto(memoryview(buf.numpy())) != end - begin:
+                raise CheckpointError(f"{f}: truncated while reading {name!r}; download it again")
+        return buf.view(getattr(torch, dtype)).reshape(self.shape(name))
 
     def close(self) -> None:
-        self._handles.clear()
         self._where.clear()
 
 
