@@ -40,4 +40,6 @@ def named_models() -> dict[str, dict[str, Any]]:
                 f"{path}: model {name!r} needs a 'repo' (hub repo id) or a 'package' and 'file' "
                 "(a file inside a pip package)"
             )
-    return models
+    from core.plugins import merge_named_models  # plugins add names via zoo_register_models
+
+    return merge_named_models(models, str(path))

@@ -146,12 +146,14 @@ def _list(args: argparse.Namespace) -> None:
 
 
 def _plugins(args: argparse.Namespace) -> None:
-    from core.plugins import describe_plugins
+    from core.plugins import describe_plugins, skipped_plugins
 
     for row in describe_plugins():
         print(f"{row['name']}  ({row['distribution']} {row['version']})")
         for kind, names in row["registers"].items():
             print(f"    {kind}: {', '.join(names)}")
+    for p in skipped_plugins():
+        print(f"{p.name}  ({p.distribution} {p.version})  skipped: {p.skipped}")
 
 
 def _bench(args: argparse.Namespace) -> None:

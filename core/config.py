@@ -69,6 +69,24 @@ RopeSpec = DefaultRope  # every kind is a DefaultRope subclass
 
 
 # --- layer kinds -----------------------------------------------------------------------------
+# The core's generic block builds each module from the type of its spec: `core.plugins`'
+# registry maps spec types to modules (the built-ins in plugins/core_layers.py; a plugin may
+# add its own with `zoo_register_layers`).
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """Token embedding; its output is multiplied by `scale` rounded to the model dtype
+    (Gemma: sqrt(hidden_size)), as transformers does. 1.0: no scaling."""
+
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """x / sqrt(mean(x^2) + eps) * weight, accumulated in fp32."""
+
+    eps: float
+
+
 @dataclass(frozen=True)
 class GQASpec:
     """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads."""
@@ -166,7 +184,11 @@ class MoESpec:
 # --- the whole model -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Everything the core needs to build and run a decoder-only model."""
+    """Everything the core needs to build and run a decoder-only model.
+
+    The layer specs are typed by kind (`attention`: GQASpec | MLASpec, ...); a plugin may put
+    its own spec type in any of them if it registers a module for it (`zoo_register_layers`).
+    """
 
     model_type: str
     vocab_size: int
@@ -175,13 +197,14 @@ class RuntimeConfig:
     attention: AttentionSpec  # one kind for every layer
     mlp: DenseMLPSpec  # every layer's MLP, except the MoE layers below
     rope: RopeSpec
-    norm_eps: float
+    norm: RMSNormSpec  # every norm of the decoder: before attention, before the MLP, final
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: str  # the checkpoint's dtype: "float32" | "float16" | "bfloat16"
     bos_token_id: int | None = None  # None: the model has no BOS token
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoESpec | None = None  # None: a dense model
+    embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)
     mtp_layers: int = 0  # checkpoint layers past num_layers (multi-token prediction): not loaded
 
     def layer_mlp(self, i: int) -> DenseMLPSpec | MoESpec:

@@ -19,10 +19,12 @@ from core.config import (
     DefaultRope,
     DenseMLPSpec,
     DynamicRope,
+    EmbeddingSpec,
     GQASpec,
     LinearRope,
     Llama3Rope,
     MoESpec,
+    RMSNormSpec,
     RopeSpec,
     RuntimeConfig,
     YarnRope,
@@ -214,6 +216,12 @@ class DecoderConfig(BaseModel):
     def mlp_spec(self) -> DenseMLPSpec:
         return DenseMLPSpec(self.intermediate_size, bias=self.mlp_bias, act=self.hidden_act)
 
+    def norm_spec(self) -> RMSNormSpec:
+        return RMSNormSpec(self.rms_norm_eps)
+
+    def embedding_spec(self) -> EmbeddingSpec:
+        return EmbeddingSpec()
+
     def rope_dim(self) -> int:
         return self.resolved_head_dim()
 
@@ -272,12 +280,13 @@ class DecoderConfig(BaseModel):
             attention=self.attention_spec(),
             mlp=self.mlp_spec(),
             rope=self.rope_spec(),
-            norm_eps=self.rms_norm_eps,
+            norm=self.norm_spec(),
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
             dtype=self.runtime_dtype(),
             bos_token_id=self.bos_token_id,
             eos_token_ids=self.eos_ids(),
             moe=self.moe_spec(),
+            embedding=self.embedding_spec(),
             mtp_layers=self.mtp_layers(),
         )

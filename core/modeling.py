@@ -1,29 +1,29 @@
 """The generic decoder: blocks and a causal LM assembled from a `RuntimeConfig`.
 
 Parameter names follow the hub's Llama layout (`model.layers.N.self_attn.qkv_proj.weight`),
-so an architecture's weight map only lists where its checkpoint differs. Each layer's
-attention and MLP module is looked up by the kind of its spec.
+so an architecture's weight map only lists where its checkpoint differs. Every module (token
+embedding, norms, attention, MLP) is built from the type of its spec, through the layer kinds
+the plugins registered (`zoo_register_layers`; the core's own in plugins/core_layers.py).
 """
+
+from typing import Any
 
 import torch
 from torch import nn
 
-from core.config import DenseMLPSpec, GQASpec, MLASpec, MoESpec, RuntimeConfig
+from core.config import RuntimeConfig
 from core.kv_cache import StaticKVCache
-from core.layers import (
-    Embedding,
-    GatedMLP,
-    GQAAttention,
-    LMHead,
-    MLAAttention,
-    MoE,
-    RMSNorm,
-    RotaryEmbedding,
-)
+from core.layers import LMHead, RotaryEmbedding
+from core.plugins import registry
 
-# spec kind -> module built from (hidden_size, spec[, rope_interleaved])
-ATTENTION_KINDS: dict[type, type[nn.Module]] = {GQASpec: GQAAttention, MLASpec: MLAAttention}
-MLP_KINDS: dict[type, type[nn.Module]] = {DenseMLPSpec: GatedMLP, MoESpec: MoE}
+
+def build(spec: Any, *args: Any) -> nn.Module:
+    """The module registered for `type(spec)`, built as `Module(*args, spec, ...)`:
+
+    embedding (vocab, hidden, spec); norm and mlp (hidden, spec); attention (hidden, spec,
+    rope_interleaved).
+    """
+    return registry().layer(spec)(*args)
 
 
 class DecoderBlock(nn.Module):
@@ -32,12 +32,11 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
         h = cfg.hidden_size
-        self.input_layernorm = RMSNorm(h, cfg.norm_eps)
-        attention = ATTENTION_KINDS[type(cfg.attention)]
-        self.self_attn = attention(h, cfg.attention, cfg.rope.interleaved)
-        self.post_attention_layernorm = RMSNorm(h, cfg.norm_eps)
+        self.input_layernorm = build(cfg.norm, h, cfg.norm)
+        self.self_attn = build(cfg.attention, h, cfg.attention, cfg.rope.interleaved)
+        self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
         mlp = cfg.layer_mlp(index)
-        self.mlp = MLP_KINDS[type(mlp)](h, mlp)
+        self.mlp = build(mlp, h, mlp)
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos, end: int):
         """`cache`: this layer's cache tensors, as its attention kind lays them out;
@@ -69,9 +68,10 @@ class IgnoredNames:
 class Decoder(nn.Module):
     def __init__(self, cfg: RuntimeConfig):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        e = cfg.embedding
+        self.embed_tokens = build(e, cfg.vocab_size, cfg.hidden_size, e)
         self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = build(cfg.norm, cfg.hidden_size, cfg.norm)
 
 
 class CausalLM(nn.Module):

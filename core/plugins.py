@@ -1,167 +1,178 @@
-"""The plugin manager and the registry plugins fill.
+"""The plugin manager: finds the plugins, runs their hooks once, and answers what they registered.
 
 Built-in plugins (`BUILTIN_PLUGINS`) and every entry point in group `zoo.plugins` are registered
 through one path, `_register`, then `check_pending()` catches hook implementations whose names
-match no spec. Plugins are loaded once per process, on first use.
+match no spec. Loading is lazy (on the first call to `registry()`), happens once per process
+(thread-safe), and imports no torch unless a plugin does.
+
+Entry-point plugins can be chosen with two environment variables, read when plugins load:
+`ZOO_PLUGINS` (comma-separated allow-list; empty: none) and `ZOO_DISABLE_PLUGINS` (deny-list,
+which wins). Each name matches a distribution (`zoo-phi3`, any case, `-`/`_`/`.` alike), an
+entry point's name, or the plugin's full name `dist:entry-point`. Built-ins always load.
+A plugin that fails to import, or whose hook raises, is skipped with a warning.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+import os
+import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, entry_points, version
-from pathlib import Path
 from typing import Any
 
 import pluggy
 
 from core import hookspecs
-from core.errors import CheckpointError, ConfigError, PluginError
+from core.errors import PluginError, ZooError
+from core.plugin_registry import Architecture, Format, Layer, NamedModel, Registry, WeightMap
+
+__all__ = [
+    "Architecture",
+    "Format",
+    "Layer",
+    "NamedModel",
+    "Registry",
+    "WeightMap",
+    "describe_plugins",
+    "merge_named_models",
+    "plugin_manager",
+    "registry",
+    "skipped_plugins",
+]
 
 log = logging.getLogger("zoo")
 
 ENTRY_POINT_GROUP = "zoo.plugins"
 BUILTIN_PLUGINS = (
+    "plugins.core_layers",
     "plugins.llama3",
     "plugins.qwen2",
     "plugins.deepseek",
     "plugins.safetensors",
     "plugins.gguf",
 )
-
-# checkpoint module path (integers as "{}") -> core module path, or (core path, shard name),
-# or None to skip the tensor. Anything not listed maps to itself.
-WeightMap = Mapping[str, "str | tuple[str, str] | None"]
+# every hook, in the order core/hookspecs.py defines them
+HOOKS = tuple(name for name in vars(hookspecs) if name.startswith("zoo_"))
 
 
-@dataclass(frozen=True)
-class Architecture:
-    model_types: tuple[str, ...]
-    config: type  # a core.hfconfig.DecoderConfig subclass
-    weight_map: WeightMap
-    plugin: str
+@dataclass
+class PluginInfo:
+    name: str  # a built-in's module, or "distribution:entry-point"
+    distribution: str
+    version: str
+    skipped: str | None = None  # why it is not loaded; None: loaded
 
 
-@dataclass(frozen=True)
-class Format:
-    name: str
-    detect: Callable[[Path], bool]
-    open: Callable[[Path], Any]  # -> core.checkpoint.Checkpoint
-    plugin: str
+@dataclass
+class _Loaded:
+    pm: pluggy.PluginManager
+    registry: Registry
+    plugins: dict[str, PluginInfo]
 
 
-class Registry:
-    """What the plugins registered. Two plugins claiming one name is a `PluginError`."""
-
-    def __init__(self) -> None:
-        self.architectures: dict[str, Architecture] = {}
-        self.formats: dict[str, Format] = {}
-        self.current_plugin = "?"  # set while a plugin's hooks run, to credit what it adds
-
-    def add_architecture(self, model_types, config: type, weight_map: WeightMap) -> None:
-        """Handle config.json files whose `model_type` is one of `model_types`."""
-        types = (model_types,) if isinstance(model_types, str) else tuple(model_types)
-        arch = Architecture(types, config, dict(weight_map), self.current_plugin)
-        for t in types:
-            self._claim(self.architectures, t, arch, "model_type")
-
-    def add_format(self, name: str, detect: Callable, open: Callable) -> None:
-        """Read checkpoints for which `detect(path)` is true with `open(path)`."""
-        self._claim(self.formats, name, Format(name, detect, open, self.current_plugin), "format")
-
-    def _claim(self, table: dict, key: str, value: Any, what: str) -> None:
-        if key in table:
-            raise PluginError(
-                f"{what} {key!r} is registered by both plugin {table[key].plugin!r} and plugin "
-                f"{value.plugin!r}; uninstall or disable one of them"
-            )
-        table[key] = value
-
-    def architecture(self, model_type: Any, source: str = "config.json") -> Architecture:
-        """The architecture for a config's model_type, or a `ConfigError` saying what exists."""
-        if not model_type:
-            raise ConfigError(f"{source}: missing required field 'model_type'")
-        if not isinstance(model_type, str):
-            raise ConfigError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
-        arch = self.architectures.get(model_type)
-        if arch is None:
-            known = sorted(self.architectures)
-            close = difflib.get_close_matches(str(model_type), known, n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise ConfigError(
-                f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(known)}."
-                f"{hint} Architectures come from plugins: see `zoo plugins`."
-            )
-        return arch
-
-    def format_for(self, path: Path) -> Format:
-        """The first registered format that recognises `path`."""
-        for fmt in self.formats.values():
-            if fmt.detect(path):
-                return fmt
-        raise CheckpointError(
-            f"{path}: no checkpoint format recognises it (known: {', '.join(self.formats)}); "
-            "expected a folder with config.json and *.safetensors"
-        )
+_lock = threading.RLock()
+_loaded: _Loaded | None = None
+_loading = False
 
 
-# plugin name -> (distribution, version) it came from, for `zoo plugins`
-_SOURCES: dict[str, tuple[str, str]] = {}
-
-
-def _register(
-    pm: pluggy.PluginManager, load: Callable[[], Any], name: str, dist: str, version: str
-) -> None:
-    """The one path every plugin takes, built in or from an entry point."""
-    try:
-        plugin = load()
-    except Exception as err:  # a broken third-party package must not take Zoo down
-        log.warning("zoo: skipping plugin %s: failed to import: %s", name, err)
-        return
-    _SOURCES[name] = (dist, version)
-    try:
-        pm.register(plugin, name=name)
-    except pluggy.PluginValidationError as err:
-        raise PluginError(f"plugin {name!r} is invalid: {err}") from None
-
-
-def _call(pm: pluggy.PluginManager, hook: str, registry: Registry) -> None:
-    # Call each implementation on its own so the registry knows whom to credit.
-    for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
-        registry.current_plugin = impl.plugin_name
-        impl.function(registry=registry)
-    registry.current_plugin = "?"
-
-
-@functools.cache
-def plugin_manager() -> pluggy.PluginManager:
-    """Load built-in plugins and the `zoo.plugins` entry points, once per process."""
+def _load() -> _Loaded:
     pm = pluggy.PluginManager("zoo")
     pm.add_hookspecs(hookspecs)
+    plugins: dict[str, PluginInfo] = {}
     for mod in BUILTIN_PLUGINS:
-        _register(pm, functools.partial(importlib.import_module, mod), mod, "zoo", _own_version())
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        dist, version = (ep.dist.name, ep.dist.version) if ep.dist else ("?", "?")
-        _register(pm, ep.load, f"{dist}:{ep.name}", dist, version)
+        info = PluginInfo(mod, "zoo", _own_version())
+        _register(pm, info, lambda mod=mod: importlib.import_module(mod), plugins)
+    _load_entry_points(pm, plugins)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as err:
         name = pm.get_name(err.plugin) or repr(err.plugin)
         raise PluginError(f"plugin {name!r}: {err}; check the hook's name") from None
-    return pm
+    return _Loaded(pm, _fill(pm, plugins), plugins)
 
 
-@functools.cache
-def registry() -> Registry:
-    """The registry filled by every loaded plugin."""
-    pm, reg = plugin_manager(), Registry()
-    _call(pm, "zoo_register_formats", reg)
-    _call(pm, "zoo_register_architectures", reg)
+def _load_entry_points(pm: pluggy.PluginManager, plugins: dict[str, PluginInfo]) -> None:
+    """Register the `zoo.plugins` entry points that ZOO_PLUGINS / ZOO_DISABLE_PLUGINS let in."""
+    lists = {var: _names(var) for var in ("ZOO_PLUGINS", "ZOO_DISABLE_PLUGINS")}
+    allow, deny = lists["ZOO_PLUGINS"], lists["ZOO_DISABLE_PLUGINS"] or set()
+    seen: set[str] = set()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist, ver = (ep.dist.name, ep.dist.version) if ep.dist else ("?", "?")
+        info = PluginInfo(f"{dist}:{ep.name}", dist, ver)
+        keys = {_norm(dist), _norm(ep.name), f"{_norm(dist)}:{_norm(ep.name)}"}
+        seen |= keys
+        if keys & deny:
+            info.skipped = "disabled by ZOO_DISABLE_PLUGINS"
+        elif allow is not None and not keys & allow:
+            info.skipped = "not named in ZOO_PLUGINS"
+        if info.skipped:
+            log.info("zoo: plugin %s (%s %s) %s", info.name, dist, ver, info.skipped)
+            plugins.setdefault(info.name, info)
+            continue
+        _register(pm, info, ep.load, plugins)
+    for var, names in lists.items():
+        for name in sorted((names or set()) - seen):  # most likely a typo
+            log.warning("zoo: %s names %r, which matches no installed plugin", var, name)
+
+
+def _register(
+    pm: pluggy.PluginManager, info: PluginInfo, load: Callable[[], Any], plugins: dict
+) -> None:
+    """The one path every plugin takes, built in or from an entry point."""
+    if info.name in plugins:  # the same distribution found twice on sys.path: first wins
+        return
+    plugins[info.name] = info
+    try:
+        plugin = load()
+    except Exception as err:  # a broken third-party package must not take Zoo down
+        info.skipped = f"failed to import: {type(err).__name__}: {err}"
+        log.warning("zoo: skipping plugin %s (%s): %s", info.name, info.distribution, info.skipped)
+        return
+    if pm.is_registered(plugin):  # idempotent: one module behind two names loads once
+        info.skipped = f"the same object is already loaded as plugin {pm.get_name(plugin)!r}"
+        log.debug("zoo: plugin %s: %s", info.name, info.skipped)
+        return
+    try:
+        pm.register(plugin, name=info.name)
+    except pluggy.PluginValidationError as err:
+        raise PluginError(f"plugin {info.name!r} ({info.distribution}) is invalid: {err}") from None
+
+
+def _fill(pm: pluggy.PluginManager, plugins: dict[str, PluginInfo]) -> Registry:
+    """Run every plugin's hooks into one registry, crediting each addition to its plugin."""
+    reg = Registry()
+    for name, _ in pm.list_name_plugin():
+        reg.current_plugin = name
+        try:
+            for hook in HOOKS:
+                for impl in getattr(pm.hook, hook).get_hookimpls():
+                    if impl.plugin_name == name:
+                        impl.function(registry=reg)
+        except ZooError:
+            raise  # a duplicate claim, or a bad registration: the message names the plugin
+        except Exception as err:
+            reg.forget(name)
+            pm.unregister(name=name)
+            info = plugins[name]
+            info.skipped = f"{hook} failed: {type(err).__name__}: {err}"
+            log.warning("zoo: skipping plugin %s (%s): %s", name, info.distribution, info.skipped)
+    reg.current_plugin = "?"
     return reg
+
+
+def _names(var: str) -> set[str] | None:
+    """The normalised names in a comma-separated variable; None when it is unset."""
+    raw = os.environ.get(var)
+    return None if raw is None else {_norm(n) for n in raw.split(",") if n.strip()}
+
+
+def _norm(name: str) -> str:
+    """Distribution names compare like pip's: any case, runs of - _ . alike."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
 def _own_version() -> str:
@@ -171,16 +182,64 @@ def _own_version() -> str:
         return "source"
 
 
+def _state() -> _Loaded:
+    global _loaded, _loading
+    with _lock:
+        if _loaded is None:
+            if _loading:
+                raise PluginError(
+                    "a plugin asked for the registry while plugins were loading; a hook must "
+                    "only add to the registry object it is given"
+                )
+            _loading = True
+            try:
+                _loaded = _load()
+            finally:
+                _loading = False
+        return _loaded
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The pluggy manager with every loaded plugin (loading them on first use)."""
+    return _state().pm
+
+
+def registry() -> Registry:
+    """The registry filled by every loaded plugin (loading them on first use)."""
+    return _state().registry
+
+
 def describe_plugins() -> list[dict[str, Any]]:
     """Each loaded plugin: name, distribution, version, and what it registered."""
-    pm, reg = plugin_manager(), registry()
+    state = _state()
     rows = []
-    for name, _ in pm.list_name_plugin():
-        dist, ver = _SOURCES.get(name, ("?", "?"))
-        registers: dict[str, list[str]] = {}
-        for kind, table in (("architectures", reg.architectures), ("formats", reg.formats)):
-            names = sorted(k for k, v in table.items() if v.plugin == name)
-            if names:
-                registers[kind] = names
-        rows.append({"name": name, "distribution": dist, "version": ver, "registers": registers})
+    for name, _ in state.pm.list_name_plugin():
+        info = state.plugins[name]
+        rows.append(
+            {
+                "name": name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "registers": state.registry.registered_by(name),
+            }
+        )
     return rows
+
+
+def skipped_plugins() -> list[PluginInfo]:
+    """Plugins found but not loaded, each with the reason (`.skipped`)."""
+    return [p for p in _state().plugins.values() if p.skipped]
+
+
+def merge_named_models(models: dict[str, dict], source: str) -> dict[str, dict]:
+    """registry.yaml's named models (read from `source`) plus those the plugins registered;
+    a name in both is a `PluginError` naming the file and the plugin."""
+    merged = dict(models)
+    for name, model in registry().models.items():
+        if name in merged:
+            raise PluginError(
+                f"model name {name!r} is defined by both {source} and plugin {model.plugin!r}; "
+                "rename one of them, or leave the plugin out with ZOO_DISABLE_PLUGINS"
+            )
+        merged[name] = dict(model.entry)
+    return merged

@@ -10,14 +10,16 @@ permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGU
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from core.errors import CheckpointError, ConfigError
 from core.hookspecs import hookimpl
 from plugins.gguf_reader import GGUFFile
+
+if TYPE_CHECKING:  # torch loads only when a model is built: listing plugins stays light
+    import torch
 
 # general.architecture -> (hub model_type, whether llama.cpp permuted the q/k rows)
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}

@@ -13,12 +13,14 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # v1 counted in 32-bit ints; llama.cpp dropped it in 2023
@@ -125,6 +127,7 @@ class GGUFFile:
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor on the CPU: F32/F16/BF16 as stored, block formats dequantized to float32."""
+        import torch
         from gguf import GGMLQuantizationType as T
         from gguf.quants import dequantize
 

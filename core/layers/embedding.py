@@ -4,15 +4,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.config import EmbeddingSpec
+
 
 class Embedding(nn.Embedding):
-    pass
+    """ids (B, T) -> (B, T, hidden), times `spec.scale` rounded to the weights' dtype."""
+
+    def __init__(self, vocab: int, hidden: int, spec: EmbeddingSpec):
+        super().__init__(vocab, hidden)
+        self.scale = spec.scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)
+        if self.scale == 1.0:
+            return x
+        # Gemma: transformers rounds sqrt(hidden) to the model dtype before multiplying
+        return x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
 
 
 class LMHead(nn.Module):
     """logits = h @ W.T, with W its own parameter or the tied embedding's."""
 
-    def __init__(self, hidden: int, vocab: int, tied_to: Embedding | None):
+    def __init__(self, hidden: int, vocab: int, tied_to: nn.Module | None):
         super().__init__()
         self.tied_to = [tied_to]  # a list keeps the tied module out of this one's parameters
         if tied_to is None:

@@ -1,0 +1,131 @@
+"""zoo-phi3 against transformers' Phi3ForCausalLM on tiny random checkpoints (fp32).
+
+Self-contained: needs only zoo, transformers and this package installed (its entry point is how
+Zoo finds it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from core import ConfigError, load_model
+from core.plugins import registry
+
+TOL = 1e-4  # max |error| / max |reference logit|, fp32: the bar every Zoo architecture meets
+
+# GQA (4 q heads, 2 kv heads), rope on half of each head (Phi-4-mini turns 0.75), untied head
+PHI3 = dict(
+    model_type="phi3",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    original_max_position_embeddings=128,
+    partial_rotary_factor=0.5,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# full rotary, multi-head attention, tied embeddings, and a window that never slides (the 128k
+# checkpoints carry sliding_window=262144)
+PHI3_TIED = dict(
+    PHI3,
+    num_key_value_heads=4,
+    partial_rotary_factor=1.0,
+    tie_word_embeddings=True,
+    sliding_window=1024,
+)
+
+
+def make_checkpoint(root, spec: dict, seed: int = 0):
+    """A transformers model from `spec`, weights scaled up so a wrong op shows, saved with a
+    config.json in the hub's key style (rope_theta at the top level, rope_scaling null)."""
+    config = AutoConfig.for_model(**spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(root)
+    cfg = json.loads((root / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg.update(rope_theta=params["rope_theta"], rope_scaling=None, torch_dtype="bfloat16")
+    cfg.pop("dtype", None)
+    cfg["partial_rotary_factor"] = params.get("partial_rotary_factor", 1.0)
+    (root / "config.json").write_text(json.dumps(cfg))
+    return root, model
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def token_ids(b: int, t: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(
+        4, PHI3["vocab_size"], (b, t), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def test_registered_through_the_entry_point():
+    arch = registry().architectures["phi3"]
+    assert arch.plugin == "zoo-phi3:phi3" and arch.config.__module__ == "zoo_phi3"
+
+
+@pytest.mark.parametrize("spec", [PHI3, PHI3_TIED], ids=["partial-rotary-gqa", "tied-mha"])
+@torch.no_grad()
+def test_matches_transformers(tmp_path, spec):
+    root, ref = make_checkpoint(tmp_path, spec)
+    m = load_model(root, device="cpu", dtype=torch.float32, max_seq_len=64, max_batch_size=2)
+    x = token_ids(2, 14)
+    want = ref(x).logits
+    # prefill
+    assert rel_err(m.forward(x), want) < TOL
+    # decode: prefill 6 tokens, then one at a time against the full-sequence logits
+    m.reset()
+    steps = [m.forward(x[:, :6], 0)] + [m.forward(x[:, t : t + 1], t) for t in range(6, 14)]
+    assert rel_err(torch.cat(steps, dim=1), want) < TOL
+    # a batch of two equals each row alone
+    for row in range(2):
+        m.reset()
+        assert rel_err(m.forward(x[row : row + 1]), want[row : row + 1]) < TOL
+    # greedy: 12 tokens identical
+    prompt = x[:1, :5]
+    greedy = ref.generate(
+        prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    m.reset()
+    m.eos_token_ids = set()  # transformers was told not to stop; Zoo must not either
+    assert m.generate(prompt[0].tolist(), max_new_tokens=12).token_ids == greedy[0, 5:].tolist()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 4}}, ["'su'", "longrope"]),
+        ({"rope_scaling": {"rope_type": "longrope"}}, ["'longrope'", "default rope only"]),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ["'linear'", "Phi-3"]),
+        ({"sliding_window": 32}, ["sliding_window", "32", "max_position_embeddings"]),
+        ({"partial_rotary_factor": 0.1}, ["partial_rotary_factor", "even"]),
+    ],
+)
+def test_unsupported_configs_are_refused(tmp_path, change, words):
+    root, _ = make_checkpoint(tmp_path, PHI3)
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ConfigError) as err:
+        load_model(root, device="cpu")
+    assert all(w in str(err.value) for w in words), str(err.value)

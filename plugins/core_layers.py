@@ -1,0 +1,18 @@
+"""The core's layer kinds (core/layers/), registered through the same hook as a plugin's.
+
+Modules are named as "module:Class" strings, imported only when a model is built, so that
+listing plugins and models never imports torch.
+"""
+
+from core.config import DenseMLPSpec, EmbeddingSpec, GQASpec, MLASpec, MoESpec, RMSNormSpec
+from core.hookspecs import hookimpl
+
+
+@hookimpl
+def zoo_register_layers(registry):
+    registry.add_layer(EmbeddingSpec, "core.layers.embedding:Embedding")
+    registry.add_layer(RMSNormSpec, "core.layers.norm:RMSNorm")
+    registry.add_layer(GQASpec, "core.layers.attention:GQAAttention")
+    registry.add_layer(MLASpec, "core.layers.mla:MLAAttention")
+    registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
+    registry.add_layer(MoESpec, "core.layers.moe:MoE")
