@@ -30,7 +30,8 @@ ALLOW_PATTERNS = [
 ]
 # Subfolders (e.g. Llama's original/) and Mistral's consolidated copy duplicate the weights.
 IGNORE_PATTERNS = ["*/*", "consolidated*"]
-REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# org/name as the hub allows them: no part starts or ends with '.' or '-' (so ./x is a path)
+REPO_ID = re.compile(r"(\w|\w[\w.-]*\w)/(\w|\w[\w.-]*\w)")
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -118,6 +119,8 @@ def download(repo_id: str, *, revision: str | None = None, offline: bool | None 
             ignore_patterns=IGNORE_PATTERNS,
             local_files_only=offline,
         )
+    except hf.HFValidationError as err:
+        raise HubError(f"{repo_id!r} is not a valid hub repo id: {err}") from None
     except hf.GatedRepoError as err:
         raise HubError(_gated_message(repo_id, url)) from err
     except hf.RepositoryNotFoundError as err:

@@ -277,3 +277,12 @@ def test_environment_offline_mode_in_a_fresh_process(hub, tmp_path):
     assert out.returncode == 3, out.stderr
     assert out.stdout.startswith("llama\n")
     assert "'zoo-test/other' (revision main) is not in the local hub cache" in out.stdout
+
+
+def test_a_missing_relative_path_is_not_taken_for_a_repo_id(tmp_path, monkeypatch):
+    from core.hub import resolve
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("./missing", "../missing/model", "-org/name"):
+        with pytest.raises(HubError, match="is not a local folder or file"):
+            resolve(name, offline=True)
