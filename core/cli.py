@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from core.errors import ZooError
@@ -101,6 +102,14 @@ def _chat(args: argparse.Namespace) -> None:
             history.pop()
             continue
         history.append({"role": "assistant", "content": reply})
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from core.server import listen, serve
+
+    sock = listen(args.host, args.port)
+    model = _load(args, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+    serve(model, args.model, sock, api_key=args.api_key)
 
 
 def _download(args: argparse.Namespace) -> None:
@@ -238,6 +247,23 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(chat)
     _sampling_options(chat)
     chat.set_defaults(func=_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see docs/serve.md)")
+    _model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--max-batch-size", type=int, default=8, help="requests run together (KV cache rows)"
+    )
+    serve.add_argument(
+        "--max-seq-len", type=int, default=None, help="context per request (KV cache length)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("ZOO_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ZOO_API_KEY)",
+    )
+    serve.set_defaults(func=_serve)
 
     download = sub.add_parser("download", help="fetch a model into the hub cache")
     _model_options(download, optional=False)

@@ -1,10 +1,11 @@
 """The token loop: prefill a batch once, then one token per row per step through the static
-cache; each row stops on its own (eos, stop token, stop string, or length)."""
+cache; each row samples with its own parameters and stops on its own (eos, stop token, stop
+string, length, or a cancel from its caller)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ class TokenLogprob:
 class GenerationResult:
     token_ids: list[int]  # the new tokens only (a final eos / stop token included)
     text: str = ""  # their text, cut before a stop string
-    finish_reason: str = "length"  # "stop" | "length"
+    finish_reason: str = "length"  # "stop" | "length" | "abort" (cancelled by the caller)
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -114,64 +115,117 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenL
     return out
 
 
+def _penalizes(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+def _sampler_key(p: SamplingParams) -> tuple:
+    """Rows whose parameters share this key are sampled together, as one (n, V) block."""
+    return (
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    )
+
+
+def _next_tokens(
+    logits: torch.Tensor,
+    ps: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    counts: torch.Tensor | None,
+    seen: torch.Tensor | None,
+) -> torch.Tensor:
+    """One token per row (B,) from logits (B, V), each row by its own parameters."""
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(ps):
+        groups.setdefault(_sampler_key(p), []).append(row)
+    tokens = torch.empty(len(ps), dtype=torch.long, device=logits.device)
+    for rows in groups.values():
+        p = ps[rows[0]]
+        idx = torch.tensor(rows, device=logits.device)
+        x = logits[idx]
+        if _penalizes(p):
+            x = apply_penalties(x, counts[idx], seen[idx], p)
+        if p.greedy:
+            tokens[idx] = x.argmax(dim=-1)
+        else:
+            tokens[idx] = draw(filter_logits(x, p), [generators[r] for r in rows])
+    return tokens
+
+
 def run(
     forward: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor],
     prompts: list[list[int]],
-    p: SamplingParams,
+    params: SamplingParams | Sequence[SamplingParams],
     *,
     tokenizer: Tokenizer | None,
-    stop_ids: set[int],
+    stop_ids: set[int] | Sequence[set[int]],
     vocab_size: int,
     device: torch.device,
+    cancelled: Callable[[int], bool] | None = None,
+    on_token: Callable[[int, int, TokenLogprob | None], None] | None = None,
 ) -> Generator[tuple[int, str], None, list[GenerationResult]]:
     """Yield (row, text piece) as tokens arrive; return the results.
 
     `forward(ids, start_pos)` is the model's: ids (B, T), start_pos an int or per-row (B,) tensor.
+    `params` and `stop_ids` are shared by all rows or given one per row (rows sampled alike run
+    together). `cancelled(row)` is asked before each of a row's tokens: True ends that row with
+    finish_reason "abort" (the batch ends once every row has ended). `on_token(row, token id,
+    logprob or None)` sees each token as its row takes it, before the text it makes is yielded.
     """
     b = len(prompts)
+    ps = [params] * b if isinstance(params, SamplingParams) else list(params)
+    stops = [stop_ids] * b if isinstance(stop_ids, set | frozenset) else list(stop_ids)
     lens = torch.tensor([len(x) for x in prompts], device=device)
     ids = torch.zeros(b, int(lens.max()), dtype=torch.long, device=device)  # right-padded
     for row, x in enumerate(prompts):
         ids[row, : len(x)] = torch.tensor(x, device=device)
     generators = [
-        torch.Generator(device).manual_seed(p.seed) if p.seed is not None else None
-        for _ in range(b)
+        torch.Generator(device).manual_seed(p.seed) if p.seed is not None else None for p in ps
     ]
-    penalize = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-    if penalize:
+    counts = seen = None
+    if any(_penalizes(p) for p in ps):
         seen = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
         seen.scatter_(1, ids, True)
         seen[:, 0] = torch.tensor([0 in x for x in prompts], device=device)  # undo padding's 0
         counts = torch.zeros(b, vocab_size, device=device)
-    rows = [_Row(x, tokenizer, p) for x in prompts]
+    rows = [_Row(x, tokenizer, p) for x, p in zip(prompts, ps, strict=True)]
+    top_n = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
 
     t0 = time.perf_counter()
     logits = forward(ids, 0)[torch.arange(b, device=device), lens - 1].float()  # (B, V)
     pos = lens - 1  # position of the token fed next, per row
     t_first = None
-    for _ in range(p.max_new_tokens):
-        raw = logits
-        if penalize:
-            logits = apply_penalties(logits, counts, seen, p)
-        if p.greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = draw(filter_logits(logits, p), generators)
-        lps = _logprobs(raw, tokens, p.logprobs) if p.logprobs is not None else None
+    for _ in range(max(p.max_new_tokens for p in ps)):
+        tokens = _next_tokens(logits, ps, generators, counts, seen)
+        # the model's own log-probabilities, before penalties and filters (as vLLM's)
+        lps = _logprobs(logits, tokens, top_n) if top_n is not None else None
         if t_first is None:
             t_first = time.perf_counter()
-        for row, (r, t) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+        for row, (r, p, t) in enumerate(zip(rows, ps, tokens.tolist(), strict=True)):
             if r.finish:
                 continue
-            if lps is not None:
-                r.logprobs.append(lps[row])
-            piece = r.push(t, stop_ids, p.max_new_tokens)
+            if cancelled is not None and cancelled(row):
+                r.finish = "abort"
+                continue
+            lp = None
+            if r.logprobs is not None:
+                lp = lps[row]
+                lp.top = dict(list(lp.top.items())[: p.logprobs])  # this row's top-n of top_n
+                r.logprobs.append(lp)
+            if on_token is not None:
+                on_token(row, t, lp)
+            piece = r.push(t, stops[row], p.max_new_tokens)
             if piece:
                 yield row, piece
         active = torch.tensor([r.finish is None for r in rows], device=device)
         if not active.any():
             break
-        if penalize:
+        if counts is not None:
             counts[torch.arange(b, device=device), tokens] += active.float()
             seen[torch.arange(b, device=device), tokens] |= active
         pos = pos + active  # finished rows stay put, rewriting their own last slot
@@ -179,7 +233,7 @@ def run(
         logits = forward(tokens[:, None], step_pos)[:, -1].float()
     t_end = time.perf_counter()
 
-    n_decode = sum(len(r.out) - 1 for r in rows)  # tokens after each row's first
+    n_decode = sum(max(len(r.out) - 1, 0) for r in rows)  # tokens after each row's first
     timings = {
         "time_to_first_token_s": (t_first or t_end) - t0,
         "prefill_tokens_per_s": float(lens.sum()) / max((t_first or t_end) - t0, 1e-9),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,7 @@ import torch
 from core import generation
 from core.config import RuntimeConfig
 from core.errors import RequestError
-from core.generation import GenerationResult
+from core.generation import GenerationResult, TokenLogprob
 from core.modeling import CausalLM
 from core.sampling import SamplingParams, defaults_from_generation_config
 from core.tokenizer import Tokenizer
@@ -128,16 +128,32 @@ class Model:
             )
         return ids, p
 
-    def _loop(self, ids: list[list[int]], p: SamplingParams):
-        stop = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+    def token_loop(
+        self,
+        ids: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        *,
+        cancelled: Callable[[int], bool] | None = None,
+        on_token: Callable[[int, int, TokenLogprob | None], None] | None = None,
+    ) -> Generator[tuple[int, str], None, list[GenerationResult]]:
+        """The token loop (`core.generation.run`) over encoded prompts, with one SamplingParams
+        for all rows or one per row; each row stops on its stop ids and the model's eos.
+
+        Checks nothing: callers validate prompts and lengths first (as `generate` does), and
+        iterate under `torch.inference_mode()`.
+        """
+        ps = params if isinstance(params, list) else [params] * len(ids)
+        stop = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in ps]
         return generation.run(
             self.net,
             ids,
-            p,
+            ps,
             tokenizer=self.tokenizer,
             stop_ids=stop,
             vocab_size=self.config.vocab_size,
             device=self.device,
+            cancelled=cancelled,
+            on_token=on_token,
         )
 
     @torch.inference_mode()
@@ -153,7 +169,7 @@ class Model:
         prompts = list(prompt) if batch else [prompt]
         if batch and not prompts:
             raise RequestError("prompt is an empty list; pass text, token ids or a list of them")
-        loop = self._loop(*self._start(prompts, params))
+        loop = self.token_loop(*self._start(prompts, params))
         while True:
             try:
                 next(loop)
@@ -168,7 +184,7 @@ class Model:
         The returned iterator's `.result` holds the `GenerationResult` once it is exhausted.
         """
         with torch.inference_mode():
-            return TextStream(self._loop(*self._start([prompt], params)))
+            return TextStream(self.token_loop(*self._start([prompt], params)))
 
 
 class TextStream(Iterator[str]):

@@ -434,22 +434,30 @@ class PerRowReference:
         return torch.stack(out)
 
 
-def run_loop(base, prompts, **kw):
+def run_loop(base, prompts, per_row: list[dict] | None = None, hooks: dict | None = None, **kw):
+    """The token loop over the per-row reference: one set of parameters `kw`, or one per row;
+    `hooks`: run()'s cancelled / on_token. Returns (results, streamed text per row)."""
     from core.generation import run
     from core.sampling import SamplingParams
     from core.tokenizer import Tokenizer
 
     root, ref, hf, _ = base
     ids = [hf.encode(x) if isinstance(x, str) else x for x in prompts]
-    p = SamplingParams(ignore_eos=True, **kw)
+    if per_row is None:
+        p = SamplingParams(ignore_eos=True, **kw)
+        stop = set(p.stop_token_ids)
+    else:
+        p = [SamplingParams(ignore_eos=True, **x) for x in per_row]
+        stop = [set(x.stop_token_ids) for x in p]
     loop = run(
         PerRowReference(ref),
         ids,
         p,
         tokenizer=Tokenizer.from_folder(root),
-        stop_ids=set(p.stop_token_ids),
+        stop_ids=stop,
         vocab_size=ref.config.vocab_size,
         device=torch.device("cpu"),
+        **(hooks or {}),
     )
     pieces = [[] for _ in prompts]
     while True:
@@ -493,6 +501,76 @@ def test_loop_batches_rows_by_their_own_positions(base, kw):
     if "stop_token_ids" in kw or "stop" in kw:
         assert batch[0].finish_reason == "stop"
         assert len({len(r.token_ids) for r in batch}) > 1  # rows ended at different steps
+
+
+# one batch, one SamplingParams per row (as the server batches its requests)
+PER_ROW = [
+    dict(max_new_tokens=12),
+    dict(max_new_tokens=9, temperature=1.0, seed=11, frequency_penalty=0.4, logprobs=1),
+    dict(max_new_tokens=16, temperature=0.9, top_p=0.8, top_k=20, seed=12, repetition_penalty=1.2),
+    dict(max_new_tokens=5, presence_penalty=1.0, logprobs=3),
+]
+
+
+def test_loop_rows_with_their_own_params(base):
+    batch, streamed = run_loop(base, BATCH, per_row=PER_ROW)
+    for prompt, kw, got, text in zip(BATCH, PER_ROW, batch, streamed, strict=True):
+        (alone,), _ = run_loop(base, [prompt], **kw)
+        assert got.token_ids == alone.token_ids and got.text == alone.text == text
+        assert len(got.token_ids) == kw["max_new_tokens"]
+        if "logprobs" in kw:
+            assert [len(x.top) for x in got.logprobs] == [kw["logprobs"]] * len(got.token_ids)
+            assert [x.logprob for x in got.logprobs] == pytest.approx(
+                [x.logprob for x in alone.logprobs], abs=1e-5
+            )
+        else:
+            assert got.logprobs is None
+
+
+def test_model_batch_with_per_row_params(model, model4):
+    """The same through the real forward: Model.token_loop with per-row params, each row equal to
+    Model.generate alone (eos obeyed by all but one row, which ignores it)."""
+    from core.sampling import SamplingParams
+
+    per_row = [*PER_ROW[:3], dict(PER_ROW[3], ignore_eos=True)]
+    ids = [model4.encode_prompt(x) for x in BATCH]
+    params = [SamplingParams.build(model4.defaults, **kw) for kw in per_row]
+    with torch.inference_mode():
+        loop = model4.token_loop(ids, params)
+        while True:
+            try:
+                next(loop)
+            except StopIteration as done:
+                batch = done.value
+                break
+    for prompt, kw, got in zip(BATCH, per_row, batch, strict=True):
+        alone = model.generate(prompt, **kw)
+        assert got.token_ids == alone.token_ids and got.text == alone.text
+        assert got.finish_reason == alone.finish_reason
+
+
+def test_cancelled_row_stops_and_the_others_go_on(base):
+    """cancelled(row) ends that row at once ("abort"); the batch ends when every row has."""
+    taken = [0] * len(BATCH)
+
+    def on_token(row, token, logprob):
+        taken[row] += 1
+
+    hooks = dict(on_token=on_token, cancelled=lambda row: row == 1 and taken[1] >= 3)
+    batch, _ = run_loop(base, BATCH, hooks=hooks, max_new_tokens=12)
+    for row, (prompt, got) in enumerate(zip(BATCH, batch, strict=True)):
+        (alone,), _ = run_loop(base, [prompt], max_new_tokens=12)
+        if row == 1:
+            assert got.finish_reason == "abort" and got.token_ids == alone.token_ids[:3]
+        else:
+            assert got.token_ids == alone.token_ids and got.finish_reason == "length"
+        assert taken[row] == len(got.token_ids)
+    # every row cancelled after its 2nd token: the loop ends there, not at max_new_tokens
+    taken = [0] * len(BATCH)
+    hooks = dict(on_token=on_token, cancelled=lambda row: taken[row] >= 2)
+    batch, _ = run_loop(base, BATCH, hooks=hooks, max_new_tokens=12)
+    assert [len(r.token_ids) for r in batch] == [2] * len(BATCH)
+    assert {r.finish_reason for r in batch} == {"abort"}
 
 
 def test_batch_larger_than_max_batch_size(model, model4):

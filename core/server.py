@@ -1,0 +1,296 @@
+"""`zoo serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one loaded model.
+
+Handlers validate a request on the event loop, queue it as a `Job` for the scheduler thread
+(core/scheduler.py: it owns the model and runs the queue in batched waves), and turn the job's
+events into a JSON response or server-sent events. A client that disconnects cancels its row.
+See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+
+from core.errors import RequestError, ZooError
+from core.generation import GenerationResult, TokenLogprob
+from core.model import Model
+from core.sampling import SamplingParams
+from core.scheduler import Job, Scheduler
+from core.server_schemas import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    as_api_error,
+    chat_logprobs,
+    completion_logprobs,
+    error,
+    error_body,
+    model_list,
+    validation_error,
+)
+
+
+class _Auth:
+    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>` (before the body is read)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode(), self.key
+            )
+            if not ok:
+                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                body = error(message, code="invalid_api_key")
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel their job however the response ends (a client that went
+    away frees its row now, not when the generator is garbage-collected)."""
+
+    def __init__(self, job: Job, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream")
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled = True  # no-op once the job is done
+            await self.body_iterator.aclose()
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled = True
+
+
+async def _result(job: Job, request: Request) -> GenerationResult:
+    """Wait for a non-streaming job; cancel its row if the client disconnects meanwhile."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+    try:
+        while True:
+            kind, value = await job.events.get()
+            if kind == "done":
+                return value
+            if kind == "error":
+                raise as_api_error(value)
+    finally:
+        watcher.cancel()
+        job.cancelled = True  # no-op once done; frees the row if this handler was cancelled
+
+
+async def _events(job: Job, reply: Reply, fmt: Callable, usage: bool) -> AsyncIterator[str]:
+    """The SSE stream of one job: a chunk per text piece (with the logprobs of its tokens), a
+    last chunk with finish_reason, a usage chunk if asked, then [DONE]."""
+    if reply.kind == "chat":
+        yield _sse(reply.chunk("", role=True))
+    pending: list[TokenLogprob] = []
+    sent = 0
+    while True:
+        kind, value = await job.events.get()
+        if kind == "token":
+            pending.append(value)
+        elif kind == "text":
+            yield _sse(reply.chunk(value, fmt(pending, sent) if pending else None))
+            pending, sent = [], sent + len(value)
+        elif kind == "error":
+            yield _sse(error_body(as_api_error(value)))
+            break
+        else:
+            lps = fmt(pending, sent) if pending else None
+            text = None if reply.kind == "chat" else ""
+            yield _sse(reply.chunk(text, lps, finish=value.finish_reason))
+            if usage:
+                yield _sse(reply.usage_chunk(value))
+            break
+    yield _sse("[DONE]")
+
+
+def _encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
+    """Prompt ids, or a 400 naming the request field whose text or ids are at fault."""
+    try:
+        return encode()
+    except RequestError as err:
+        raise ApiError(400, str(err), param=param) from None
+
+
+def create_app(model: Model, name: str, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `model` as `name`; batches hold up to model.max_batch_size."""
+    scheduler = Scheduler(model)
+    tok = model.tokenizer
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="zoo", lifespan=lifespan)
+    app.state.scheduler = scheduler
+    if api_key:
+        app.add_middleware(_Auth, key=api_key)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return JSONResponse(error_body(err), status_code=err.status)
+
+    @app.exception_handler(ZooError)
+    async def _zoo_error(request: Request, err: ZooError):
+        return await _api_error(request, as_api_error(err))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        return await _api_error(request, validation_error(err))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException):
+        return await _api_error(request, ApiError(err.status_code, str(err.detail)))
+
+    def check(req) -> None:
+        if req.model != name:
+            message = f"the model '{req.model}' does not exist; this server has '{name}'"
+            raise ApiError(404, message, param="model", code="model_not_found")
+        if req.n != 1:
+            raise ApiError(400, f"only n=1 is supported (got n={req.n})", param="n")
+
+    def prepare(req, ids: list[int], max_tokens: int | None, logprobs, names: dict) -> Job:
+        """Context length and sampling values checked -> a Job. `names` maps SamplingParams
+        fields to the request's (for errors)."""
+        room = model.max_seq_len - len(ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = f" + {names['max_new_tokens']} ({max_tokens})" if max_tokens is not None else ""
+            raise ApiError(
+                400,
+                f"prompt ({len(ids)} tokens){asked} exceeds the context length "
+                f"({model.max_seq_len} tokens); shorten the prompt, ask for fewer tokens, or "
+                "restart zoo serve with a larger --max-seq-len",
+                param=names["max_new_tokens"] if room >= 1 else None,
+                code="context_length_exceeded",
+            )
+        # OpenAI's default temperature is 1; the model's generation_config.json wins over it
+        fields = {"temperature": 1.0, **model.defaults, **req.sampling(), "logprobs": logprobs}
+        # no max_tokens: up to the rest of the context (as OpenAI and vLLM)
+        default_max = min(model.defaults.get("max_new_tokens", room), room)
+        fields["max_new_tokens"] = default_max if max_tokens is None else max_tokens
+        try:
+            params = SamplingParams(**fields)
+        except ValidationError as err:
+            e = err.errors()[0]
+            key = str(e["loc"][0]) if e["loc"] else None
+            param = names.get(key, key)
+            raise ApiError(
+                400, f"invalid '{param}': {e['msg']} (got {e.get('input')!r})", param=param
+            ) from None
+        return Job(ids, params, stream=req.stream, loop=asyncio.get_running_loop())
+
+    async def respond(job: Job, req, request: Request, reply: Reply, fmt: Callable):
+        scheduler.submit(job)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            reply.include_usage = usage
+            return _EventStream(job, _events(job, reply, fmt, usage))
+        result = await _result(job, request)
+        lps = fmt(result.logprobs, 0) if result.logprobs is not None else None
+        return JSONResponse(reply.full(result, lps))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return model_list(name, model.max_seq_len, created)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        check(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        messages = []
+        for m in req.messages:
+            msg = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                if any(part.type != "text" for part in m.content):
+                    raise ApiError(400, "only text content parts are supported", param="messages")
+                msg["content"] = "".join(part.text or "" for part in m.content)
+            messages.append(msg)
+        if tok is None:
+            raise RequestError(f"{model.path} has no tokenizer; use /v1/completions with ids")
+        # the template writes the special tokens; encode_prompt checks the ids against the vocab
+        ids = _encoded(lambda: model.encode_prompt(tok.apply_chat_template(messages)), "messages")
+        newer = req.max_completion_tokens is not None  # max_tokens' newer name wins
+        names = {"max_new_tokens": "max_completion_tokens" if newer else "max_tokens"}
+        max_tokens = req.max_completion_tokens if newer else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        job = prepare(req, ids, max_tokens, logprobs, {**names, "logprobs": "top_logprobs"})
+        fmt = lambda lps, _offset: chat_logprobs(tok, lps)  # noqa: E731
+        return await respond(job, req, request, Reply("chat", name), fmt)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check(req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, "one prompt per request (got a list of them)", param="prompt")
+            prompt = prompt[0]
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        ids = _encoded(lambda: model.encode_prompt(prompt), "prompt")
+        job = prepare(req, ids, req.max_tokens, req.logprobs, {"max_new_tokens": "max_tokens"})
+        fmt = lambda lps, offset: completion_logprobs(tok, lps, offset)  # noqa: E731
+        return await respond(job, req, request, Reply("completion", name), fmt)
+
+    return app
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free one); one that cannot be bound raises RequestError,
+    before a model is loaded for nothing."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as err:
+        raise RequestError(
+            f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --port"
+        ) from None
+
+
+def serve(model: Model, name: str, sock: socket.socket, *, api_key: str | None = None) -> None:
+    """Serve `model` as `name` on a socket from `listen` until Ctrl-C."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    print(
+        f"zoo: serving {name} at http://{host}:{port}/v1 (batches of up to "
+        f"{model.max_batch_size}, context {model.max_seq_len} tokens)",
+        flush=True,
+    )
+    app = create_app(model, name, api_key=api_key)
+    with suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after a clean stop
+        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
