@@ -48,6 +48,7 @@ def test_prompt_beyond_cache_is_refused_before_compute(root):
     ("kwargs", "word"),
     [
         ({"prompt": []}, "empty"),
+        ({"prompt": [5, 96, -1]}, r"\[96, -1\] outside the vocabulary \[0, 96\)"),
         ({"prompt": [5], "max_new_tokens": 0}, "max_new_tokens"),
         ({"prompt": [5], "temperature": -1.0}, "temperature"),
     ],
