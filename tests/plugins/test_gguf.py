@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import LLAMA31, LLAMA32
+from test_qwen2 import QWEN25, QWEN25_YARN
 
 from core import CheckpointError, load_model
 from core.plugins import registry
@@ -297,28 +298,7 @@ def test_tiny_llama_gguf_matches_safetensors(checkpoint, tmp_path, spec):
     assert rel_err(got, ref(x).logits) < 1e-4
 
 
-QWEN25 = dict(
-    model_type="qwen2",
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-QWEN25_YARN = dict(
-    QWEN25,
-    tie_word_embeddings=False,
-    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32),
-)
-
-
+# the Qwen2.5 specs of the Qwen2 parity tests, written as GGUF files
 @pytest.mark.parametrize("spec", [QWEN25, QWEN25_YARN], ids=["qwen2.5-tied", "qwen2.5-yarn"])
 def test_tiny_qwen2_gguf_matches_transformers(checkpoint, tmp_path, spec):
     # differs from llama: q/k/v biases, and llama.cpp leaves Qwen2's q/k rows unpermuted
