@@ -86,12 +86,15 @@ def load_model(
     revision: str | None = None,
     offline: bool | None = None,
     check_finite: bool = False,
+    compile: bool = False,
 ) -> Model:
     """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
     device: CUDA when available, else CPU. dtype: the checkpoint's on CUDA, float32 on CPU.
     max_seq_len: the KV cache length, by default min(max_position_embeddings, 4096).
     revision / offline: for hub downloads. check_finite: refuse weights holding NaN or Inf.
+    compile: run decode steps as torch.compile graphs (CUDA graphs on GPUs): faster per token,
+    at a one-off compile per batch size and cache bucket (see core/decode_step.py).
     """
     path = _resolve_path(name_or_path, revision=revision, offline=offline)
     reg = registry()
@@ -139,4 +142,4 @@ def load_model(
         seq,
         net.kv_cache.nbytes / 2**20,
     )
-    return Model(net, tokenizer, path, gen_config)
+    return Model(net, tokenizer, path, gen_config, compile=compile)

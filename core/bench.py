@@ -56,7 +56,9 @@ def _peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def random_model(shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int):
+def random_model(
+    shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int, compile=False
+):
     """A `Model` of a registry entry's shape (its config.json keys) with random weights."""
     from core.model import Model
     from core.modeling import CausalLM
@@ -78,7 +80,7 @@ def random_model(shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_
     finally:
         torch.set_default_dtype(default)
     net.setup_caches(max_batch_size, max_seq_len)
-    return Model(net.eval(), None, Path(f"<random {cfg.model_type}>"))
+    return Model(net.eval(), None, Path(f"<random {cfg.model_type}>"), compile=compile)
 
 
 def random_prompt(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:

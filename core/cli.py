@@ -21,6 +21,7 @@ def _load(args: argparse.Namespace, **kw):
         dtype=args.dtype,
         revision=args.revision,
         offline=True if args.offline else None,
+        compile=getattr(args, "compile", False),
         **kw,
     )
 
@@ -182,7 +183,9 @@ def _bench(args: argparse.Namespace) -> None:
         if not shape:
             known = ", ".join(n for n, e in named_models().items() if e.get("shape"))
             raise RequestError(f"no shape for {name!r} in registry.yaml; known shapes: {known}")
-        model = bench.random_model(shape, device=args.device, dtype=args.dtype, **sizes)
+        model = bench.random_model(
+            shape, device=args.device, dtype=args.dtype, compile=args.compile, **sizes
+        )
     else:
         model = _load(args, **sizes)
     load_s = time.perf_counter() - t0
@@ -222,6 +225,15 @@ def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:
     p.add_argument("--offline", action="store_true", help="use only the local hub cache")
 
 
+def _compile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (torch.compile; CUDA graphs on GPUs): faster tokens, "
+        "slower start",
+    )
+
+
 def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
@@ -238,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="answer one prompt, streamed to stdout")
     _model_options(run)
+    _compile_option(run)
     run.add_argument("--prompt", "-p", required=True)
     run.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     _sampling_options(run)
@@ -245,11 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal")
     _model_options(chat)
+    _compile_option(chat)
     _sampling_options(chat)
     chat.set_defaults(func=_chat)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see docs/serve.md)")
     _model_options(serve)
+    _compile_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -275,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="throughput, latency, memory and bandwidth figures")
     _model_options(b)
+    _compile_option(b)
     b.add_argument("--shape", help="a registry name whose shape to use with --random-weights")
     b.add_argument("--random-weights", action="store_true", help="no download: random weights")
     b.add_argument("--prompt-lens", default="128,512,2048", help="prefill lengths")

@@ -158,7 +158,8 @@ def _next_tokens(
 
 
 def run(
-    forward: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor],
+    forward: Callable[..., torch.Tensor],
+    step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
     prompts: list[list[int]],
     params: SamplingParams | Sequence[SamplingParams],
     *,
@@ -171,7 +172,8 @@ def run(
 ) -> Generator[tuple[int, str], None, list[GenerationResult]]:
     """Yield (row, text piece) as tokens arrive; return the results.
 
-    `forward(ids, start_pos)` is the model's: ids (B, T), start_pos an int or per-row (B,) tensor.
+    `forward(ids, 0, logits_at=...)` prefills (the model's forward); `step(tokens, positions,
+    end)` feeds one token per row (a `DecodeStep`), end bounding every row's position + 1.
     `params` and `stop_ids` are shared by all rows or given one per row (rows sampled alike run
     together). `cancelled(row)` is asked before each of a row's tokens: True ends that row with
     finish_reason "abort" (the batch ends once every row has ended). `on_token(row, token id,
@@ -197,8 +199,9 @@ def run(
     top_n = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
 
     t0 = time.perf_counter()
-    logits = forward(ids, 0)[torch.arange(b, device=device), lens - 1].float()  # (B, V)
+    logits = forward(ids, 0, logits_at=lens - 1)[:, 0].float()  # (B, V): last prompt tokens
     pos = lens - 1  # position of the token fed next, per row
+    end = max(len(x) for x in prompts)  # > every row's pos, tracked on the host (no sync)
     t_first = None
     for _ in range(max(p.max_new_tokens for p in ps)):
         tokens = _next_tokens(logits, ps, generators, counts, seen)
@@ -229,8 +232,8 @@ def run(
             counts[torch.arange(b, device=device), tokens] += active.float()
             seen[torch.arange(b, device=device), tokens] |= active
         pos = pos + active  # finished rows stay put, rewriting their own last slot
-        step_pos = int(pos[0]) if b == 1 else pos
-        logits = forward(tokens[:, None], step_pos)[:, -1].float()
+        end += 1
+        logits = step(tokens, pos, end).float()
     t_end = time.perf_counter()
 
     n_decode = sum(max(len(r.out) - 1, 0) for r in rows)  # tokens after each row's first

@@ -2,20 +2,21 @@
 
 What a layer caches per token is the attention kind's business: its spec's `cache_layout`
 names the tensors (GQA: `k`, `v`; MLA: `latent`, `k_pe`) and their per-layer shapes. The cache
-stacks each over the layers and hands a layer its slices in that order.
+allocates them for every layer and hands a layer its own, in that order.
 """
 
 import torch
-from torch import nn
 
 from core.config import RuntimeConfig
 
 
-class StaticKVCache(nn.Module):
-    """One buffer per cached tensor: (layers, *cache_layout shape) in the model dtype.
+class StaticKVCache:
+    """Per layer, one buffer per cached tensor in the model dtype, allocated once.
 
-    GQA: k, v (layers, max_batch_size, kv_heads, max_seq_len, head_dim);
-    MLA: latent (layers, max_batch_size, max_seq_len, kv_lora_rank), k_pe (..., qk_rope_head_dim).
+    GQA: k, v (max_batch_size, kv_heads, max_seq_len, head_dim);
+    MLA: latent (max_batch_size, max_seq_len, kv_lora_rank), k_pe (..., qk_rope_head_dim).
+    Each layer owns its buffers (not views of one stacked tensor), so a compiled decode step
+    writes them in place instead of copying a shared base.
     """
 
     def __init__(
@@ -26,26 +27,27 @@ class StaticKVCache(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        super().__init__()
         layout = cfg.attention.cache_layout(max_batch_size, max_seq_len)
         self.names = tuple(layout)
-        for name, shape in layout.items():
-            buf = torch.zeros((cfg.num_layers, *shape), dtype=dtype, device=device)
-            self.register_buffer(name, buf, persistent=False)
+        self.layers = [
+            tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in layout.values())
+            for _ in range(cfg.num_layers)
+        ]
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, n).nbytes for n in self.names)
+        return sum(t.nbytes for bufs in self.layers for t in bufs)
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
         """Layer i's cache tensors, in the order its attention's forward() takes them."""
-        return tuple(getattr(self, n)[i] for n in self.names)
+        return self.layers[i]
 
     def reset(self) -> None:
-        for n in self.names:
-            getattr(self, n).zero_()
+        for bufs in self.layers:
+            for t in bufs:
+                t.zero_()
 
 
 def cache_write(

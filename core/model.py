@@ -10,6 +10,7 @@ import torch
 
 from core import generation
 from core.config import RuntimeConfig
+from core.decode_step import DecodeStep
 from core.errors import RequestError
 from core.generation import GenerationResult, TokenLogprob
 from core.modeling import CausalLM
@@ -38,8 +39,10 @@ class Model:
         tokenizer: Tokenizer | None,
         path: Path,
         generation_config: dict[str, Any] | None = None,
+        compile: bool = False,
     ):
         self.net = net
+        self.step = DecodeStep(net, compile)
         self.config: RuntimeConfig = net.config
         self.tokenizer = tokenizer
         self.path = path
@@ -146,6 +149,7 @@ class Model:
         stop = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in ps]
         return generation.run(
             self.net,
+            self.step,
             ids,
             ps,
             tokenizer=self.tokenizer,

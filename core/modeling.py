@@ -98,19 +98,32 @@ class CausalLM(nn.Module):
         self.kv_cache = StaticKVCache(self.config, max_batch_size, max_seq_len, w.dtype, w.device)
         self.rotary = RotaryEmbedding(self.config.rope, max_seq_len, w.device)
 
-    def forward(self, input_ids: torch.Tensor, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: int | torch.Tensor = 0,
+        end: int | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids (B, T) at positions start_pos.. -> logits (B, T, vocab); fills the cache.
 
         start_pos: one int for the batch, or a (B,) tensor of per-row positions (rows of
-        unequal length decoding together)."""
+        unequal length decoding together). end: how much of the cache attention reads, at least
+        max(start_pos) + T; by default exactly that, which costs a host sync for tensor
+        positions (a compiled decode step passes a bucket instead). logits_at: (B,) indices
+        into T; only those rows of the LM head are computed, and logits are (B, 1, vocab).
+        """
         t = input_ids.shape[1]
         if isinstance(start_pos, torch.Tensor):
             start_pos = start_pos.to(input_ids.device)
-            end = int(start_pos.max()) + t  # the one host sync of a step
-        else:
+            if end is None:
+                end = int(start_pos.max()) + t  # the one host sync of a step
+        elif end is None:
             end = start_pos + t
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(start_pos, t, end)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos, end)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
         return self.lm_head(self.model.norm(x))

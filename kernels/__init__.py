@@ -3,14 +3,16 @@
 Each op dispatches (kernels/dispatch.py) to its Triton launcher on CUDA, or to its torch
 reference (kernels/reference.py) elsewhere; `ZOO_KERNELS=auto|triton|torch` overrides.
 Triton launchers live one op per file: rmsnorm.py, rope.py, silu_mul.py, decode_attention.py,
-prefill_attention.py, moe.py. (No file is named after an op: importing a submodule `kernels.x`
-would overwrite the op function `kernels.x` that the layers call.)
+prefill_attention.py, moe.py; CPU fast paths of plain torch ops live in cpu.py. (No file is
+named after an op: importing a submodule `kernels.x` would overwrite the op function
+`kernels.x` that the layers call.)
 """
 
 from kernels.dispatch import (
     KernelError,
     apply_rope,
     attention,
+    linear,
     mla_attention,
     moe_experts,
     rms_norm,
@@ -22,6 +24,7 @@ __all__ = [
     "KernelError",
     "apply_rope",
     "attention",
+    "linear",
     "mla_attention",
     "moe_experts",
     "rms_norm",

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from core.errors import ZooError
-from kernels import reference
+from kernels import cpu, reference
 
 log = logging.getLogger("zoo")
 
@@ -177,6 +178,14 @@ def pick(op: str, x: torch.Tensor) -> Callable:
 
 
 # --- the ops the core layers call: same signatures as kernels.reference -----------------------
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias. cuBLAS needs no help; on CPUs a few rows are split over the
+    threads (kernels/cpu.py) unless ZOO_KERNELS=torch asks for the plain reference."""
+    if x.device.type == "cpu" and os.environ.get(ENV) != "torch":
+        return cpu.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x's last dim, fp32 accumulation, output in x's dtype (see reference)."""
     return pick("rms_norm", x)(x, weight, eps)

@@ -6,7 +6,7 @@ from torch import nn
 import kernels
 from core.config import GQASpec
 from core.kv_cache import cache_write
-from core.layers.linear import FusedLinear
+from core.layers.linear import FusedLinear, Linear
 
 
 class GQAAttention(nn.Module):
@@ -18,7 +18,7 @@ class GQAAttention(nn.Module):
         self.sizes = (hq * d, hkv * d, hkv * d)
         parts = dict(zip(("q", "k", "v"), self.sizes, strict=True))
         self.qkv_proj = FusedLinear(hidden, parts, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(hq * d, hidden, bias=spec.o_bias)
+        self.o_proj = Linear(hq * d, hidden, bias=spec.o_bias)
 
     def forward(
         self,

@@ -1,9 +1,9 @@
 """Token embedding and the LM head (a separate matrix, or the embedding itself when tied)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from core.config import EmbeddingSpec
 
 
@@ -33,4 +33,4 @@ class LMHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         tied = self.tied_to[0]
-        return F.linear(h, tied.weight if tied is not None else self.weight)
+        return kernels.linear(h, tied.weight if tied is not None else self.weight)

@@ -16,6 +16,7 @@ from torch import nn
 import kernels
 from core.config import MLASpec, RMSNormSpec
 from core.kv_cache import cache_write
+from core.layers.linear import Linear
 from core.layers.norm import RMSNorm
 
 
@@ -26,15 +27,15 @@ class MLAAttention(nn.Module):
         self.interleaved = rope_interleaved
         h, r = spec.num_heads, spec.kv_lora_rank
         if spec.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, h * spec.qk_head_dim, bias=False)
+            self.q_proj = Linear(hidden, h * spec.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=spec.bias)
+            self.q_a_proj = Linear(hidden, spec.q_lora_rank, bias=spec.bias)
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, RMSNormSpec(spec.norm_eps))
-            self.q_b_proj = nn.Linear(spec.q_lora_rank, h * spec.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, r + spec.qk_rope_head_dim, bias=spec.bias)
+            self.q_b_proj = Linear(spec.q_lora_rank, h * spec.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, r + spec.qk_rope_head_dim, bias=spec.bias)
         self.kv_a_layernorm = RMSNorm(r, RMSNormSpec(spec.norm_eps))
-        self.kv_b_proj = nn.Linear(r, h * (spec.qk_nope_head_dim + spec.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * spec.v_head_dim, hidden, bias=spec.bias)
+        self.kv_b_proj = Linear(r, h * (spec.qk_nope_head_dim + spec.v_head_dim), bias=False)
+        self.o_proj = Linear(h * spec.v_head_dim, hidden, bias=spec.bias)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.q_lora_rank is None:

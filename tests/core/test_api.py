@@ -20,15 +20,16 @@ def test_defaults_on_cpu(root, caplog):
     with caplog.at_level(logging.INFO, logger="zoo"):
         m = load_model(root)
     assert m.device.type == "cpu" and m.dtype == torch.float32  # fp32 on the CPU
-    # max_seq_len = min(max_position_embeddings, 4096); shape (layers, B, kv_heads, S, head_dim)
+    # max_seq_len = min(max_position_embeddings, 4096); per layer k, v (B, kv_heads, S, head_dim)
     assert m.max_seq_len == 128 and m.max_batch_size == 1
-    assert tuple(m.net.kv_cache.k.shape) == (2, 1, 1, 128, 16)
+    assert len(m.net.kv_cache.layers) == 2
+    assert [tuple(t.shape) for t in m.net.kv_cache.layer(1)] == [(1, 1, 128, 16)] * 2
     assert "KV cache 1 x 128 tokens" in caplog.text
 
 
 def test_cache_size_options(root):
     m = load_model(root, max_seq_len=20, max_batch_size=3)
-    assert tuple(m.net.kv_cache.v.shape) == (2, 3, 1, 20, 16)
+    assert [tuple(t.shape) for t in m.net.kv_cache.layer(0)] == [(3, 1, 20, 16)] * 2
 
 
 def test_missing_path_is_a_zoo_error(tmp_path):

@@ -423,7 +423,7 @@ class PerRowReference:
         self.ref, self.rows = ref, None
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, start_pos) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, start_pos, end=None, logits_at=None) -> torch.Tensor:
         b, t = ids.shape
         starts = start_pos.tolist() if isinstance(start_pos, torch.Tensor) else [start_pos] * b
         self.rows = self.rows or [[] for _ in range(b)]
@@ -431,7 +431,14 @@ class PerRowReference:
         for row, start in enumerate(starts):
             self.rows[row] = self.rows[row][:start] + ids[row].tolist()
             out.append(self.ref(torch.tensor([self.rows[row]])).logits[0, start : start + t])
-        return torch.stack(out)
+        logits = torch.stack(out)
+        if logits_at is not None:
+            return logits[torch.arange(b), logits_at][:, None]
+        return logits
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
+        assert int(positions.max()) < end  # the loop's host-side bound holds
+        return self(tokens[:, None], positions)[:, -1]
 
 
 def run_loop(base, prompts, per_row: list[dict] | None = None, hooks: dict | None = None, **kw):
@@ -449,8 +456,10 @@ def run_loop(base, prompts, per_row: list[dict] | None = None, hooks: dict | Non
     else:
         p = [SamplingParams(ignore_eos=True, **x) for x in per_row]
         stop = [set(x.stop_token_ids) for x in p]
+    reference = PerRowReference(ref)
     loop = run(
-        PerRowReference(ref),
+        reference,
+        reference.step,
         ids,
         p,
         tokenizer=Tokenizer.from_folder(root),

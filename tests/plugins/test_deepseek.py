@@ -218,8 +218,10 @@ def test_cache_holds_the_latent_not_full_kv(deepseek):
     m, ref = deepseek
     cache, c = m.net.kv_cache, ref.config
     assert cache.names == ("latent", "k_pe")
-    assert tuple(cache.latent.shape) == (c.num_hidden_layers, 2, 64, c.kv_lora_rank)
-    assert tuple(cache.k_pe.shape) == (c.num_hidden_layers, 2, 64, c.qk_rope_head_dim)
+    assert len(cache.layers) == c.num_hidden_layers
+    latent, k_pe = cache.layer(0)
+    assert tuple(latent.shape) == (2, 64, c.kv_lora_rank)
+    assert tuple(k_pe.shape) == (2, 64, c.qk_rope_head_dim)
     per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
     assert m.config.kv_bytes_per_token(4) == per_token
     assert cache.nbytes == per_token * 2 * 64

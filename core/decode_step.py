@@ -1,0 +1,60 @@
+"""The decode step: one new token per row through the static cache, eager or compiled.
+
+Compiled, the step is one `torch.compile` graph with static shapes, so nothing in it depends on
+host values: positions are a (B,) tensor, and attention reads the cache up to a *bucket*, the
+next power of two >= the longest row's length (at least 256), where per-row masks hide what
+lies past each row. Each (batch size, bucket) pair compiles once per process (inductor also
+caches the code on disk); on CUDA the graph is replayed as a CUDA graph (mode
+"reduce-overhead"). On a CPU, inductor fuses the ~40 small ops of each layer into a few loops,
+which is where the eager step spends a third of its time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from core.config import DynamicRope
+from core.errors import ConfigError
+from core.modeling import CausalLM
+
+log = logging.getLogger("zoo")
+
+MIN_BUCKET = 256
+RECOMPILE_LIMIT = 64  # (batch size, bucket) pairs one process may compile
+
+
+def bucket(end: int, max_seq_len: int) -> int:
+    """The cache length a compiled step attends over for rows reaching position end - 1."""
+    return min(max(MIN_BUCKET, 1 << (end - 1).bit_length()), max_seq_len)
+
+
+class DecodeStep:
+    """`step(tokens (B,), positions (B,), end) -> logits (B, vocab)`: feed each row's token at
+    its position; `end` bounds every row's position + 1 (the caller tracks it on the host)."""
+
+    def __init__(self, net: CausalLM, compile: bool = False):
+        self.net = net
+        self.compiled = None
+        if compile:
+            if isinstance(net.config.rope, DynamicRope):
+                raise ConfigError(
+                    "compile=True cannot run dynamic NTK rope scaling (its frequencies follow "
+                    "the exact sequence length); load the model without compile"
+                )
+            dev = net.model.embed_tokens.weight.device
+            mode = "reduce-overhead" if dev.type == "cuda" else None
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+            self.compiled = torch.compile(net.forward, dynamic=False, mode=mode)
+            log.info("zoo: decode step compiled with torch.compile (mode=%s)", mode or "default")
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
+        ids = tokens[:, None]
+        if self.compiled is not None:
+            seq = self.net.kv_cache.max_seq_len
+            return self.compiled(ids, positions, bucket(end, seq))[:, -1]
+        if len(tokens) == 1:  # one row: its position is end - 1; the cheaper int-position path
+            return self.net(ids, end - 1)[:, -1]
+        return self.net(ids, positions)[:, -1]

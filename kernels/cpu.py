@@ -1,0 +1,37 @@
+"""CPU fast paths: the same torch math, arranged for how the BLAS parallelizes on few cores.
+
+`linear`: for a few rows (decode: one token per sequence), MKL runs y = x @ W.T on one thread
+at ~14 GB/s on the 2-core CI machine although two threads read ~36 GB/s. Viewing W's output
+rows as `threads` contiguous blocks and multiplying them as one batched matmul gives each
+thread its own block: 2x at one row, up to 4x at four (`benchmarks/cpu_linear.py`). Results
+equal F.linear's to float rounding (the same dot products, summed in another order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 64  # past this the output transpose costs more than MKL's own threading gains
+
+
+@torch.compiler.assume_constant_result  # a compiled graph keeps the count it was traced with
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), split over the intra-op threads when x has few rows."""
+    out_features, in_features = weight.shape
+    blocks = _threads()
+    rows = x.numel() // in_features
+    if blocks < 2 or out_features % blocks or rows > MAX_ROWS or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, in_features)
+    w3 = weight.view(blocks, out_features // blocks, in_features)
+    y = torch.bmm(w3, x2.t().expand(blocks, in_features, rows)).view(out_features, rows).t()
+    if rows > 1:
+        y = y.contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], out_features)

@@ -1,0 +1,53 @@
+"""kernels.cpu.linear (the CPU few-rows fast path) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import cpu
+
+
+@pytest.fixture
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize(
+    "lead, out_features, bias",
+    [((1,), 96, False), ((1, 1), 96, True), ((3, 1), 50, True), ((2, 7), 64, False),
+     ((64,), 32, False), ((65,), 32, True), ((5,), 33, False)],
+)  # fmt: skip
+def test_matches_f_linear(two_threads, lead, out_features, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, 40, generator=g)
+    w = torch.randn(out_features, 40, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    got, want = cpu.linear(x, w, b), F.linear(x, w, b)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_splits_few_rows_over_the_threads(two_threads, monkeypatch):
+    """The fast path is taken (one batched matmul of two blocks) only where it applies."""
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: calls.append(a.shape) or bmm(a, b))
+    w = torch.randn(96, 40)
+    cpu.linear(torch.randn(1, 40), w)
+    assert calls == [(2, 48, 40)]
+    cpu.linear(torch.randn(cpu.MAX_ROWS + 1, 40), w)  # many rows: MKL's own GEMM
+    cpu.linear(torch.randn(1, 40), torch.randn(95, 40))  # rows do not split evenly
+    assert len(calls) == 1
+
+
+def test_torch_policy_takes_the_plain_reference(two_threads, monkeypatch):
+    monkeypatch.setenv("ZOO_KERNELS", "torch")
+    monkeypatch.setattr(cpu, "linear", lambda *a: pytest.fail("fast path under ZOO_KERNELS=torch"))
+    x, w = torch.randn(1, 40), torch.randn(96, 40)
+    assert torch.equal(kernels.linear(x, w), F.linear(x, w))
