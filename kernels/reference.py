@@ -81,10 +81,27 @@ def attention(
     per-row positions) and sees cached positions <= its own; S >= max(start_pos) + T.
     Returns (B, Hq, T, Dv).
     """
+    if q.shape[2] == 1 and isinstance(start_pos, torch.Tensor) and torch.compiler.is_compiling():
+        return _decode_attention_math(q, k, v, start_pos, scale)
     mask = _visible(start_pos, q.shape[2], k.shape[2], q.device)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def _decode_attention_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per row as plain matmuls and a masked softmax (fp32 scores). Inside a
+    compiled decode step inductor fuses these into the step's own loops, which beats a call
+    into SDPA's kernel per layer; eager, SDPA is the cheaper path."""
+    b, hq, _, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hk, hq // hk, d)  # query heads grouped by the kv head they share
+    scores = (qg.float() @ k.float().transpose(-1, -2)) * scale  # (B, Hk, G, S)
+    visible = torch.arange(s, device=q.device) <= start_pos.view(-1, 1, 1, 1)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return (probs.to(v.dtype) @ v).reshape(b, hq, 1, v.shape[-1])
 
 
 def mla_attention(
