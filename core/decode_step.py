@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+import kernels.cpu
 from core.config import DynamicRope
 from core.errors import ConfigError
 from core.modeling import CausalLM
@@ -45,8 +46,12 @@ class DecodeStep:
                 )
             dev = net.model.embed_tokens.weight.device
             mode = "reduce-overhead" if dev.type == "cuda" else None
+            torch.compiler.assume_constant_result(kernels.cpu.threads)  # no graph break
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+            for bufs in net.kv_cache.layers:  # written in place: CUDA graphs may keep them
+                for t in bufs:
+                    torch._dynamo.mark_static_address(t)
             self.compiled = torch.compile(net.forward, dynamic=False, mode=mode)
             log.info("zoo: decode step compiled with torch.compile (mode=%s)", mode or "default")
 

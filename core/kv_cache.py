@@ -61,7 +61,17 @@ def cache_write(
     if isinstance(start_pos, int):
         rows.narrow(seq_dim, start_pos, t).copy_(new)
     else:
+        # One index_put_ on the whole buffer (not on a view of it), which a compiled step
+        # keeps in place: index tensors for batch, the dims before seq_dim, and positions,
+        # broadcasting to new's leading (B, ..., T) shape.
+        def along(values: torch.Tensor, *dims: int) -> torch.Tensor:
+            shape = [1] * (seq_dim + 1)
+            for d in dims:
+                shape[d] = new.shape[d]
+            return values.view(shape)
+
+        index = [along(torch.arange(new.shape[d], device=new.device), d) for d in range(seq_dim)]
         pos = start_pos[:, None] + torch.arange(t, device=new.device)  # (B, T)
-        index = torch.arange(b, device=new.device)[:, None]
-        rows.movedim(seq_dim, 1)[index, pos] = new.movedim(seq_dim, 1)
+        index.append(along(pos, 0, seq_dim))
+        cache.index_put_(tuple(index), new)
     return rows.narrow(seq_dim, 0, end)

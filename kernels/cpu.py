@@ -15,15 +15,17 @@ import torch.nn.functional as F
 MAX_ROWS = 64  # past this the output transpose costs more than MKL's own threading gains
 
 
-@torch.compiler.assume_constant_result  # a compiled graph keeps the count it was traced with
-def _threads() -> int:
+def threads() -> int:
+    """The intra-op thread count. A compiled decode step marks this function constant (so
+    its graph keeps the count it was traced with); marking it here would import
+    torch._dynamo, and with it triton, on every `import kernels`."""
     return torch.get_num_threads()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), split over the intra-op threads when x has few rows."""
     out_features, in_features = weight.shape
-    blocks = _threads()
+    blocks = threads()
     rows = x.numel() // in_features
     if blocks < 2 or out_features % blocks or rows > MAX_ROWS or not weight.is_contiguous():
         return F.linear(x, weight, bias)

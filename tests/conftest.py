@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton decorates its own @jit helpers when it is first imported (torch.compile imports it),
+# so the CPU interpreter the kernel tests use must be chosen before any test can import it.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # A Llama 3.2-style tiny model: GQA (4 q heads / 2 kv heads), explicit head_dim != hidden/heads,
 # llama3 rope scaling, tied embeddings.

@@ -21,7 +21,7 @@ from pathlib import Path
 import conftest
 import pytest
 import torch
-from kernel_harness import DEVICE
+from kernel_harness import DEVICE, gpu
 
 from core import load_model
 from kernels import dispatch
@@ -91,3 +91,23 @@ def test_every_parity_model_through_triton():
         [*cmd, "-k", PARITY], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+@gpu
+@torch.no_grad()
+def test_compiled_decode_on_cuda_matches_transformers(checkpoint):
+    """GPU: the decode step compiled with mode="reduce-overhead" (CUDA graphs) over the Triton
+    kernels gives the greedy tokens transformers gives, for one row and a ragged batch."""
+    root, ref = checkpoint(conftest.LLAMA32)
+    ref = ref.to("cuda")
+    m = load_model(root, device="cuda", dtype="float32", max_batch_size=2, compile=True)
+    m.eos_token_ids = set()
+    vocab = conftest.LLAMA32["vocab_size"]
+    prompts = [torch.randint(4, vocab, (n,)).tolist() for n in (9, 14)]
+    kw = dict(max_new_tokens=STEPS * 3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = [ref.generate(torch.tensor([p], device="cuda"), **kw)[0, len(p) :].tolist()
+            for p in prompts]  # fmt: skip
+    alone = m.generate(prompts[0], max_new_tokens=STEPS * 3, ignore_eos=True)
+    batch = m.generate(prompts, max_new_tokens=STEPS * 3, ignore_eos=True)
+    assert alone.token_ids == want[0]
+    assert [r.token_ids for r in batch] == want

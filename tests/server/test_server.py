@@ -22,6 +22,7 @@ from conftest import LLAMA32, make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
 
 from core import load_model
+from core.decode_step import DecodeStep
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -47,10 +48,10 @@ class Throttle:
     def __init__(self, net):
         self.net, self.delay, self.batch_sizes = net, 0.0, []
 
-    def __call__(self, ids, start_pos):
+    def __call__(self, ids, start_pos, **kw):
         self.batch_sizes.append(ids.shape[0])
         time.sleep(self.delay)
-        return self.net(ids, start_pos)
+        return self.net(ids, start_pos, **kw)
 
     def __getattr__(self, name):
         return getattr(self.net, name)
@@ -119,6 +120,7 @@ def served(folder):
 
     model = load_model(folder, max_batch_size=4)
     throttle = model.net = Throttle(model.net)
+    model.step = DecodeStep(throttle)  # decode steps through the throttle too
     server = Server(create_app(model, "tiny", api_key=KEY))
     yield server, throttle
     server.close()
