@@ -9,7 +9,12 @@ Each shape is stacked `--layers` times so the weights stream from memory, as in 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+# the repository root first: this folder's kernels.py would shadow the `kernels` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F

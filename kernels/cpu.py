@@ -3,8 +3,8 @@
 `linear`: for a few rows (decode: one token per sequence), MKL runs y = x @ W.T on one thread
 at ~14 GB/s on the 2-core CI machine although two threads read ~36 GB/s. Viewing W's output
 rows as `threads` contiguous blocks and multiplying them as one batched matmul gives each
-thread its own block: 2x at one row, up to 4x at four (`benchmarks/cpu_linear.py`). Results
-equal F.linear's to float rounding (the same dot products, summed in another order).
+thread its own block: 1.4-1.8x at one row, 1.9-2.8x at four (`benchmarks/cpu_linear.py`).
+Results equal F.linear's to float rounding (the same dot products, summed in another order).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 64  # past this the output transpose costs more than MKL's own threading gains
+MAX_ROWS = 8  # from 16 rows on, MKL's own GEMM is as fast or faster (benchmarks/cpu_linear.py)
 
 
 def threads() -> int:
