@@ -36,6 +36,7 @@ class BenchReport:
     peak_memory_bytes: int = 0
     peak_bandwidth_gbps: float | None = None
     compare: dict[str, Any] = field(default_factory=dict)
+    compiled: bool = False  # decode step compiled (load_model(compile=True), --compile)
 
 
 def _sync(device: torch.device) -> None:
@@ -103,6 +104,7 @@ def measure(model, *, prompt_lens, batches, decode_tokens: int, repeat: int) -> 
         kv_bytes_per_token=cfg.kv_bytes_per_token(itemsize),
         kv_cache_bytes=model.net.kv_cache.nbytes,
         peak_bandwidth_gbps=_peak_gbps(dev),
+        compiled=model.step.compiled is not None,
     )
     greedy = {"temperature": 0.0, "ignore_eos": True}
     model.generate([1, 2, 3], max_new_tokens=2, **greedy)  # warm-up: allocations, kernels
@@ -188,7 +190,8 @@ def render(report: BenchReport) -> str:
     """The report as a plain-text table."""
     gib = 2**30
     lines = [
-        f"model    {report.model}  ({report.params / 1e6:,.0f}M parameters, {report.dtype})",
+        f"model    {report.model}  ({report.params / 1e6:,.0f}M parameters, {report.dtype}"
+        f"{', decode step compiled' if report.compiled else ''})",
         f"device   {report.device}; load {report.load_s:.2f} s; peak memory "
         f"{report.peak_memory_bytes / gib:.2f} GiB",
         f"weights  {report.weight_bytes / gib:.2f} GiB; KV {report.kv_bytes_per_token:,} B/token, "

@@ -30,6 +30,16 @@ def test_bench_reports_every_figure_and_compares(checkpoint, tmp_path):
     )  # K,V x layers x kv heads x dim x fp32
     assert report["compare"]["peer"] == "transformers" and report["compare"]["speedup"] > 0
     assert "tokens/s" in out.stdout and "vs transformers" in out.stdout
+    assert report["compiled"] is False and "compiled" not in out.stdout
+
+
+def test_bench_compile_flag_compiles_the_decode_step(checkpoint, tmp_path):
+    root, _ = checkpoint(LLAMA31)
+    small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "4", "--repeat", "1"]
+    out = bench(str(root), *small, "--compile", "--json", "r.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["compiled"] is True
+    assert "decode step compiled" in out.stdout
 
 
 def test_bench_random_weights_of_a_registry_shape(tmp_path):
