@@ -74,9 +74,9 @@ def _check_offsets(f: Path, header: Any, data_size: int) -> None:
         try:
             begin, end = info["data_offsets"]
             dims = list(info["shape"])
-            need = math.prod(dims) * ITEMSIZE[info["dtype"]]
             if not all(type(x) is int and x >= 0 for x in (begin, end, *dims)):
-                raise ValueError
+                raise ValueError  # checked before the product: int * str repeats the string
+            need = math.prod(dims) * ITEMSIZE[info["dtype"]]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{f}: corrupt header entry for tensor {name!r}") from None
         if not 0 <= begin <= end <= data_size or end - begin != need:
