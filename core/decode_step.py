@@ -48,7 +48,8 @@ class DecodeStep:
             mode = "reduce-overhead" if dev.type == "cuda" else None
             torch.compiler.assume_constant_result(kernels.cpu.threads)  # no graph break
             cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))  # torch < 2.7: old name
             for bufs in net.kv_cache.layers:  # written in place: CUDA graphs may keep them
                 for t in bufs:
                     torch._dynamo.mark_static_address(t)
@@ -60,6 +61,6 @@ class DecodeStep:
         if self.compiled is not None:
             seq = self.net.kv_cache.max_seq_len
             return self.compiled(ids, positions, bucket(end, seq))[:, -1]
-        if len(tokens) == 1:  # one row: its position is end - 1; the cheaper int-position path
-            return self.net(ids, end - 1)[:, -1]
+        if len(tokens) == 1:  # one row: the cheaper int-position path
+            return self.net(ids, int(positions[0]))[:, -1]
         return self.net(ids, positions)[:, -1]

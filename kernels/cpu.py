@@ -29,7 +29,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out_features, in_features = weight.shape
     blocks = threads()
     rows = x.numel() // in_features
-    if blocks < 2 or out_features % blocks or rows > MAX_ROWS or not weight.is_contiguous():
+    split = x.shape[-1] == in_features and rows <= MAX_ROWS and weight.is_contiguous()
+    if blocks < 2 or out_features % blocks or not split:  # F.linear also reports bad shapes
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, in_features)
     w3 = weight.view(blocks, out_features // blocks, in_features)

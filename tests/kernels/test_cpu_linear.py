@@ -51,3 +51,8 @@ def test_torch_policy_takes_the_plain_reference(two_threads, monkeypatch):
     monkeypatch.setattr(cpu, "linear", lambda *a: pytest.fail("fast path under ZOO_KERNELS=torch"))
     x, w = torch.randn(1, 40), torch.randn(96, 40)
     assert torch.equal(kernels.linear(x, w), F.linear(x, w))
+
+
+def test_a_wrong_input_width_is_refused_as_f_linear_refuses_it(two_threads):
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        cpu.linear(torch.randn(2, 48), torch.randn(96, 64))  # not a view-reshape error
