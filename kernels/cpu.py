@@ -3,7 +3,7 @@
 `linear`: for a few rows (decode: one token per sequence), MKL runs y = x @ W.T on one thread
 at ~14 GB/s on the 2-core CI machine although two threads read ~36 GB/s. Viewing W's output
 rows as `threads` contiguous blocks and multiplying them as one batched matmul gives each
-thread its own block: 1.4-1.8x at one row, 1.9-2.8x at four (`benchmarks/cpu_linear.py`).
+thread its own block: 1.3-1.9x at one row, 2.1-3.3x at four (`benchmarks/cpu_linear.py`).
 Results equal F.linear's to float rounding (the same dot products, summed in another order).
 """
 
