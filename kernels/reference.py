@@ -99,7 +99,7 @@ def _decode_attention_math(
     hk, s = k.shape[1], k.shape[2]
     qg = q.reshape(b, hk, hq // hk, d)  # query heads grouped by the kv head they share
     scores = (qg.float() @ k.float().transpose(-1, -2)) * scale  # (B, Hk, G, S)
-    visible = torch.arange(s, device=q.device) <= start_pos.view(-1, 1, 1, 1)
+    visible = _visible(start_pos, 1, s, q.device)  # (B, 1, 1, S)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return (probs.to(v.dtype) @ v).reshape(b, hq, 1, v.shape[-1])
 

@@ -2,7 +2,7 @@
 
 from core.layers.attention import GQAAttention
 from core.layers.embedding import Embedding, LMHead
-from core.layers.linear import FusedLinear
+from core.layers.linear import FusedLinear, Linear
 from core.layers.mla import MLAAttention
 from core.layers.mlp import GatedMLP
 from core.layers.moe import MoE
@@ -15,6 +15,7 @@ __all__ = [
     "GQAAttention",
     "GatedMLP",
     "LMHead",
+    "Linear",
     "MLAAttention",
     "MoE",
     "RMSNorm",

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.layers import FusedLinear
+from core.layers import FusedLinear, Linear
 from zoo_gemma.config import GeGLUSpec, GemmaRMSNormSpec
 
 
@@ -30,7 +30,7 @@ class GeGLU(nn.Module):
         super().__init__()
         i = spec.intermediate_size
         self.gate_up_proj = FusedLinear(hidden, {"gate": i, "up": i})
-        self.down_proj = nn.Linear(i, hidden, bias=False)
+        self.down_proj = Linear(i, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
