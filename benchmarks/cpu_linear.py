@@ -2,6 +2,7 @@
 weight shapes of a model, at a few row counts: time and the bandwidth it implies.
 
 Each shape is stacked `--layers` times so the weights stream from memory, as in a decode step.
+The split is timed directly (`cpu._split`), whatever `split_pays` chose for `cpu.linear`.
 
     python benchmarks/cpu_linear.py [--shape smollm2] [--rows 1,4,16,64] [--layers 30]
 """
@@ -56,7 +57,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="copies of each weight (not lm_head)")
     args = ap.parse_args()
     cfg = named_models()[args.shape]["shape"]
-    print(f"{args.shape}, fp32, {torch.get_num_threads()} threads; ms for all copies, GB/s")
+    blocks = torch.get_num_threads()
+    print(f"{args.shape}, fp32, {blocks} threads; ms for all copies, GB/s")
+    print(f"kernels.cpu.split_pays(float32) on this machine: {cpu.split_pays(torch.float32)}")
     print(f"{'weight':>8} {'rows':>5} {'F.linear':>10} {'GB/s':>6} {'split':>10} {'GB/s':>6}")
     for name, (out_f, in_f) in shapes(cfg).items():
         n = 1 if name == "lm_head" else args.layers
@@ -65,7 +68,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, in_f)
             plain = best_ms(lambda: [F.linear(x, w) for w in ws])  # noqa: B023
-            split = best_ms(lambda: [cpu.linear(x, w) for w in ws])  # noqa: B023
+            split = best_ms(lambda: [cpu._split(x, w, blocks) for w in ws])  # noqa: B023
             print(
                 f"{name:>8} {rows:>5} {plain:>10.2f} {gb / plain * 1e3:>6.1f} "
                 f"{split:>10.2f} {gb / split * 1e3:>6.1f}"

@@ -47,6 +47,8 @@ class DecodeStep:
             dev = net.model.embed_tokens.weight.device
             mode = "reduce-overhead" if dev.type == "cuda" else None
             torch.compiler.assume_constant_result(kernels.cpu.threads)  # no graph break
+            if dev.type == "cpu":  # measured eagerly: the graph bakes the choice in
+                kernels.cpu.calibrate(net.model.embed_tokens.weight.dtype)
             cfg = torch._dynamo.config
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
             setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))  # torch < 2.7: old name
