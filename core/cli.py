@@ -195,6 +195,7 @@ def _bench(args: argparse.Namespace) -> None:
         batches=batches,
         decode_tokens=args.decode_tokens,
         repeat=args.repeat,
+        peak_gbps=args.peak_gbps,
     )
     report.load_s = load_s
     if args.compare == "transformers":
@@ -301,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-compile", action="store_true", help="transformers: static cache + compile")
     b.add_argument("--prompt", default="What is the capital of France?", help="for --compare")
     b.add_argument("--json", help="also write the report as JSON to this file ('-': stdout)")
+    b.add_argument("--peak-gbps", type=float, help="the device's peak memory GB/s (default: "
+                   "a datasheet figure for known GPUs, measured on CPUs)")  # fmt: skip
     b.set_defaults(func=_bench)
 
     sub.add_parser("list", help="the named models of registry.yaml").set_defaults(func=_list)

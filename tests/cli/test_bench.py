@@ -25,6 +25,9 @@ def test_bench_reports_every_figure_and_compares(checkpoint, tmp_path):
     assert set(report["prefill"]) == {"8", "16"} and set(report["decode"]) == {"1", "2"}
     for row in report["decode"].values():
         assert row["tokens_per_s"] > 0 and row["achieved_gbps"] > 0
+        assert row["fraction_of_peak"] == row["achieved_gbps"] / report["peak_bandwidth_gbps"]
+    assert report["peak_source"].startswith("measured") and report["peak_bandwidth_gbps"] > 0
+    assert "GB/s (measured" in out.stdout and "n/a" not in out.stdout
     assert (
         report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4
     )  # K,V x layers x kv heads x dim x fp32
@@ -44,9 +47,15 @@ def test_bench_compile_flag_compiles_the_decode_step(checkpoint, tmp_path):
 
 def test_bench_random_weights_of_a_registry_shape(tmp_path):
     small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "2", "--repeat", "1"]
-    out = bench("--shape", "smollm2", "--random-weights", *small, "--json", "-", cwd=tmp_path)
+    out = bench(
+        "--shape", "smollm2", "--random-weights", *small, "--peak-gbps", "100", "--json", "-",
+        cwd=tmp_path,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout[out.stdout.index("{") :])
+    assert report["peak_bandwidth_gbps"] == 100.0 and report["peak_source"] == "given"
+    row = report["decode"]["1"]
+    assert row["fraction_of_peak"] == row["achieved_gbps"] / 100.0
     assert report["params"] == 134_515_008  # SmolLM2-135M's parameter count, tied head
     assert report["model"] == "<random llama>"
 
