@@ -38,6 +38,7 @@ class DecodeStep:
     def __init__(self, net: CausalLM, compile: bool = False):
         self.net = net
         self.compiled = None
+        self.cuda_graphs = False
         if compile:
             if isinstance(net.config.rope, DynamicRope):
                 raise ConfigError(
@@ -45,7 +46,8 @@ class DecodeStep:
                     "the exact sequence length); load the model without compile"
                 )
             dev = net.model.embed_tokens.weight.device
-            mode = "reduce-overhead" if dev.type == "cuda" else None
+            self.cuda_graphs = dev.type == "cuda"
+            mode = "reduce-overhead" if self.cuda_graphs else None
             torch.compiler.assume_constant_result(kernels.cpu.threads)  # no graph break
             if dev.type == "cpu":  # measured eagerly: the graph bakes the choice in
                 kernels.cpu.calibrate(net.model.embed_tokens.weight.dtype)
@@ -61,8 +63,10 @@ class DecodeStep:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
         ids = tokens[:, None]
         if self.compiled is not None:
+            if self.cuda_graphs:  # the last replay's outputs may be overwritten now
+                torch.compiler.cudagraph_mark_step_begin()
             seq = self.net.kv_cache.max_seq_len
             return self.compiled(ids, positions, bucket(end, seq))[:, -1]
-        if len(tokens) == 1:  # one row: the cheaper int-position path
+        if len(tokens) == 1 and tokens.device.type == "cpu":  # int positions: cheaper, no sync
             return self.net(ids, int(positions[0]))[:, -1]
-        return self.net(ids, positions)[:, -1]
+        return self.net(ids, positions, end=end)[:, -1]

@@ -102,16 +102,23 @@ class _Row:
         return out
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenLogprob]:
+def _logprob_tensors(
+    logits: torch.Tensor, tokens: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.return_types.topk | None]:
+    """The chosen tokens' log-probabilities (B,) and the top-n (values, indices), on the device."""
     lp = logits.float().log_softmax(dim=-1)
-    chosen = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-    top = lp.topk(n, dim=-1) if n else None
+    return lp.gather(-1, tokens[:, None]).squeeze(-1), lp.topk(n, dim=-1) if n else None
+
+
+def _logprobs(
+    chosen: torch.Tensor, top: torch.return_types.topk | None, tokens: list[int]
+) -> list[TokenLogprob]:
     out = []
-    for row, tid in enumerate(tokens.tolist()):
-        alts = (
-            dict(zip(top.indices[row].tolist(), top.values[row].tolist(), strict=True)) if n else {}
-        )
-        out.append(TokenLogprob(tid, chosen[row], alts))
+    for row, (tid, lp) in enumerate(zip(tokens, chosen.tolist(), strict=True)):
+        alts = {}
+        if top is not None:
+            alts = dict(zip(top.indices[row].tolist(), top.values[row].tolist(), strict=True))
+        out.append(TokenLogprob(tid, lp, alts))
     return out
 
 
@@ -132,28 +139,43 @@ def _sampler_key(p: SamplingParams) -> tuple:
     )
 
 
+Group = tuple[list[int], torch.Tensor | None]  # rows, and their index tensor (None: all rows)
+
+
+def _sampler_groups(ps: list[SamplingParams], device: torch.device) -> list[Group]:
+    """The groups of rows sampled alike, made once per loop (an index tensor made per step
+    would cost a host-to-device copy: a sync on GPUs). One group needs no indexing."""
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(ps):
+        groups.setdefault(_sampler_key(p), []).append(row)
+    if len(groups) == 1:
+        return [(list(range(len(ps))), None)]
+    return [(rows, torch.tensor(rows, device=device)) for rows in groups.values()]
+
+
 def _next_tokens(
     logits: torch.Tensor,
     ps: list[SamplingParams],
+    groups: list[Group],
     generators: list[torch.Generator | None],
     counts: torch.Tensor | None,
     seen: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One token per row (B,) from logits (B, V), each row by its own parameters."""
-    groups: dict[tuple, list[int]] = {}
-    for row, p in enumerate(ps):
-        groups.setdefault(_sampler_key(p), []).append(row)
+    """One token per row (B,) from logits (B, V), each row by its own parameters; on the
+    logits' device, reading nothing back to the host."""
     tokens = torch.empty(len(ps), dtype=torch.long, device=logits.device)
-    for rows in groups.values():
+    for rows, idx in groups:
         p = ps[rows[0]]
-        idx = torch.tensor(rows, device=logits.device)
-        x = logits[idx]
+        x = logits if idx is None else logits[idx]
         if _penalizes(p):
-            x = apply_penalties(x, counts[idx], seen[idx], p)
+            x = apply_penalties(x, *(t if idx is None else t[idx] for t in (counts, seen)), p)
         if p.greedy:
-            tokens[idx] = x.argmax(dim=-1)
+            chosen = x.argmax(dim=-1)
         else:
-            tokens[idx] = draw(filter_logits(x, p), [generators[r] for r in rows])
+            chosen = draw(filter_logits(x, p), [generators[r] for r in rows])
+        if idx is None:
+            return chosen
+        tokens[idx] = chosen
     return tokens
 
 
@@ -169,6 +191,7 @@ def run(
     device: torch.device,
     cancelled: Callable[[int], bool] | None = None,
     on_token: Callable[[int, int, TokenLogprob | None], None] | None = None,
+    ahead: bool = False,
 ) -> Generator[tuple[int, str], None, list[GenerationResult]]:
     """Yield (row, text piece) as tokens arrive; return the results.
 
@@ -178,6 +201,12 @@ def run(
     together). `cancelled(row)` is asked before each of a row's tokens: True ends that row with
     finish_reason "abort" (the batch ends once every row has ended). `on_token(row, token id,
     logprob or None)` sees each token as its row takes it, before the text it makes is yielded.
+
+    Tokens are chosen on the device; the host reads them once per step. `ahead` (for devices
+    that run asynchronously, i.e. GPUs) launches step n+1 before reading step n's tokens, so
+    the device never waits on the host's stop checks and detokenizing. A row that ends at
+    step n then still takes part in step n+1, at the next position (its output dropped); the
+    cache has room, since each row moves at most once per step. Outputs are the same either way.
     """
     b = len(prompts)
     ps = [params] * b if isinstance(params, SamplingParams) else list(params)
@@ -198,18 +227,29 @@ def run(
     rows = [_Row(x, tokenizer, p) for x, p in zip(prompts, ps, strict=True)]
     top_n = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
 
+    groups = _sampler_groups(ps, device)
+    max_new = max(p.max_new_tokens for p in ps)
+    ended = [False] * b  # the host's view of which rows have finished
+    active = torch.ones(b, dtype=torch.long, device=device)  # ... and the device's, 1 = running
+
     t0 = time.perf_counter()
     logits = forward(ids, 0, logits_at=lens - 1)[:, 0].float()  # (B, V): last prompt tokens
+    tokens = _next_tokens(logits, ps, groups, generators, counts, seen)
     pos = lens - 1  # position of the token fed next, per row
     end = max(len(x) for x in prompts)  # > every row's pos, tracked on the host (no sync)
     t_first = None
-    for _ in range(max(p.max_new_tokens for p in ps)):
-        tokens = _next_tokens(logits, ps, generators, counts, seen)
+    for i in range(max_new):
         # the model's own log-probabilities, before penalties and filters (as vLLM's)
-        lps = _logprobs(logits, tokens, top_n) if top_n is not None else None
+        lps = _logprob_tensors(logits, tokens, top_n) if top_n is not None else None
+        early = ahead and i + 1 < max_new
+        if early:  # the device computes the next step while the host reads this one's tokens
+            next_pos, end = pos + active, end + 1
+            next_logits = step(tokens, next_pos, end)
+        host = tokens.tolist()  # the loop's one sync per step
         if t_first is None:
             t_first = time.perf_counter()
-        for row, (r, p, t) in enumerate(zip(rows, ps, tokens.tolist(), strict=True)):
+        lps = _logprobs(*lps, host) if lps is not None else None
+        for row, (r, p, t) in enumerate(zip(rows, ps, host, strict=True)):
             if r.finish:
                 continue
             if cancelled is not None and cancelled(row):
@@ -225,15 +265,20 @@ def run(
             piece = r.push(t, stops[row], p.max_new_tokens)
             if piece:
                 yield row, piece
-        active = torch.tensor([r.finish is None for r in rows], device=device)
-        if not active.any():
-            break
+        now_ended = [r.finish is not None for r in rows]
+        if all(now_ended):
+            break  # (early, the step already launched is dropped)
+        if now_ended != ended:  # a host-to-device copy only when a row ends
+            ended = now_ended
+            active = torch.tensor([not e for e in ended], dtype=torch.long, device=device)
         if counts is not None:
-            counts[torch.arange(b, device=device), tokens] += active.float()
-            seen[torch.arange(b, device=device), tokens] |= active
-        pos = pos + active  # finished rows stay put, rewriting their own last slot
-        end += 1
-        logits = step(tokens, pos, end).float()
+            counts[torch.arange(b, device=device), tokens] += active
+            seen[torch.arange(b, device=device), tokens] |= active.bool()
+        if not early:  # finished rows stay put, rewriting their own last slot
+            next_pos, end = pos + active, end + 1
+            next_logits = step(tokens, next_pos, end)
+        pos, logits = next_pos, next_logits.float()
+        tokens = _next_tokens(logits, ps, groups, generators, counts, seen)
     t_end = time.perf_counter()
 
     n_decode = sum(max(len(r.out) - 1, 0) for r in rows)  # tokens after each row's first

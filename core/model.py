@@ -43,6 +43,8 @@ class Model:
     ):
         self.net = net
         self.step = DecodeStep(net, compile)
+        # launch each decode step before reading the last one's tokens: GPUs run async
+        self.ahead = self.device.type == "cuda"
         self.config: RuntimeConfig = net.config
         self.tokenizer = tokenizer
         self.path = path
@@ -158,6 +160,7 @@ class Model:
             device=self.device,
             cancelled=cancelled,
             on_token=on_token,
+            ahead=self.ahead,
         )
 
     @torch.inference_mode()

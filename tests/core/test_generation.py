@@ -582,6 +582,67 @@ def test_cancelled_row_stops_and_the_others_go_on(base):
     assert {r.finish_reason for r in batch} == {"abort"}
 
 
+def test_launching_steps_ahead_changes_nothing(base):
+    """run(ahead=True) launches step n+1 before the host reads step n's tokens (the order of
+    calls shows it) and returns, streams and calls back exactly what run() in step does, also
+    as rows end at different times (their own lengths, a cancel)."""
+    events = {}
+
+    def loop(ahead: bool):
+        log = events[ahead] = []
+        hooks = dict(
+            ahead=ahead,
+            on_token=lambda row, token, lp: log.append(("token", row, token)),
+            cancelled=lambda row: row == 2 and sum(e[:2] == ("token", 2) for e in log) >= 2,
+        )
+        return run_loop(base, BATCH, per_row=PER_ROW, hooks=hooks)
+
+    (ahead, ahead_text), (inline, inline_text) = loop(True), loop(False)
+    assert ahead_text == inline_text and events[True] == events[False]
+    for a, b in zip(ahead, inline, strict=True):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert a.logprobs == b.logprobs
+    assert [r.finish_reason for r in inline] == ["length", "length", "abort", "length"]
+
+
+def test_ahead_launches_the_next_step_before_reading_tokens(base, monkeypatch):
+    from core import generation
+
+    order = []
+    step = PerRowReference.step
+    monkeypatch.setattr(PerRowReference, "step", lambda *a: order.append("step") or step(*a))
+    for ahead in (False, True):
+        order.clear()
+        run_loop(base, [PROMPT], hooks=dict(
+            ahead=ahead, on_token=lambda row, token, lp: order.append("token")
+        ), max_new_tokens=3)  # fmt: skip
+        want = ["token", "step", "token", "step", "token"]
+        assert order == (["step", "token", "step", "token", "token"] if ahead else want)
+    assert "ahead" in generation.run.__doc__
+
+
+def test_model_launching_ahead_equals_stepping(model4):
+    """Through the real forward and KV cache, rows ending at different steps."""
+    from core.sampling import SamplingParams
+
+    ids = [model4.encode_prompt(x) for x in BATCH]
+    params = [SamplingParams.build(model4.defaults, **kw, ignore_eos=True) for kw in PER_ROW]
+    got = {}
+    for ahead in (False, True):
+        model4.ahead = ahead
+        with torch.inference_mode():
+            loop = model4.token_loop(ids, params)
+            while True:
+                try:
+                    next(loop)
+                except StopIteration as done:
+                    got[ahead] = [(r.token_ids, r.text, r.logprobs) for r in done.value]
+                    break
+    model4.ahead = False
+    assert got[True] == got[False]
+    assert [len(r[0]) for r in got[True]] == [kw["max_new_tokens"] for kw in PER_ROW]
+
+
 def test_batch_larger_than_max_batch_size(model, model4):
     with pytest.raises(RequestError, match="max_batch_size=1"):
         model.generate([PROMPT, "Hi"], max_new_tokens=2)
