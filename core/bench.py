@@ -53,20 +53,23 @@ def _peak_gbps(device: torch.device) -> float | None:
 
 
 # A CPU has no datasheet figure we can look up: its peak is measured as the rate a one-row
-# fp32 product streams a weight far larger than any cache, i.e. the best a memory-bound decode
-# step can do with this BLAS on these threads. 1 GiB: above the 260 MiB L3 of the CI Xeons.
+# fp32 product through the layers' own `kernels.linear` (so the split over the threads where
+# it pays) streams a weight far larger than any cache: what a memory-bound decode step can
+# reach here. 1 GiB: above the 260 MiB L3 of the CI Xeons.
 CPU_PROBE_BYTES = 1 << 30
 
 
 def cpu_stream_gbps(nbytes: int = CPU_PROBE_BYTES, repeat: int = 5) -> float:
-    """GB/s of a one-row fp32 matmul over an `nbytes` weight on this CPU (best of `repeat`)."""
+    """GB/s of a one-row fp32 `kernels.linear` over an `nbytes` weight (best of `repeat`)."""
+    import kernels
+
     w = torch.empty(nbytes // 4 // 1024, 1024).uniform_()
     x = torch.ones(1, 1024)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeat + 1):  # the first run faults the pages in
             t = time.perf_counter()
-            torch.nn.functional.linear(x, w)
+            kernels.linear(x, w)
             best = min(best, time.perf_counter() - t)
     return w.nbytes / best / 1e9
 
@@ -162,7 +165,7 @@ def measure(
         report.peak_source = report.peak_source or "datasheet"
     elif dev.type == "cpu":  # after reading peak memory: the probe's 1 GiB is not the model's
         report.peak_bandwidth_gbps = cpu_stream_gbps()
-        report.peak_source = "measured: one-row fp32 matmul over a 1 GiB weight"
+        report.peak_source = "measured: one-row fp32 kernels.linear over a 1 GiB weight"
     for row in report.decode.values():
         if report.peak_bandwidth_gbps:
             row["fraction_of_peak"] = row["achieved_gbps"] / report.peak_bandwidth_gbps

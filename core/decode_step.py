@@ -39,6 +39,9 @@ class DecodeStep:
         self.net = net
         self.compiled = None
         self.cuda_graphs = False
+        weight = net.model.embed_tokens.weight
+        if weight.device.type == "cpu":  # timed now (eager), not in a request or a trace
+            kernels.cpu.split_pays(weight.dtype)
         if compile:
             if isinstance(net.config.rope, DynamicRope):
                 raise ConfigError(
@@ -49,8 +52,6 @@ class DecodeStep:
             self.cuda_graphs = dev.type == "cuda"
             mode = "reduce-overhead" if self.cuda_graphs else None
             torch.compiler.assume_constant_result(kernels.cpu.threads)  # no graph break
-            if dev.type == "cpu":  # measured eagerly: the graph bakes the choice in
-                kernels.cpu.calibrate(net.model.embed_tokens.weight.dtype)
             cfg = torch._dynamo.config
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
             setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))  # torch < 2.7: old name

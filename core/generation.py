@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.sampling import SamplingParams, apply_penalties, draw, filter_logits
+from core.sampling import SamplingParams, next_tokens, penalizes, sampler_groups
 from core.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -102,81 +102,59 @@ class _Row:
         return out
 
 
-def _logprob_tensors(
-    logits: torch.Tensor, tokens: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.return_types.topk | None]:
-    """The chosen tokens' log-probabilities (B,) and the top-n (values, indices), on the device."""
+def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """[chosen tokens' log-probabilities (B,), top-n values (B, n), their ids (B, n)]."""
     lp = logits.float().log_softmax(dim=-1)
-    return lp.gather(-1, tokens[:, None]).squeeze(-1), lp.topk(n, dim=-1) if n else None
+    top = lp.topk(n, dim=-1)
+    return [lp.gather(-1, tokens[:, None]).squeeze(-1), top.values, top.indices]
 
 
-def _logprobs(
-    chosen: torch.Tensor, top: torch.return_types.topk | None, tokens: list[int]
-) -> list[TokenLogprob]:
-    out = []
-    for row, (tid, lp) in enumerate(zip(tokens, chosen.tolist(), strict=True)):
-        alts = {}
-        if top is not None:
-            alts = dict(zip(top.indices[row].tolist(), top.values[row].tolist(), strict=True))
-        out.append(TokenLogprob(tid, lp, alts))
-    return out
+def _logprobs(chosen: list, values: list, indices: list, tokens: list[int]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(t, lp, dict(zip(ids, vals, strict=True)))
+        for t, lp, vals, ids in zip(tokens, chosen, values, indices, strict=True)
+    ]
 
 
-def _penalizes(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+def _to_host(*tensors: torch.Tensor) -> Callable[[], list[list]]:
+    """Start copying tensors to the host; the returned function waits for those copies only
+    and gives their values as lists. On GPUs a plain `tolist()` would also wait for all work
+    queued after them (a step launched ahead)."""
+    if tensors[0].device.type != "cuda":
+        return lambda: [t.tolist() for t in tensors]
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> list[list]:
+        done.synchronize()
+        return [t.tolist() for t in copies]
+
+    return wait
 
 
-def _sampler_key(p: SamplingParams) -> tuple:
-    """Rows whose parameters share this key are sampled together, as one (n, V) block."""
-    return (
-        p.temperature,
-        p.top_k,
-        p.top_p,
-        p.min_p,
-        p.repetition_penalty,
-        p.presence_penalty,
-        p.frequency_penalty,
-    )
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device's queued work."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":  # from pageable memory the copy would synchronize the stream
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
-Group = tuple[list[int], torch.Tensor | None]  # rows, and their index tensor (None: all rows)
-
-
-def _sampler_groups(ps: list[SamplingParams], device: torch.device) -> list[Group]:
-    """The groups of rows sampled alike, made once per loop (an index tensor made per step
-    would cost a host-to-device copy: a sync on GPUs). One group needs no indexing."""
-    groups: dict[tuple, list[int]] = {}
-    for row, p in enumerate(ps):
-        groups.setdefault(_sampler_key(p), []).append(row)
-    if len(groups) == 1:
-        return [(list(range(len(ps))), None)]
-    return [(rows, torch.tensor(rows, device=device)) for rows in groups.values()]
-
-
-def _next_tokens(
-    logits: torch.Tensor,
-    ps: list[SamplingParams],
-    groups: list[Group],
-    generators: list[torch.Generator | None],
-    counts: torch.Tensor | None,
-    seen: torch.Tensor | None,
-) -> torch.Tensor:
-    """One token per row (B,) from logits (B, V), each row by its own parameters; on the
-    logits' device, reading nothing back to the host."""
-    tokens = torch.empty(len(ps), dtype=torch.long, device=logits.device)
-    for rows, idx in groups:
-        p = ps[rows[0]]
-        x = logits if idx is None else logits[idx]
-        if _penalizes(p):
-            x = apply_penalties(x, *(t if idx is None else t[idx] for t in (counts, seen)), p)
-        if p.greedy:
-            chosen = x.argmax(dim=-1)
-        else:
-            chosen = draw(filter_logits(x, p), [generators[r] for r in rows])
-        if idx is None:
-            return chosen
-        tokens[idx] = chosen
-    return tokens
+def _launch(
+    step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    active: torch.Tensor,
+    pos_host: list[int],
+    ended: list[bool],
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Feed each row's token at its next position: running rows move on by one, ended rows
+    stay put, rewriting their own last slot. Returns (positions, the same on the host, logits);
+    the host copy gives the step its exact `end` (max position + 1) without a sync."""
+    moved = [p + (not e) for p, e in zip(pos_host, ended, strict=True)]
+    pos = pos + active
+    return pos, moved, step(tokens, pos, max(moved) + 1)
 
 
 def run(
@@ -196,17 +174,18 @@ def run(
     """Yield (row, text piece) as tokens arrive; return the results.
 
     `forward(ids, 0, logits_at=...)` prefills (the model's forward); `step(tokens, positions,
-    end)` feeds one token per row (a `DecodeStep`), end bounding every row's position + 1.
+    end)` feeds one token per row (a `DecodeStep`), end = every row's position + 1 at most.
     `params` and `stop_ids` are shared by all rows or given one per row (rows sampled alike run
     together). `cancelled(row)` is asked before each of a row's tokens: True ends that row with
     finish_reason "abort" (the batch ends once every row has ended). `on_token(row, token id,
     logprob or None)` sees each token as its row takes it, before the text it makes is yielded.
 
-    Tokens are chosen on the device; the host reads them once per step. `ahead` (for devices
-    that run asynchronously, i.e. GPUs) launches step n+1 before reading step n's tokens, so
-    the device never waits on the host's stop checks and detokenizing. A row that ends at
-    step n then still takes part in step n+1, at the next position (its output dropped); the
-    cache has room, since each row moves at most once per step. Outputs are the same either way.
+    Tokens are chosen on the device; the host waits for them once per step. `ahead` (for
+    devices that run asynchronously, i.e. GPUs) launches step n+1 before waiting for step n's
+    tokens (copied to the host behind step n only), so the device keeps computing while the
+    host runs stop checks and detokenizes. A row that ends at step n then still takes part in
+    step n+1, one position on (its output dropped): within its prompt + max_new_tokens, which
+    the cache holds. Outputs are the same either way.
     """
     b = len(prompts)
     ps = [params] * b if isinstance(params, SamplingParams) else list(params)
@@ -219,7 +198,7 @@ def run(
         torch.Generator(device).manual_seed(p.seed) if p.seed is not None else None for p in ps
     ]
     counts = seen = None
-    if any(_penalizes(p) for p in ps):
+    if any(penalizes(p) for p in ps):
         seen = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
         seen.scatter_(1, ids, True)
         seen[:, 0] = torch.tensor([0 in x for x in prompts], device=device)  # undo padding's 0
@@ -227,28 +206,28 @@ def run(
     rows = [_Row(x, tokenizer, p) for x, p in zip(prompts, ps, strict=True)]
     top_n = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
 
-    groups = _sampler_groups(ps, device)
+    groups = sampler_groups(ps, device)
     max_new = max(p.max_new_tokens for p in ps)
     ended = [False] * b  # the host's view of which rows have finished
     active = torch.ones(b, dtype=torch.long, device=device)  # ... and the device's, 1 = running
 
     t0 = time.perf_counter()
     logits = forward(ids, 0, logits_at=lens - 1)[:, 0].float()  # (B, V): last prompt tokens
-    tokens = _next_tokens(logits, ps, groups, generators, counts, seen)
-    pos = lens - 1  # position of the token fed next, per row
-    end = max(len(x) for x in prompts)  # > every row's pos, tracked on the host (no sync)
+    tokens = next_tokens(logits, ps, groups, generators, counts, seen)
+    pos = lens - 1  # position of the token fed next, per row (B,) on the device ...
+    pos_host = [len(x) - 1 for x in prompts]  # ... and on the host
     t_first = None
     for i in range(max_new):
         # the model's own log-probabilities, before penalties and filters (as vLLM's)
-        lps = _logprob_tensors(logits, tokens, top_n) if top_n is not None else None
+        lps = _logprob_tensors(logits, tokens, top_n) if top_n is not None else []
+        read = _to_host(tokens, *lps)
         early = ahead and i + 1 < max_new
         if early:  # the device computes the next step while the host reads this one's tokens
-            next_pos, end = pos + active, end + 1
-            next_logits = step(tokens, next_pos, end)
-        host = tokens.tolist()  # the loop's one sync per step
+            launched = _launch(step, tokens, pos, active, pos_host, ended)
+        host, *lps = read()  # the loop's one wait for the device per step
         if t_first is None:
             t_first = time.perf_counter()
-        lps = _logprobs(*lps, host) if lps is not None else None
+        lps = _logprobs(*lps, host) if lps else None
         for row, (r, p, t) in enumerate(zip(rows, ps, host, strict=True)):
             if r.finish:
                 continue
@@ -268,17 +247,17 @@ def run(
         now_ended = [r.finish is not None for r in rows]
         if all(now_ended):
             break  # (early, the step already launched is dropped)
-        if now_ended != ended:  # a host-to-device copy only when a row ends
+        if now_ended != ended:  # a copy to the device only when a row ends
             ended = now_ended
-            active = torch.tensor([not e for e in ended], dtype=torch.long, device=device)
+            active = _to_device([not e for e in ended], device)
         if counts is not None:
             counts[torch.arange(b, device=device), tokens] += active
             seen[torch.arange(b, device=device), tokens] |= active.bool()
-        if not early:  # finished rows stay put, rewriting their own last slot
-            next_pos, end = pos + active, end + 1
-            next_logits = step(tokens, next_pos, end)
-        pos, logits = next_pos, next_logits.float()
-        tokens = _next_tokens(logits, ps, groups, generators, counts, seen)
+        if not early:
+            launched = _launch(step, tokens, pos, active, pos_host, ended)
+        pos, pos_host, logits = launched
+        logits = logits.float()
+        tokens = next_tokens(logits, ps, groups, generators, counts, seen)
     t_end = time.perf_counter()
 
     n_decode = sum(max(len(r.out) - 1, 0) for r in rows)  # tokens after each row's first

@@ -1,7 +1,8 @@
 """Sampling parameters (validated with pydantic) and the logits -> token step.
 
 Order of operations, as in vLLM: penalties, temperature, top-k, top-p, min-p, then a draw.
-All of it runs on the logits' device; nothing here syncs with the host.
+All of it runs on the logits' device; nothing here syncs with the host. `next_tokens` applies
+them to a batch whose rows may each have their own parameters (grouped by `sampler_groups`).
 """
 
 from __future__ import annotations
@@ -127,3 +128,62 @@ def draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     for row, g in enumerate(generators):
         noise[row].exponential_(generator=g)
     return (probs / noise).argmax(dim=-1)
+
+
+def penalizes(p: SamplingParams) -> bool:
+    """Whether p asks for any penalty (the loop then keeps per-row token counts)."""
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+def _sampler_key(p: SamplingParams) -> tuple:
+    """Rows whose parameters share this key are sampled together, as one (n, V) block."""
+    return (
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    )
+
+
+Group = tuple[list[int], torch.Tensor | None]  # rows, and their index tensor (None: all rows)
+
+
+def sampler_groups(ps: list[SamplingParams], device: torch.device) -> list[Group]:
+    """The groups of rows sampled alike, made once per loop (an index tensor made per step
+    would cost a host-to-device copy: a sync on GPUs). One group needs no indexing."""
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(ps):
+        groups.setdefault(_sampler_key(p), []).append(row)
+    if len(groups) == 1:
+        return [(list(range(len(ps))), None)]
+    return [(rows, torch.tensor(rows, device=device)) for rows in groups.values()]
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    ps: list[SamplingParams],
+    groups: list[Group],
+    generators: list[torch.Generator | None],
+    counts: torch.Tensor | None,
+    seen: torch.Tensor | None,
+) -> torch.Tensor:
+    """One token per row (B,) from logits (B, V), each row by its own parameters; on the
+    logits' device, reading nothing back to the host."""
+    if len(groups) > 1:
+        tokens = torch.empty(len(ps), dtype=torch.long, device=logits.device)
+    for rows, idx in groups:
+        p = ps[rows[0]]
+        x = logits if idx is None else logits[idx]
+        if penalizes(p):
+            x = apply_penalties(x, *(t if idx is None else t[idx] for t in (counts, seen)), p)
+        if p.greedy:
+            chosen = x.argmax(dim=-1)
+        else:
+            chosen = draw(filter_logits(x, p), [generators[r] for r in rows])
+        if idx is None:
+            return chosen
+        tokens[idx] = chosen
+    return tokens

@@ -6,9 +6,11 @@ one thread: MKL on the AMD EPYC CI machines did, at ~14 GB/s although two thread
 batched matmul gives each thread its own block: 1.3-1.9x at one row, 2.1-3.3x at four there.
 On Intel Xeons MKL already spreads a one-row product over the threads, and the split is 2-3x
 *slower* (`benchmarks/cpu_linear.py`). So which path runs is measured, not assumed: once per
-process and (dtype, threads), `split_pays` times both on a probe matrix and keeps the split only
-where it is clearly faster. Results equal F.linear's to float rounding (the same dot products,
-summed in another order).
+process and (dtype, threads), `split_pays` times both on a one-row probe and keeps the split
+only where it is clearly faster; the verdict holds for every row count up to MAX_ROWS (it
+answers whether the BLAS leaves threads idle; at more rows the timings are too close to call
+the same way in every process, and a path that changed between runs would change rounding).
+Results equal F.linear's to float rounding (the same dot products, summed in another order).
 """
 
 from __future__ import annotations
@@ -18,18 +20,20 @@ import time
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 16  # more rows: the BLAS's own GEMM, whatever the machine
-# The probe: products with a 1024 x 2048 weight (8 MiB in fp32: long enough to time in
-# ~0.2 ms, small enough to stay in cache, where a one-thread GEMV shows as plainly as in
-# DRAM), at 1, 4 and 16 rows; a row count takes the verdict of the next probed count up. The
-# split must beat F.linear by PROBE_MARGIN, so timing noise never picks it.
+# Eager, the split wins up to 8 rows and breaks even at 16 on the EPYC; in a compiled step
+# inductor turns it into its own loops, which beat MKL at 16 rows there too (batch-16 decode
+# 91 -> 76 ms/step).
+MAX_ROWS = 16
+# The probe: a one-row product with a ~1024 x 2048 weight (8 MiB in fp32: long enough to time
+# in ~0.2 ms, small enough to stay in cache, where a one-thread GEMV shows as plainly as in
+# DRAM). The split must beat F.linear by PROBE_MARGIN, so timing noise never picks it: on the
+# Xeon the split takes 2.3-4x F.linear's time here, on the EPYC 0.5-0.6x (streaming).
 PROBE_SHAPE = (2048, 1024)
-PROBE_ROWS = (1, 4, MAX_ROWS)
 PROBE_MARGIN = 0.8
 PROBE_REPEAT = 15
 
-# (dtype, threads, probed row count) -> whether the split beat F.linear on this machine
-_split_pays: dict[tuple[torch.dtype, int, int], bool] = {}
+# (dtype, threads) -> whether the split beat F.linear on this machine
+_split_pays: dict[tuple[torch.dtype, int], bool] = {}
 
 
 def threads() -> int:
@@ -63,40 +67,33 @@ def _medians_s(*fns) -> list[float]:
     return [sorted(ts)[len(ts) // 2] for ts in times]
 
 
-def _probe_rows(rows: int) -> int:
-    return next(r for r in PROBE_ROWS if rows <= r)
-
-
-def split_pays(dtype: torch.dtype, rows: int = 1) -> bool:
-    """Whether splitting a product of `rows` rows (<= MAX_ROWS) over the threads beats F.linear
-    on this machine for `dtype`: measured on the first call per (dtype, thread count, probed
-    row count), then remembered. A compiled decode step calls `calibrate` before tracing."""
+def split_pays(dtype: torch.dtype) -> bool:
+    """Whether splitting few-row products over the threads beats F.linear on this machine for
+    `dtype`: timed on the first call per (dtype, thread count) (~30 ms), then remembered.
+    Decode steps call it when they are built, so no request pays for it (and a compiled
+    step's graph bakes the verdict in)."""
     blocks = threads()
-    key = (dtype, blocks, _probe_rows(rows))
+    key = (dtype, blocks)
     if key not in _split_pays:
         if blocks < 2:
             _split_pays[key] = False
         else:
             g = torch.Generator().manual_seed(0)
-            w = torch.randn(PROBE_SHAPE, generator=g).to(dtype)
-            x = torch.randn(key[2], PROBE_SHAPE[1], generator=g).to(dtype)
+            out = PROBE_SHAPE[0] // blocks * blocks  # one equal block per thread
+            w = torch.randn(out, PROBE_SHAPE[1], generator=g).to(dtype)
+            x = torch.randn(1, PROBE_SHAPE[1], generator=g).to(dtype)
             with torch.inference_mode():
                 plain, split = _medians_s(lambda: F.linear(x, w), lambda: _split(x, w, blocks))
             _split_pays[key] = split < PROBE_MARGIN * plain
     return _split_pays[key]
 
 
-def calibrate(dtype: torch.dtype) -> dict[int, bool]:
-    """Run every probe for `dtype` now (~50 ms); returns {probed row count: split pays}."""
-    return {rows: split_pays(dtype, rows) for rows in PROBE_ROWS}
-
-
-def _pays(dtype: torch.dtype, rows: int) -> bool:
+def _pays(dtype: torch.dtype) -> bool:
     """split_pays, except that code being traced by torch.compile only reads what an earlier
     eager call measured (timing inside a trace would bake the probe into the graph)."""
     if torch.compiler.is_compiling():
-        return _split_pays.get((dtype, threads(), _probe_rows(rows)), False)
-    return split_pays(dtype, rows)
+        return _split_pays.get((dtype, threads()), False)
+    return split_pays(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     blocks = threads()
     rows = x.numel() // in_features
     split = x.shape[-1] == in_features and rows <= MAX_ROWS and weight.is_contiguous()
-    if blocks < 2 or out_features % blocks or not split or not _pays(weight.dtype, rows):
+    if blocks < 2 or out_features % blocks or not split or not _pays(weight.dtype):
         return F.linear(x, weight, bias)  # F.linear also reports bad shapes
     y = _split(x.reshape(rows, in_features), weight, blocks)
     if bias is not None:

@@ -40,6 +40,17 @@ def test_logits_at_equals_those_rows_of_the_full_logits(checkpoint):
     torch.testing.assert_close(some[:, 0], full[torch.arange(2), at], rtol=1e-6, atol=1e-6)
 
 
+def test_a_cpu_model_runs_the_split_probe_when_loaded(checkpoint, monkeypatch):
+    """The CPU linear's probe is timed at load, eagerly: not in a request, not in a trace."""
+    import kernels.cpu
+
+    asked = []
+    monkeypatch.setattr(kernels.cpu, "split_pays", lambda dtype: asked.append(dtype) or False)
+    root, _ = checkpoint(LLAMA31)
+    load_model(root)
+    assert asked == [torch.float32]
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Tiny Llama 3.2, cache long enough for two buckets, decode step compiled (slow: once)."""

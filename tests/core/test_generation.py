@@ -606,8 +606,6 @@ def test_launching_steps_ahead_changes_nothing(base):
 
 
 def test_ahead_launches_the_next_step_before_reading_tokens(base, monkeypatch):
-    from core import generation
-
     order = []
     step = PerRowReference.step
     monkeypatch.setattr(PerRowReference, "step", lambda *a: order.append("step") or step(*a))
@@ -618,7 +616,6 @@ def test_ahead_launches_the_next_step_before_reading_tokens(base, monkeypatch):
         ), max_new_tokens=3)  # fmt: skip
         want = ["token", "step", "token", "step", "token"]
         assert order == (["step", "token", "step", "token", "token"] if ahead else want)
-    assert "ahead" in generation.run.__doc__
 
 
 def test_model_launching_ahead_equals_stepping(model4):
@@ -641,6 +638,30 @@ def test_model_launching_ahead_equals_stepping(model4):
     model4.ahead = False
     assert got[True] == got[False]
     assert [len(r[0]) for r in got[True]] == [kw["max_new_tokens"] for kw in PER_ROW]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_rows_of_unequal_reach_fill_a_tight_cache(base, ahead):
+    """A long prompt that wants few tokens beside a short one that wants many (as a server wave
+    takes them): every row fits the cache on its own, and the batch must too, eager, with
+    one step launched ahead or not."""
+    from core.sampling import SamplingParams
+
+    m = load_model(base[0], max_batch_size=2, max_seq_len=40)
+    m.ahead = ahead
+    ids = [list(range(40, 70)), [40, 41, 42]]  # 30 + 5 and 3 + 37 tokens: both exactly fit
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 37)]
+    with torch.inference_mode():
+        loop = m.token_loop(ids, params)
+        while True:
+            try:
+                next(loop)
+            except StopIteration as done:
+                batch = done.value
+                break
+    for prompt, p, got in zip(ids, params, batch, strict=True):
+        alone = m.generate(prompt, max_new_tokens=p.max_new_tokens, ignore_eos=True)
+        assert got.token_ids == alone.token_ids and len(got.token_ids) == p.max_new_tokens
 
 
 def test_batch_larger_than_max_batch_size(model, model4):

@@ -23,8 +23,7 @@ def two_threads():
 @pytest.fixture
 def split_pays(monkeypatch):
     """Pretend the probe found the split faster at every row count (as on the AMD machines)."""
-    verdicts = {(dt, 2, rows): True for dt in dispatch.KERNEL_DTYPES for rows in cpu.PROBE_ROWS}
-    monkeypatch.setattr(cpu, "_split_pays", verdicts)
+    monkeypatch.setattr(cpu, "_split_pays", {(dt, 2): True for dt in dispatch.KERNEL_DTYPES})
 
 
 @pytest.mark.parametrize(
@@ -69,7 +68,7 @@ def test_a_wrong_input_width_is_refused_as_f_linear_refuses_it(two_threads, spli
 
 def _slow(fn):
     def slowed(*args):
-        time.sleep(0.002)
+        time.sleep(0.02)  # far above either path, even on a loaded machine
         return fn(*args)
 
     return slowed
@@ -83,24 +82,52 @@ def test_the_probe_keeps_whichever_path_is_faster(two_threads, monkeypatch, slow
         monkeypatch.setattr(cpu.F, "linear", _slow(F.linear))
     else:
         monkeypatch.setattr(cpu, "_split", _slow(cpu._split))
-    assert cpu.calibrate(torch.float32) == dict.fromkeys(cpu.PROBE_ROWS, verdict)
-    # remembered per (dtype, threads, probed rows): 3 rows take the 4-row verdict, untimed
+    assert cpu.split_pays(torch.float32) is verdict
+    # remembered per (dtype, threads): asked again, or by linear at any row count, untimed
     monkeypatch.setattr(cpu, "_medians_s", lambda *fns: pytest.fail("timed twice"))
-    assert cpu.split_pays(torch.float32, 3) is verdict
+    assert cpu.split_pays(torch.float32) is verdict
+    calls = []
+    monkeypatch.setattr(cpu, "_split", lambda *a: calls.append(a) or cpu.torch.zeros(16, 96))
+    cpu.linear(torch.randn(16, 40), torch.randn(96, 40))
+    assert len(calls) == verdict
 
 
 def test_where_the_split_does_not_pay_f_linear_runs(two_threads, monkeypatch):
-    monkeypatch.setattr(cpu, "_split_pays", {(torch.float32, 2, r): False for r in cpu.PROBE_ROWS})
+    monkeypatch.setattr(cpu, "_split_pays", {(torch.float32, 2): False})
     monkeypatch.setattr(cpu, "_split", lambda *a: pytest.fail("split where it does not pay"))
     x, w = torch.randn(4, 40), torch.randn(96, 40)
     assert torch.equal(cpu.linear(x, w), F.linear(x, w))
 
 
-def test_one_thread_never_splits_and_never_times(monkeypatch):
+@pytest.mark.parametrize("n", [1, 3])
+def test_any_thread_count_probes_without_error(monkeypatch, n):
+    """One thread never splits (nor times); three threads probe a weight cut into three."""
     old = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
-        monkeypatch.setattr(cpu, "_medians_s", lambda *fns: pytest.fail("timed with one thread"))
-        assert cpu.split_pays(torch.float32) is False
+        monkeypatch.setattr(cpu, "_split_pays", {})
+        monkeypatch.setattr(cpu, "PROBE_REPEAT", 1)
+        if n == 1:
+            monkeypatch.setattr(cpu, "_medians_s", lambda *fns: pytest.fail("timed, 1 thread"))
+        assert cpu.split_pays(torch.float32) in (True, False)
+        assert (torch.float32, n) in cpu._split_pays
+        x, w = torch.randn(1, 576), torch.randn(1152, 576)  # 1152 = 3 x 384
+        torch.testing.assert_close(cpu.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(old)
+
+
+def test_a_trace_reads_the_verdict_and_never_times(two_threads, monkeypatch):
+    """Inside torch.compile, linear takes what an eager probe found, or F.linear if none ran."""
+    monkeypatch.setattr(cpu, "_medians_s", lambda *fns: pytest.fail("timed inside a trace"))
+    calls = []
+    split = cpu._split
+    monkeypatch.setattr(cpu, "_split", lambda *a: calls.append(1) or split(*a))
+    x, w = torch.randn(1, 40), torch.randn(96, 40)
+    torch.compiler.assume_constant_result(cpu.threads)  # as a compiled decode step marks it
+    for verdicts, splits in (({}, 0), ({(torch.float32, 2): True}, 1)):
+        monkeypatch.setattr(cpu, "_split_pays", verdicts)
+        torch._dynamo.reset()
+        got = torch.compile(cpu.linear, backend="eager", fullgraph=True)(x, w)
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert len(calls) == splits
