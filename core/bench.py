@@ -131,8 +131,6 @@ def measure(
         weight_bytes=weight_bytes,
         kv_bytes_per_token=cfg.kv_bytes_per_token(itemsize),
         kv_cache_bytes=model.net.kv_cache.nbytes,
-        peak_bandwidth_gbps=peak_gbps or _peak_gbps(dev),
-        peak_source="given" if peak_gbps else "",
         compiled=model.step.compiled is not None,
     )
     greedy = {"temperature": 0.0, "ignore_eos": True}
@@ -161,8 +159,10 @@ def measure(
         report.decode[b] = {"tokens_per_s": tps, "step_ms": step_s * 1e3, "achieved_gbps": gbps}
     _sync(dev)
     report.peak_memory_bytes = _peak_memory(dev)
-    if report.peak_bandwidth_gbps:
-        report.peak_source = report.peak_source or "datasheet"
+    if peak_gbps:
+        report.peak_bandwidth_gbps, report.peak_source = peak_gbps, "given"
+    elif sheet := _peak_gbps(dev):
+        report.peak_bandwidth_gbps, report.peak_source = sheet, "datasheet"
     elif dev.type == "cpu":  # after reading peak memory: the probe's 1 GiB is not the model's
         report.peak_bandwidth_gbps = cpu_stream_gbps()
         report.peak_source = "measured: one-row fp32 kernels.linear over a 1 GiB weight"

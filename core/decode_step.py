@@ -48,8 +48,7 @@ class DecodeStep:
                     "compile=True cannot run dynamic NTK rope scaling (its frequencies follow "
                     "the exact sequence length); load the model without compile"
                 )
-            dev = net.model.embed_tokens.weight.device
-            self.cuda_graphs = dev.type == "cuda"
+            self.cuda_graphs = weight.device.type == "cuda"
             mode = "reduce-overhead" if self.cuda_graphs else None
             torch.compiler.assume_constant_result(kernels.cpu.threads)  # no graph break
             cfg = torch._dynamo.config

@@ -477,6 +477,17 @@ def run_loop(base, prompts, per_row: list[dict] | None = None, hooks: dict | Non
             return done.value, ["".join(x) for x in pieces]
 
 
+def model_loop(model, ids: list[list[int]], params: list) -> list:
+    """Model.token_loop over encoded prompts with per-row params, run to its end: the results."""
+    with torch.inference_mode():
+        loop = model.token_loop(ids, params)
+        while True:
+            try:
+                next(loop)
+            except StopIteration as done:
+                return done.value
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -544,14 +555,7 @@ def test_model_batch_with_per_row_params(model, model4):
     per_row = [*PER_ROW[:3], dict(PER_ROW[3], ignore_eos=True)]
     ids = [model4.encode_prompt(x) for x in BATCH]
     params = [SamplingParams.build(model4.defaults, **kw) for kw in per_row]
-    with torch.inference_mode():
-        loop = model4.token_loop(ids, params)
-        while True:
-            try:
-                next(loop)
-            except StopIteration as done:
-                batch = done.value
-                break
+    batch = model_loop(model4, ids, params)
     for prompt, kw, got in zip(BATCH, per_row, batch, strict=True):
         alone = model.generate(prompt, **kw)
         assert got.token_ids == alone.token_ids and got.text == alone.text
@@ -618,7 +622,7 @@ def test_ahead_launches_the_next_step_before_reading_tokens(base, monkeypatch):
         assert order == (["step", "token", "step", "token", "token"] if ahead else want)
 
 
-def test_model_launching_ahead_equals_stepping(model4):
+def test_model_launching_ahead_equals_stepping(model4, monkeypatch):
     """Through the real forward and KV cache, rows ending at different steps."""
     from core.sampling import SamplingParams
 
@@ -626,16 +630,8 @@ def test_model_launching_ahead_equals_stepping(model4):
     params = [SamplingParams.build(model4.defaults, **kw, ignore_eos=True) for kw in PER_ROW]
     got = {}
     for ahead in (False, True):
-        model4.ahead = ahead
-        with torch.inference_mode():
-            loop = model4.token_loop(ids, params)
-            while True:
-                try:
-                    next(loop)
-                except StopIteration as done:
-                    got[ahead] = [(r.token_ids, r.text, r.logprobs) for r in done.value]
-                    break
-    model4.ahead = False
+        monkeypatch.setattr(model4, "ahead", ahead)
+        got[ahead] = [(r.token_ids, r.text, r.logprobs) for r in model_loop(model4, ids, params)]
     assert got[True] == got[False]
     assert [len(r[0]) for r in got[True]] == [kw["max_new_tokens"] for kw in PER_ROW]
 
@@ -651,14 +647,7 @@ def test_rows_of_unequal_reach_fill_a_tight_cache(base, ahead):
     m.ahead = ahead
     ids = [list(range(40, 70)), [40, 41, 42]]  # 30 + 5 and 3 + 37 tokens: both exactly fit
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 37)]
-    with torch.inference_mode():
-        loop = m.token_loop(ids, params)
-        while True:
-            try:
-                next(loop)
-            except StopIteration as done:
-                batch = done.value
-                break
+    batch = model_loop(m, ids, params)
     for prompt, p, got in zip(ids, params, batch, strict=True):
         alone = m.generate(prompt, max_new_tokens=p.max_new_tokens, ignore_eos=True)
         assert got.token_ids == alone.token_ids and len(got.token_ids) == p.max_new_tokens
