@@ -161,7 +161,7 @@ def _resolve(op: str, mode: str, x: torch.Tensor) -> Callable:
             raise KernelError(f"{ENV}=triton, but {op} cannot run in Triton: {why}")
         else:
             fn, path = ref, f"torch ({why})"
-    if (op, path) not in _logged:
+    if (op, path) not in _logged and not torch.compiler.is_compiling():  # a log call breaks graphs
         _logged.add((op, path))
         log.info("zoo kernels: %s -> %s [%s %s]", op, path, x.device, x.dtype)
     return fn

@@ -92,6 +92,25 @@ def test_compiled_greedy_batch_matches_transformers(compiled):
         assert res.token_ids == want[0, len(prompt) :].tolist()
 
 
+def test_a_compiled_step_is_one_graph_even_as_the_first_call(checkpoint, monkeypatch):
+    """Nothing in the step breaks the graph, not even the kernel dispatch's first-use log
+    (which a step traced before any eager call reaches): a break costs a guard check and an
+    eager fallback per layer (~15 ms a token on SmolLM2)."""
+    from torch._dynamo.utils import counters
+
+    import kernels.dispatch
+
+    monkeypatch.setattr(kernels.dispatch, "_chosen", {})
+    monkeypatch.setattr(kernels.dispatch, "_logged", set())
+    root, _ = checkpoint(LLAMA31)
+    m = load_model(root, compile=True)
+    counters.clear()
+    with torch.inference_mode():
+        m.step(torch.tensor([5]), torch.tensor([0]), 1)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_compile_refuses_dynamic_ntk_rope(checkpoint):
     root, _ = checkpoint(dict(LLAMA31, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     with pytest.raises(ConfigError, match="dynamic NTK"):
