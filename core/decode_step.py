@@ -16,6 +16,7 @@ import logging
 import torch
 
 import kernels.cpu
+import kernels.dispatch
 from core.config import DynamicRope
 from core.errors import ConfigError
 from core.modeling import CausalLM
@@ -50,6 +51,7 @@ class DecodeStep:
                 )
             self.cuda_graphs = weight.device.type == "cuda"
             mode = "reduce-overhead" if self.cuda_graphs else None
+            kernels.dispatch.prepare(weight.device, weight.dtype)  # no resolving in the trace
             torch.compiler.assume_constant_result(kernels.cpu.threads)  # no graph break
             cfg = torch._dynamo.config
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"

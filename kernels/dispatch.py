@@ -177,6 +177,14 @@ def pick(op: str, x: torch.Tensor) -> Callable:
     return fn
 
 
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Resolve every op for tensors on (device, dtype) now, eagerly. A compiled step traced
+    afterwards only reads the cache: a Triton module imported inside a trace breaks the graph."""
+    x = torch.empty(0, device=device, dtype=dtype)
+    for op in OPS:
+        pick(op, x)
+
+
 # --- the ops the core layers call: same signatures as kernels.reference -----------------------
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias. cuBLAS needs no help; on CPUs a few rows are split over the

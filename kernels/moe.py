@@ -161,7 +161,7 @@ def moe_experts(
     # rows per block: about the mean number of tokens an expert receives, at least 16 (tl.dot)
     block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(pairs, e))))
     sorted_pairs, block_expert = sort_by_expert(topk_ids, e, block_m)
-    if not x.is_cuda:  # the interpreter: a host sync is free, empty blocks are not
+    if INTERPRETED:  # the interpreter: a host sync is free, empty blocks are not
         block_expert = block_expert[: int((block_expert < e).sum())]
     h1 = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, h1, sorted_pairs, block_expert, None, n_topk, block_m)
