@@ -1,12 +1,16 @@
-"""Trace the compiled decode step of a CUDA model on a machine without a GPU: one graph per step,
-its Triton launches kernel nodes, no graph break.
+"""Trace the compiled decode step with the Triton launchers on a machine without a GPU: dynamo
+must capture each step as one graph whose Triton launches are kernel nodes, with no break.
 
 On a GPU, `load_model(..., compile=True)` replays each decode step as a CUDA graph; a graph break
 inside it (a log call, a lazy import, a host read in a launcher) would split the step into many
-graphs with eager code between them. Dynamo only turns a `kernel[grid](...)` launch into a graph
-node when it believes a Triton GPU backend is present, so this script makes it believe so
-(triton's driver answers with an sm90 target, as in compile_check.py), traces the step with a
-backend that records the graph and runs nothing, and prints what it saw.
+graphs with eager code between them. One graph is the precondition this script checks; it does
+not run inductor or CUDA graphs, and the models' tensors stay on the CPU (CUDA-only branches,
+e.g. `F.linear` for CUDA in `kernels.linear`, are not traced). Dynamo only turns a
+`kernel[grid](...)` launch into a graph node when it believes a Triton GPU backend is present, so
+the script makes it believe so (triton's driver answers with an sm90 target, as in
+compile_check.py), traces the step through AOT autograd (which functionalizes the kernels'
+writes, as inductor would see them) into a backend that records the graph and runs nothing, and
+prints the number of graphs, the breaks and the kernels launched, in fp32 and bf16.
 
     .venv/bin/python benchmarks/trace_check.py
 
@@ -26,6 +30,8 @@ os.environ["ZOO_KERNELS"] = "triton"
 
 import torch
 import torch.utils._triton
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from triton.backends.compiler import GPUTarget
@@ -74,25 +80,26 @@ SHAPES = {
 
 
 def _no_run_backend(graphs: list):
-    """Record the graph; return zeros shaped like its outputs instead of running it."""
+    """Through AOT autograd, record the functional graph; return zeros shaped like its outputs
+    instead of running it."""
 
-    def backend(gm, example_inputs):
+    def forward(gm, example_inputs):
         graphs.append(gm)
         (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
-        vals = [o.meta["example_value"] for o in outputs]
-        return lambda *args: [torch.zeros(v.shape, dtype=v.dtype) for v in vals]
+        vals = [o.meta["val"] for o in outputs]
+        return make_boxed_func(lambda *args: [torch.zeros(v.shape, dtype=v.dtype) for v in vals])
 
-    return backend
+    return aot_autograd(fw_compiler=forward)
 
 
-def trace(shape: dict, batch: int) -> tuple[int, dict, Counter]:
+def trace(shape: dict, batch: int, dtype: torch.dtype) -> tuple[int, dict, Counter]:
     """(graphs, graph breaks, Triton kernels launched) of one compiled decode step."""
     graphs: list = []
     compile_ = torch.compile
     torch.compile = lambda fn, **kw: compile_(fn, backend=_no_run_backend(graphs), dynamic=False)
     try:
         model = random_model(
-            shape, device="cpu", dtype=None, max_seq_len=256, max_batch_size=batch, compile=True
+            shape, device="cpu", dtype=dtype, max_seq_len=256, max_batch_size=batch, compile=True
         )
     finally:
         torch.compile = compile_
@@ -113,15 +120,14 @@ def main() -> int:
     torch.utils._triton.has_triton = lambda: True  # dynamo's check for a Triton GPU backend
     kernels.dispatch._unsupported = lambda x: None  # the launchers accept these CPU tensors
     ok = True
-    for name, shape in SHAPES.items():
-        for batch in (1, 4):
-            graphs, breaks, launched = trace(shape, batch)
-            good = graphs == 1 and not breaks and bool(launched)
-            ok &= good
-            kinds = ", ".join(f"{k} x{v}" for k, v in sorted(launched.items()))
-            print(
-                f"{name:12s} batch {batch}: {graphs} graph(s), breaks {breaks or 'none'}: {kinds}"
-            )
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, shape in SHAPES.items():
+            for batch in (1, 4):
+                graphs, breaks, launched = trace(shape, batch, dtype)
+                ok &= graphs == 1 and not breaks and bool(launched)
+                kinds = ", ".join(f"{k} x{v}" for k, v in sorted(launched.items()))
+                head = f"{name:12s} {str(dtype)[6:]:8s} batch {batch}: {graphs} graph(s)"
+                print(f"{head}, breaks {breaks or 'none'}: {kinds}")
     print("one graph per decode step" if ok else "FAILED: the decode step does not trace whole")
     return 0 if ok else 1
 

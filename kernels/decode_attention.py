@@ -12,8 +12,6 @@ extra rope score term (q_pe . k_pe).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -186,8 +184,9 @@ def _decode_merge_kernel(
     )
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
+    """The GPU's SM count (torch caches the properties; an lru_cache here would make dynamo warn
+    in every compiled decode step)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: a few splits, to exercise the merge

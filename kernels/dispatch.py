@@ -8,8 +8,10 @@
 - `torch`: the references in `kernels.reference` always.
 
 The choice is cached per (op, policy, device, dtype, interpreter flag) and logged once on the
-"zoo" logger, so the hot path costs two env lookups and one dict lookup. Triton modules are
-imported only when first chosen: importing `kernels` works without triton installed.
+"zoo" logger (not when first made inside a torch.compile trace, where a log call would break
+the graph), so the hot path costs two env lookups and one dict lookup. Triton modules are
+imported only when first chosen (all of them when a compiled decode step is built: `prepare`):
+importing `kernels` works without triton installed.
 """
 
 from __future__ import annotations
@@ -179,7 +181,9 @@ def pick(op: str, x: torch.Tensor) -> Callable:
 
 def prepare(device: torch.device, dtype: torch.dtype) -> None:
     """Resolve every op for tensors on (device, dtype) now, eagerly. A compiled step traced
-    afterwards only reads the cache: a Triton module imported inside a trace breaks the graph."""
+    afterwards only reads the cache: a Triton module imported inside a trace breaks the graph.
+    This imports every op's Triton module, also those of ops the model never calls (MLA, MoE
+    for a Llama): a few modules, for a choice that cannot then differ inside the graph."""
     x = torch.empty(0, device=device, dtype=dtype)
     for op in OPS:
         pick(op, x)

@@ -93,9 +93,10 @@ def test_compiled_greedy_batch_matches_transformers(compiled):
 
 
 def test_a_compiled_step_is_one_graph_even_as_the_first_call(checkpoint, monkeypatch):
-    """Nothing in the step breaks the graph, not even the kernel dispatch's first-use log
-    (which a step traced before any eager call reaches): a break costs a guard check and an
-    eager fallback per layer (~15 ms a token on SmolLM2)."""
+    """Nothing in the step breaks the graph, also when it is traced before any eager call
+    (the kernel dispatch's first choices, with their log line and imports, are made when the
+    step is built): a break costs a guard check and an eager fallback per layer (~15 ms a
+    token on SmolLM2)."""
     from torch._dynamo.utils import counters
 
     import kernels.dispatch

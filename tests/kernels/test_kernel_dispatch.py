@@ -83,6 +83,18 @@ def test_choice_logged_once_per_op(monkeypatch, caplog):
     assert len(lines) == 1 and "torch" in lines[0]
 
 
+def test_a_choice_made_inside_a_trace_breaks_no_graph(monkeypatch):
+    """The first pick of an op may happen while torch.compile traces (nothing eager ran yet);
+    its log line would break the graph there, so it is skipped."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("ZOO_KERNELS", "torch")
+    counters.clear()
+    out = torch.compile(kernels.swiglu, backend="eager", fullgraph=False)(randn(2, 8))
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1
+    assert out.shape == (2, 4) and any(k[0] == "swiglu" for k in dispatch._chosen)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="flips the CPU interpreter")
 def test_kernel_module_redecorates_when_interpreter_flag_changes(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
