@@ -90,10 +90,7 @@ def random_model(
 
     arch = registry().architecture(shape.get("model_type"), source="registry shape")
     cfg = arch.config.from_dict(shape, source="registry shape").to_runtime()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    dt = dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    dev, dt = _device_dtype(device, dtype)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dt)
     try:
@@ -105,6 +102,30 @@ def random_model(
         torch.set_default_dtype(default)
     net.setup_caches(max_batch_size, max_seq_len)
     return Model(net.eval(), None, Path(f"<random {cfg.model_type}>"), compile=compile)
+
+
+def _device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
+    """The device (CUDA when there is one) and dtype (fp32 on CPUs, else bf16) of a random model."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dev, dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+
+
+def random_checkpoint(shape: dict[str, Any], folder: Path, *, device, dtype, seed: int = 0) -> Path:
+    """Write a registry shape with random weights as a hub-style checkpoint (config.json and
+    safetensors, by transformers' `save_pretrained`), for `--random-weights --compare`: Zoo and
+    transformers then load the same weights from disk, each its own way, with no download.
+
+    The model is built on the CPU (so that only the benchmarked copies occupy a GPU) in the
+    dtype the run uses; `folder` needs room for the weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, dt = _device_dtype(device, dtype)
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape), dtype=dt)
+    hf.save_pretrained(folder)
+    return folder
 
 
 def random_prompt(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -189,30 +210,35 @@ def compare_transformers(model, source: Path, *, prompt: list[int], decode_token
     ids = torch.tensor([prompt], device=model.device)
     hf_kw = dict(max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
 
-    def run_hf() -> float:
+    def run_hf() -> tuple[float, list[int]]:
         _sync(model.device)
         t = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), **hf_kw)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), **hf_kw)
         _sync(model.device)
-        return decode_tokens / (time.perf_counter() - t)
+        return decode_tokens / (time.perf_counter() - t), out[0, len(prompt) :].tolist()
 
-    def run_zoo() -> float:
+    def run_zoo() -> tuple[float, list[int]]:
         t = time.perf_counter()
-        model.generate(prompt, max_new_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+        res = model.generate(prompt, max_new_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
         _sync(model.device)
-        return decode_tokens / (time.perf_counter() - t)
+        return decode_tokens / (time.perf_counter() - t), res.token_ids
 
-    run_hf(), run_zoo()  # warm-up (and compilation) outside the timed runs
+    # warm-up (and compilation) outside the timed runs; its tokens show both ran the same model
+    (_, hf_tokens), (_, zoo_tokens) = run_hf(), run_zoo()
+    same = 0  # greedy tokens equal before the first difference (bf16 may flip a near-tie)
+    while same < min(len(zoo_tokens), len(hf_tokens)) and zoo_tokens[same] == hf_tokens[same]:
+        same += 1
     zoo, theirs = [], []
     for _ in range(repeat):  # alternate, so drift in clocks or load hits both alike
-        zoo.append(run_zoo())
-        theirs.append(run_hf())
+        zoo.append(run_zoo()[0])
+        theirs.append(run_hf()[0])
     z, h = statistics.median(zoo), statistics.median(theirs)
     return {
         "peer": "transformers" + (" (static cache + torch.compile)" if compile_hf else ""),
         "prompt_tokens": len(prompt),
         "new_tokens": decode_tokens,
+        "same_tokens": same,
         "zoo_tokens_per_s": z,
         "transformers_tokens_per_s": h,
         "speedup": z / h,
@@ -255,6 +281,8 @@ def render(report: BenchReport) -> str:
             f"vs {c['peer']}: {c['prompt_tokens']}-token prompt, {c['new_tokens']} new tokens, "
             f"end to end: zoo {c['zoo_tokens_per_s']:.1f} tok/s, transformers "
             f"{c['transformers_tokens_per_s']:.1f} tok/s -> {c['speedup']:.2f}x",
+            f"   greedy tokens the same as transformers': the first {c['same_tokens']} of "
+            f"{c['new_tokens']}",
         ]
     return "\n".join(lines)
 

@@ -167,52 +167,69 @@ def _plugins(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from core import bench
+
+    lens = bench.parse_ints(args.prompt_lens, "prompt-lens")
+    batches = bench.parse_ints(args.batches, "batches")
+    sizes = {"max_seq_len": max(max(lens), 64) + args.decode_tokens, "max_batch_size": max(batches)}
+    with tempfile.TemporaryDirectory(prefix="zoo-bench-") as tmp:
+        model, load_s = _bench_model(args, Path(tmp), sizes)
+        report = bench.measure(
+            model,
+            prompt_lens=lens,
+            batches=batches,
+            decode_tokens=args.decode_tokens,
+            repeat=args.repeat,
+            peak_gbps=args.peak_gbps,
+        )
+        report.load_s = load_s
+        if args.random_weights:  # not the temporary folder they may have been written to
+            report.model = f"<random {model.config.model_type}>"
+        if args.compare == "transformers":
+            if model.tokenizer is None:  # no tokenizer: a fixed 42-token prompt of random ids
+                ids = bench.random_prompt(model.config.vocab_size, 1, 42)[0]
+            else:
+                prompt = _prompt_ids(model, [{"role": "user", "content": args.prompt}], None)
+                ids = prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
+            report.compare = bench.compare_transformers(
+                model, model.path, prompt=ids, decode_tokens=args.decode_tokens,
+                repeat=args.repeat, compile_hf=args.hf_compile,
+            )  # fmt: skip
+    print(bench.render(report))
+    if args.json:
+        bench.write_json(report, args.json)
+
+
+def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
+    """(model, load seconds): the named model, or random weights of a registry shape. With
+    --compare those are written to `tmp` as a checkpoint, which Zoo and transformers both load."""
     import time
 
     from core import bench
     from core.catalog import named_models
     from core.errors import RequestError
 
-    lens = bench.parse_ints(args.prompt_lens, "prompt-lens")
-    batches = bench.parse_ints(args.batches, "batches")
-    sizes = {"max_seq_len": max(max(lens), 64) + args.decode_tokens, "max_batch_size": max(batches)}
-    t0 = time.perf_counter()
+    shape = None
     if args.random_weights:
         name = args.shape or args.model
         shape = named_models().get(name, {}).get("shape")
         if not shape:
             known = ", ".join(n for n, e in named_models().items() if e.get("shape"))
             raise RequestError(f"no shape for {name!r} in registry.yaml; known shapes: {known}")
+        if args.compare:
+            folder = bench.random_checkpoint(shape, tmp, device=args.device, dtype=args.dtype)
+            args.model, shape = str(folder), None
+    t0 = time.perf_counter()
+    if shape:
         model = bench.random_model(
             shape, device=args.device, dtype=args.dtype, compile=args.compile, **sizes
         )
     else:
         model = _load(args, **sizes)
-    load_s = time.perf_counter() - t0
-    report = bench.measure(
-        model,
-        prompt_lens=lens,
-        batches=batches,
-        decode_tokens=args.decode_tokens,
-        repeat=args.repeat,
-        peak_gbps=args.peak_gbps,
-    )
-    report.load_s = load_s
-    if args.compare == "transformers":
-        if args.random_weights:
-            raise RequestError("--compare needs real weights; drop --random-weights")
-        if model.tokenizer is None:  # no tokenizer: a fixed 42-token prompt of random ids
-            ids = bench.random_prompt(model.config.vocab_size, 1, 42)[0]
-        else:
-            prompt = _prompt_ids(model, [{"role": "user", "content": args.prompt}], None)
-            ids = prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
-        report.compare = bench.compare_transformers(
-            model, model.path, prompt=ids, decode_tokens=args.decode_tokens,
-            repeat=args.repeat, compile_hf=args.hf_compile,
-        )  # fmt: skip
-    print(bench.render(report))
-    if args.json:
-        bench.write_json(report, args.json)
+    return model, time.perf_counter() - t0
 
 
 def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:

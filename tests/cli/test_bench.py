@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,6 +33,7 @@ def test_bench_reports_every_figure_and_compares(checkpoint, tmp_path):
         report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4
     )  # K,V x layers x kv heads x dim x fp32
     assert report["compare"]["peer"] == "transformers" and report["compare"]["speedup"] > 0
+    assert report["compare"]["same_tokens"] == 4  # both ran the same weights, greedy, fp32
     assert "tokens/s" in out.stdout and "vs transformers" in out.stdout
     assert report["compiled"] is False and "compiled" not in out.stdout
 
@@ -58,6 +60,27 @@ def test_bench_random_weights_of_a_registry_shape(tmp_path):
     assert row["fraction_of_peak"] == row["achieved_gbps"] / 100.0
     assert report["params"] == 134_515_008  # SmolLM2-135M's parameter count, tied head
     assert report["model"] == "<random llama>"
+
+
+def test_bench_compares_random_weights_of_a_registry_shape(tmp_path):
+    """No download: the random weights are written once, and both sides load that checkpoint."""
+    small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "6", "--repeat", "1"]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "core.cli", "bench", "--shape", "smollm2", "--random-weights",
+         "--compare", "transformers", *small, "--peak-gbps", "100", "--json", "r.json"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    compare = report["compare"]
+    assert compare["prompt_tokens"] == 42 and compare["new_tokens"] == 6
+    assert compare["same_tokens"] == 6  # identical weights: fp32 greedy tokens agree throughout
+    assert report["model"] == "<random llama>" and report["params"] == 134_515_008
+    assert "the first 6 of 6" in out.stdout
+    assert list(scratch.iterdir()) == []  # the temporary checkpoint is gone
 
 
 def test_bench_unknown_shape_is_one_line(tmp_path):
