@@ -86,3 +86,27 @@ def test_bench_compares_random_weights_of_a_registry_shape(tmp_path):
 def test_bench_unknown_shape_is_one_line(tmp_path):
     out = bench("--shape", "nope", "--random-weights", cwd=tmp_path)
     assert out.returncode == 1 and "known shapes: smollm2" in out.stderr
+
+
+def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):
+    """Compiled, each batch size is a graph of its own: it is built in a warm-up, not timed."""
+    import torch._dynamo.utils
+
+    from core import bench, load_model
+
+    root, _ = checkpoint(LLAMA31)
+    model = load_model(root, max_seq_len=64, max_batch_size=2, compile=True)
+    graphs = torch._dynamo.utils.counters["stats"]
+    generate, timed = model.generate, []
+
+    def watched(prompt, max_new_tokens, **kw):
+        before = graphs["unique_graphs"]
+        out = generate(prompt, max_new_tokens=max_new_tokens, **kw)
+        if max_new_tokens == 5:  # the timed decode runs
+            timed.append(graphs["unique_graphs"] - before)
+        return out
+
+    model.generate = watched
+    bench.measure(model, prompt_lens=[8], batches=[1, 2], decode_tokens=5, repeat=1, peak_gbps=1)
+    assert timed == [0, 0]
+    assert graphs["unique_graphs"] >= 2  # it did compile: one graph per batch size
