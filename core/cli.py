@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(message)s")
     try:
         args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is met inside this try
     except ZooError as err:
         if args.debug:
             raise
@@ -343,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `zoo list | head`: the reader left; no traceback, nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
     return 0
 
 

@@ -28,6 +28,16 @@ def test_list_shows_named_models():
     assert out.returncode == 0 and "llama3" in out.stdout
 
 
+def test_a_reader_that_leaves_early_ends_it_quietly():
+    """`zoo list | head -1`: no BrokenPipeError traceback, and the status of a SIGPIPE."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "core.cli", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    p.stdout.close()  # before it writes: Python starts far slower than this
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141 and err == b""
+
+
 def test_errors_are_one_line_and_nonzero(tmp_path):
     out = zoo("info", str(tmp_path / "missing"))
     assert out.returncode == 1
