@@ -215,8 +215,11 @@ def compare_transformers(model, source: Path, *, prompt: list[int], decode_token
         hf.generation_config.cache_implementation = "static"
         hf.generation_config.compile_config = CompileConfig()
         hf.generation_config.compile_config._compile_all_devices = True
+    # eos ignored as Zoo's `ignore_eos` does: it may be chosen, and generation goes on after it
+    # (min_new_tokens would instead forbid it, and the two would part at the first eos)
+    hf.generation_config.eos_token_id = None
     ids = torch.tensor([prompt], device=model.device)
-    hf_kw = dict(max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
+    hf_kw = dict(max_new_tokens=decode_tokens, do_sample=False)
 
     def run_hf() -> tuple[float, list[int]]:
         _sync(model.device)

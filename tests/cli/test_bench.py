@@ -116,3 +116,20 @@ def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):
     bench.measure(model, prompt_lens=[8], batches=[1, 2], decode_tokens=5, repeat=1, peak_gbps=1)
     assert timed == [0, 0]
     assert graphs["unique_graphs"] >= 2  # it did compile: one graph per batch size
+
+
+def test_compare_runs_on_past_eos_on_both_sides(checkpoint):
+    """Both sides may choose eos and go on; forbidding it (min_new_tokens) would part them."""
+    from core import bench, load_model
+
+    root, _ = checkpoint(LLAMA31)
+    prompt = bench.random_prompt(LLAMA31["vocab_size"], 1, 12)[0]
+    first = load_model(root).generate(prompt, max_new_tokens=1, temperature=0.0).token_ids[0]
+    for name in ("config.json", "generation_config.json"):  # that first token is now eos
+        if (path := root / name).exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": first}))
+    model = load_model(root)
+    compare = bench.compare_transformers(
+        model, model.path, prompt=prompt, decode_tokens=6, repeat=1, compile_hf=False
+    )
+    assert compare["same_tokens"] == 6
