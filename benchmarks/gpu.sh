@@ -28,13 +28,15 @@ wheels() {  # resolve for the device's Python (3.12), keep only the packages it 
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform any -d "$all" \
         pydantic gguf
-    mkdir -p .whl
+    rm -rf .whl && mkdir .whl  # one version of each: two would stop the install there
     for name in "${NEEDED[@]}"; do
         cp "$all/${name//-/_}"-[0-9]*.whl .whl/
     done
     rm -rf "$all"
-    mkdir -p .git/info
-    grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+    local exclude
+    exclude=$(git rev-parse --git-path info/exclude)
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
     ls -1 .whl
 }
 
@@ -42,6 +44,8 @@ setup() {  # carried wheels into /tmp/site; the repo itself from its folder (no 
     if compgen -G ".whl/*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl
+    else
+        echo "no wheels in .whl/: fine where ${NEEDED[*]} are installed" >&2
     fi
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
     mkdir -p "$OUT"
@@ -61,7 +65,7 @@ stage() {
             "triton", triton.__version__, "transformers", transformers.__version__)'
         local rc=0
         "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels || rc=$?
-        "$PY" benchmarks/kernels.py  # the figures, even where a test failed
+        "$PY" benchmarks/kernels.py || rc=1  # the figures, even where a test failed
         return $rc ;;
     llama3) bench llama3 llama3-1b.json --compare transformers --hf-compile ;;
     llama3-8b) bench llama3-8b llama3-8b.json ;;
@@ -75,7 +79,7 @@ if [[ ${1:-} == wheels ]]; then
     wheels
     exit
 fi
-[[ $# -gt 0 ]] || { sed -n '2,12p' "$0"; exit 2; }
+[[ $# -gt 0 ]] || { sed -n '2,13p' "$0"; exit 2; }
 setup
 failed=()
 for s in "$@"; do

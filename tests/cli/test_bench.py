@@ -103,19 +103,19 @@ def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):
     root, _ = checkpoint(LLAMA31)
     model = load_model(root, max_seq_len=64, max_batch_size=2, compile=True)
     graphs = torch._dynamo.utils.counters["stats"]
-    generate, timed = model.generate, []
+    generate, built = model.generate, []
 
     def watched(prompt, max_new_tokens, **kw):
         before = graphs["unique_graphs"]
         out = generate(prompt, max_new_tokens=max_new_tokens, **kw)
-        if max_new_tokens == 5:  # the timed decode runs
-            timed.append(graphs["unique_graphs"] - before)
+        if max_new_tokens == 5:  # the decode runs: per batch size, a warm-up, then 2 timed
+            built.append(graphs["unique_graphs"] - before)
         return out
 
     model.generate = watched
-    bench.measure(model, prompt_lens=[8], batches=[1, 2], decode_tokens=5, repeat=1, peak_gbps=1)
-    assert timed == [0, 0]
-    assert graphs["unique_graphs"] >= 2  # it did compile: one graph per batch size
+    bench.measure(model, prompt_lens=[8], batches=[1, 2], decode_tokens=5, repeat=2, peak_gbps=1)
+    assert len(built) == 6 and built[1:3] == built[4:6] == [0, 0]
+    assert built[0] >= 1 and built[3] >= 1  # so the warm-ups did compile, one graph each
 
 
 def test_compare_runs_on_past_eos_on_both_sides(checkpoint):
@@ -133,3 +133,21 @@ def test_compare_runs_on_past_eos_on_both_sides(checkpoint):
         model, model.path, prompt=prompt, decode_tokens=6, repeat=1, compile_hf=False
     )
     assert compare["same_tokens"] == 6
+
+
+def test_compare_without_transformers_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    from core import cli
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name == "transformers" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    argv = ["bench", "--shape", "smollm2", "--random-weights", "--compare", "transformers"]
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == (
+        "zoo: error: --compare transformers: not installed; pip install transformers\n"
+    )
