@@ -84,13 +84,14 @@ def random_model(
     shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int, compile=False
 ):
     """A `Model` of a registry entry's shape (its config.json keys) with random weights."""
+    from core.api import _resolve_device_dtype
     from core.model import Model
     from core.modeling import CausalLM
     from core.plugins import registry
 
     arch = registry().architecture(shape.get("model_type"), source="registry shape")
     cfg = arch.config.from_dict(shape, source="registry shape").to_runtime()
-    dev, dt = _device_dtype(device, dtype)
+    dev, dt = _resolve_device_dtype(device, dtype, "bfloat16")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dt)
     try:
@@ -104,24 +105,19 @@ def random_model(
     return Model(net.eval(), None, Path(f"<random {cfg.model_type}>"), compile=compile)
 
 
-def _device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
-    """The device (CUDA when there is one) and dtype (fp32 on CPUs, else bf16) of a random model."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dev, dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
-
-
 def random_checkpoint(shape: dict[str, Any], folder: Path, *, device, dtype, seed: int = 0) -> Path:
     """Write a registry shape with random weights as a hub-style checkpoint (config.json and
     safetensors, by transformers' `save_pretrained`), for `--random-weights --compare`: Zoo and
     transformers then load the same weights from disk, each its own way, with no download.
 
     The model is built on the CPU (so that only the benchmarked copies occupy a GPU) in the
-    dtype the run uses; `folder` needs room for the weights."""
+    dtype the run uses (as `load_model` picks it: bf16 on GPUs, fp32 on CPUs, unless given);
+    `folder` needs room for the weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _, dt = _device_dtype(device, dtype)
+    from core.api import _resolve_device_dtype
+
+    _, dt = _resolve_device_dtype(device, dtype, "bfloat16")
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape), dtype=dt)
     hf.save_pretrained(folder)

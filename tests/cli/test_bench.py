@@ -10,10 +10,10 @@ import sys
 from conftest import LLAMA31
 
 
-def bench(*args: str, cwd) -> subprocess.CompletedProcess:
+def bench(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "core.cli", "bench", *args],
-        capture_output=True, text=True, timeout=600, cwd=cwd,
+        capture_output=True, text=True, timeout=600, cwd=cwd, env=env,
     )  # fmt: skip
 
 
@@ -73,11 +73,10 @@ def test_bench_compares_random_weights_of_a_registry_shape(tmp_path):
     small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "6", "--repeat", "1"]
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    out = subprocess.run(
-        [sys.executable, "-m", "core.cli", "bench", "--shape", "smollm2", "--random-weights",
-         "--compare", "transformers", *small, "--peak-gbps", "100", "--json", "r.json"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env={**os.environ, "TMPDIR": str(scratch)},
+    out = bench(
+        "--shape", "smollm2", "--random-weights", "--compare", "transformers", *small,
+        "--peak-gbps", "100", "--json", "r.json",
+        cwd=tmp_path, env={**os.environ, "TMPDIR": str(scratch)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
