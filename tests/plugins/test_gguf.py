@@ -343,9 +343,8 @@ def test_tiny_tokenizer_from_metadata(checkpoint, tmp_path):
     assert tok.decode(chat) == "user\nhello\n"  # control tokens skipped
 
 
-def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
-    from transformers import AutoTokenizer
-
+def spm_gguf(path: Path, add_bos: bool | None) -> Path:
+    """A tiny sentencepiece (llama) vocabulary as GGUF metadata; add_bos None: no such key."""
     pieces = [
         "▁",
         "h",
@@ -375,7 +374,16 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
         ("add_eos_token_id", 2),
         ("add_unk_token_id", 0),
     ]
-    path = write(tmp_path / "spm.gguf", {}, kv)
+    if add_bos is not None:
+        kv.append(("add_add_bos_token", add_bos))
+    return write(path, {}, kv)
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path, add_bos):
+    from transformers import AutoTokenizer
+
+    path = spm_gguf(tmp_path / "spm.gguf", add_bos)
     ours = GGUFCheckpoint(path).tokenizer()
     want = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in ["hello world", "hello", " hello  hi\n", "ü ok"]:
@@ -383,6 +391,15 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
         assert ours.decode(ours.encode(text)) == want.decode(
             want.encode(text), skip_special_tokens=True
         )
+
+
+def test_sentencepiece_gguf_without_the_key_starts_with_bos(tmp_path):
+    """No tokenizer.ggml.add_bos_token: llama.cpp's default for sentencepiece vocabularies, BOS.
+    (transformers before 5.23 never adds BOS to a GGUF sentencepiece vocabulary, key or not.)"""
+    tok = GGUFCheckpoint(spm_gguf(tmp_path / "spm.gguf", None)).tokenizer()
+    with_bos = GGUFCheckpoint(spm_gguf(tmp_path / "bos.gguf", True)).tokenizer()
+    assert tok.add_bos and tok.encode("hello world") == with_bos.encode("hello world")
+    assert tok.encode("hello world")[0] == 1
 
 
 # --- registration and bad files -------------------------------------------------------------
