@@ -111,7 +111,7 @@ def main() -> None:
     print(f"         that reads every weight once takes at least {floor:.2f} ms")
     if guard is not None:
         print(f"guards   {guard:.3f} ms per call (dynamo's check, timed alone)")
-    sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    sort = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     print(f"\nper step (totals over {args.steps} steps / {args.steps}):")
     for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, sort))[: args.rows]:
         ms = getattr(e, sort) / 1e3 / args.steps
