@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from core.errors import ZooError
 from kernels import cpu, reference
+from kernels.qweight import QuantWeight
 
 log = logging.getLogger("zoo")
 
@@ -190,12 +191,26 @@ def prepare(device: torch.device, dtype: torch.dtype) -> None:
 
 
 # --- the ops the core layers call: same signatures as kernels.reference -----------------------
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight.T + bias. cuBLAS needs no help; on CPUs a few rows are split over the
-    threads (kernels/cpu.py) unless ZOO_KERNELS=torch asks for the plain reference."""
+    threads (kernels/cpu.py) unless ZOO_KERNELS=torch asks for the plain reference. A
+    quantized weight (kernels/qweight.py) takes its own kernels: the C kernel on CPUs
+    (kernels/cpu_quant.py), Triton on GPUs, the dequantizing reference otherwise."""
+    if isinstance(weight, QuantWeight):
+        return _quant_linear(x, weight, bias)
     if x.device.type == "cpu" and os.environ.get(ENV) != "torch":
         return cpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None):
+    if x.device.type == "cpu" and os.environ.get(ENV) != "torch":
+        from kernels import cpu_quant
+
+        return cpu_quant.quant_linear(x, weight, bias)
+    return reference.quant_linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

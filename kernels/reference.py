@@ -148,3 +148,9 @@ def moe_experts(
         h = swiglu(x[token] @ gate_up[e].T) @ down[e].T
         out.index_add_(0, token, h * topk_weights[token, slot, None].to(x.dtype))
     return out
+
+
+def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias for a `kernels.qweight.QuantWeight` W: the whole weight dequantized to
+    float32 (bit-exact with the `gguf` package), cast to x's dtype, then F.linear."""
+    return F.linear(x, weight.dequantize().to(x.dtype), bias)

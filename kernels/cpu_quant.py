@@ -1,0 +1,163 @@
+"""Quantized linear on CPUs: a small C kernel (kernels/qgemv.c) for few rows, dequantize and
+F.linear for many.
+
+Decode multiplies one row per sequence, where reading the weight is the whole cost: the C kernel
+reads the codes as they are kept (4 or 8 bits) and never a float copy. It is compiled on first
+use with the machine's C compiler (`cc -O3 -march=native -fopenmp`, ~1 s) into a per-user cache
+and loaded with ctypes; where no compiler works, the torch reference runs instead and the reason
+is logged once. Prefill (many rows) is compute-bound: the dequantized weight feeds the BLAS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.qweight import FORMATS, QuantWeight
+
+log = logging.getLogger("zoo")
+
+SOURCE = Path(__file__).with_name("qgemv.c")
+MAX_ROWS = 64  # above this the BLAS on the dequantized weight is faster (compute-bound)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2, torch.uint8: 3}
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("dmin", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in
+          ("N", "K", "gs", "superblock", "offset", "bits", "scale_kind", "min_kind")),
+    ]  # fmt: skip
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ZOO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zoo"
+    )
+    return Path(root) / "kernels"
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per (source, compiler, machine); None where it cannot
+    be built (the reason is logged)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("zoo kernels: no C compiler found; quantized CPU matmuls use the reference")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join([cc, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    out = _cache_dir() / f"qgemv-{key.hexdigest()[:16]}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            so = Path(tmp) / out.name
+            run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(so)], capture_output=True)
+            if run.returncode != 0:
+                log.warning(
+                    "zoo kernels: compiling %s failed (%s); quantized CPU matmuls use the "
+                    "reference",
+                    SOURCE.name,
+                    run.stderr.decode(errors="replace").strip()[-500:],
+                )
+                return None
+            so.replace(out)  # atomic: concurrent builders each write their own temporary
+    lib = ctypes.CDLL(str(out))
+    lib.zoo_qgemv.argtypes = [ctypes.POINTER(_QWeight), ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_int]  # fmt: skip
+    lib.zoo_qgemv.restype = None
+    return lib
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def describe(fmt, in_features, codes, scales, mins, d, dmin) -> _QWeight:
+    """The C view of a weight's tensors (pointers: the tensors must stay alive)."""
+    return _QWeight(
+        _ptr(codes), _ptr(scales), _ptr(mins), _ptr(d), _ptr(dmin),
+        codes.shape[0], in_features, fmt.group_of(in_features), fmt.superblock,
+        fmt.offset, fmt.bits if fmt.packed else 8, _KINDS[scales.dtype],
+        _KINDS[mins.dtype] if mins is not None else 0,
+    )  # fmt: skip
+
+
+def _usable(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
+    return (
+        x.dtype == torch.float32
+        and rows <= MAX_ROWS
+        and x.shape[-1] == w.in_features
+        and w.fmt.group_of(w.in_features) % 16 == 0
+        and library() is not None
+    )
+
+
+def _run(x2: torch.Tensor, fmt, in_features: int, *tensors) -> torch.Tensor:
+    y = torch.empty(x2.shape[0], tensors[0].shape[0], dtype=torch.float32)
+    desc = describe(fmt, in_features, *tensors)
+    library().zoo_qgemv(
+        ctypes.byref(desc), x2.data_ptr(), y.data_ptr(), x2.shape[0], torch.get_num_threads()
+    )
+    return y
+
+
+@torch.library.custom_op("zoo::qgemv", mutates_args=())
+def _qgemv_op(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    d: torch.Tensor | None,
+    dmin: torch.Tensor | None,
+    fmt: str,
+    in_features: int,
+) -> torch.Tensor:
+    """The C kernel as an op that torch.compile keeps opaque (a compiled decode step calls it
+    from its graph)."""
+    return _run(x, FORMATS[fmt], in_features, codes, scales, mins, d, dmin)
+
+
+@_qgemv_op.register_fake
+def _(x, codes, scales, mins, d, dmin, fmt, in_features):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias on the CPU: the C kernel for up to MAX_ROWS fp32 rows, else F.linear on
+    the dequantized weight."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not _usable(x, w, rows):
+        return F.linear(x, w.dequantize().to(x.dtype), bias)
+    x2 = x.reshape(rows, w.in_features).contiguous()
+    if torch.compiler.is_compiling():
+        y = _qgemv_op(x2, w.codes, w.scales, w.mins, w.d, w.dmin, w.fmt.name, w.in_features)
+    else:
+        y = _run(x2, w.fmt, w.in_features, w.codes, w.scales, w.mins, w.d, w.dmin)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], w.out_features)

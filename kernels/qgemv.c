@@ -1,0 +1,219 @@
+// Few-row products with quantized weights on CPUs: y (M, N) = x (M, K) @ W.T, fp32 throughout.
+//
+// W in the layout of kernels/qweight.py: codes (4-bit pairs or int8), one scale per group of
+// `gs` columns (fp16 or fp32, or a small int times a fp16 super-block scale), an optional
+// additive minimum of the same two kinds, and an offset subtracted from every code:
+//     W[n, k] = scale[n, g] * (code[n, k] - offset) + min[n, g],   g = k / gs
+// Per row and group: s * sum_j code_j * x_j accumulates lane-wise into a vector of floats (one
+// horizontal sum per row), and the offset and minimum terms use the group sums of x:
+//     y = sum_g s_g * (dot_g - offset * xs_g) + m_g * xs_g
+// OpenMP splits the output rows over the threads. Equal to F.linear on the dequantized weight to fp32 rounding.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const void *codes;  // uint8 (N, K/2) when bits == 4, else int8 (N, K)
+    const void *scales; // (N, G) of scale_kind
+    const void *mins;   // (N, G) of min_kind, or NULL
+    const uint16_t *d;  // fp16 (N, K/superblock) or NULL: scale = d * small int
+    const uint16_t *dmin;
+    int64_t N, K, gs, superblock, offset, bits;
+    int64_t scale_kind, min_kind;  // 0 fp32, 1 fp16, 2 int8, 3 uint8
+} qweight_t;
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+static inline float load(const void *p, int64_t kind, int64_t i) {
+    switch (kind) {
+        case 0: return ((const float *)p)[i];
+        case 1: return half_to_float(((const uint16_t *)p)[i]);
+        case 2: return (float)((const int8_t *)p)[i];
+        default: return (float)((const uint8_t *)p)[i];
+    }
+}
+
+// The group scales (or minimums) of row n: small values, times the super-block's fp16.
+static void row_factors(const qweight_t *w, const void *small, int64_t kind,
+                        const uint16_t *big, int64_t n, int64_t G, float *out) {
+    int64_t per = w->superblock ? w->superblock / w->gs : 1;
+    for (int64_t g = 0; g < G; g++) {
+        float s = load(small, kind, n * G + g);
+        if (big) s = half_to_float(big[n * (G / per) + g / per]) * s;
+        out[g] = s;
+    }
+}
+
+// The inner loops in SIMD intrinsics: AVX-512 (16 lanes), AVX2 + FMA (8 lanes), or plain C.
+// Each loads W codes (8-bit, or 4-bit pairs: low nibble, high nibble), widens them to floats and
+// multiplies them by x in fused multiply-adds.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define W 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSET(s) _mm512_set1_ps(s)
+#define VLOADX(p) _mm512_loadu_ps(p)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+static inline vf codes8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline void codes4(const uint8_t *p, vf *lo, vf *hi) {  // 16 bytes: 16 low, 16 high
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define W 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSET(s) _mm256_set1_ps(s)
+#define VLOADX(p) _mm256_loadu_ps(p)
+static inline float VSUM(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf codes8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void codes4(const uint8_t *p, vf *lo, vf *hi) {  // 8 bytes: 8 low, 8 high
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#else
+#define W 1
+typedef float vf;
+#define VZERO() 0.0f
+#define VFMA(a, b, c) ((a) * (b) + (c))
+#define VSET(s) (s)
+#define VLOADX(p) (*(p))
+#define VSUM(v) (v)
+static inline vf codes8(const int8_t *p) { return (float)*p; }
+static inline void codes4(const uint8_t *p, vf *lo, vf *hi) {
+    *lo = (float)(*p & 15);
+    *hi = (float)(*p >> 4);
+}
+#endif
+
+// Row n of W as floats (a row fits in L1 and then serves every row of x).
+static void dequantize_row(const qweight_t *w, int64_t n, const float *s, const float *m,
+                           float *out) {
+    const int64_t K = w->K, gs = w->gs;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t g = k / gs;
+        float q;
+        if (w->bits == 4) {
+            uint8_t b = ((const uint8_t *)w->codes)[n * (K / 2) + g * 16 + (k % 32) % 16];
+            q = (float)((k % 32) < 16 ? (b & 15) : (b >> 4));
+        } else {
+            q = (float)((const int8_t *)w->codes)[n * K + k];
+        }
+        out[k] = s[g] * (q - (float)w->offset) + (w->mins ? m[g] : 0.0f);
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t K) {
+    vf acc = VZERO();
+    int64_t k = 0;
+    for (; k + W <= K; k += W) acc = VFMA(VLOADX(a + k), VLOADX(b + k), acc);
+    float total = VSUM(acc);
+    for (; k < K; k++) total += a[k] * b[k];
+    return total;
+}
+
+// One output row against one row of x, straight from the codes (decode: x has one row).
+static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float *xsr,
+                     const float *s, const float *m) {
+    const int64_t K = w->K, gs = w->gs, G = K / gs;
+    vf acc = VZERO();
+    if (w->bits == 4) {  // groups of 32: byte j holds column j (low) and j + 16 (high)
+        const uint8_t *c = (const uint8_t *)w->codes + n * (K / 2);
+        for (int64_t g = 0; g < G; g++) {
+            vf part = VZERO(), lo, hi;
+            for (int j = 0; j < 16; j += W) {
+                codes4(c + g * 16 + j, &lo, &hi);
+                part = VFMA(lo, VLOADX(xr + g * 32 + j), part);
+                part = VFMA(hi, VLOADX(xr + g * 32 + 16 + j), part);
+            }
+            acc = VFMA(part, VSET(s[g]), acc);
+        }
+    } else {
+        const int8_t *c = (const int8_t *)w->codes + n * K;
+        for (int64_t g = 0; g < G; g++) {
+            vf part = VZERO();
+            for (int64_t j = g * gs; j < (g + 1) * gs; j += W)
+                part = VFMA(codes8(c + j), VLOADX(xr + j), part);
+            acc = VFMA(part, VSET(s[g]), acc);
+        }
+    }
+    float total = VSUM(acc);
+    for (int64_t g = 0; g < G; g++) {
+        if (w->offset) total -= s[g] * (float)w->offset * xsr[g];
+        if (w->mins) total += m[g] * xsr[g];
+    }
+    return total;
+}
+
+// y (M, N) = x (M, K) @ W.T; gs must be a multiple of W (16 covers every format).
+// One row of x: dot products straight from the codes. More: each row of W is dequantized once
+// into a buffer and dotted with every row of x.
+void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
+    const int64_t K = w->K, gs = w->gs, G = K / gs;
+    float *xs = NULL;
+    if (M == 1) {  // per group: the sum of x's values (offset and minimum terms)
+        xs = (float *)malloc(G * sizeof(float));
+        for (int64_t g = 0; g < G; g++) {
+            float t = 0;
+            for (int64_t j = 0; j < gs; j++) t += x[g * gs + j];
+            xs[g] = t;
+        }
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = (float *)malloc(G * sizeof(float)), *m = (float *)malloc(G * sizeof(float));
+        float *row = M > 1 ? (float *)malloc(K * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < w->N; n++) {
+            row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
+            if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
+            if (M == 1) {
+                y[n] = row_dot(w, n, x, xs, s, m);
+            } else {
+                dequantize_row(w, n, s, m, row);
+                for (int64_t r = 0; r < M; r++) y[r * w->N + n] = dot(row, x + r * K, K);
+            }
+        }
+        free(s);
+        free(m);
+        free(row);
+    }
+    free(xs);
+}

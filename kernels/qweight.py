@@ -1,0 +1,190 @@
+"""Quantized weights: a (out, in) matrix kept as integer codes with per-group scales.
+
+One layout serves every format, so one kernel family serves them all:
+
+    w[n, k] = scale(n, g) * (code[n, k] - offset) + minimum(n, g),   g = k // group
+
+- `codes`: int8 (out, in) for 5-, 6- and 8-bit formats (widened to a byte), or uint8
+  (out, in // 2) for 4-bit ones: in each group of 32 columns, byte j holds column j in its low
+  nibble and column j + 16 in its high nibble (GGML's Q4_0 / Q4_1 order).
+- `scales`: (out, in // group), fp16 or fp32; for the K-quants a small integer per group that a
+  fp16 `d` per 256-column super-block multiplies: scale = float(d) * float(sub-scale), in fp32.
+- `mins` (optional): the same two forms, with `dmin`.
+
+GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are repacked into this layout
+losslessly by plugins/gguf_quant.py, and `dequantize` reproduces the `gguf` package's floats bit
+for bit (the same fp32 products and sums, in the same order); `quantize` makes int8 / int4
+weights from floats at load time. `kernels.linear` dispatches on the `QuantWeight` type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class QFormat:
+    name: str
+    bits: int  # 4: two codes per byte; 5, 6, 8: one int8 code per weight
+    group: int  # columns per scale (0: the whole row, per channel)
+    offset: int = 0  # subtracted from each code
+    minimum: bool = False  # a per-group additive term
+    superblock: int = 0  # K-quants: fp16 d (and dmin) per this many columns
+
+    @property
+    def packed(self) -> bool:
+        return self.bits == 4
+
+    def group_of(self, in_features: int) -> int:
+        return self.group or in_features
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        QFormat("q8_0", 8, 32),
+        QFormat("q4_0", 4, 32, offset=8),
+        QFormat("q4_1", 4, 32, minimum=True),
+        QFormat("q5_0", 8, 32),  # codes stored as code - 16
+        QFormat("q5_1", 8, 32, minimum=True),
+        QFormat("q4_k", 4, 32, minimum=True, superblock=256),
+        QFormat("q5_k", 8, 32, minimum=True, superblock=256),
+        QFormat("q6_k", 8, 16, superblock=256),  # codes stored as code - 32
+        QFormat("int8", 8, 0),  # quantized at load: symmetric, one fp32 scale per row
+        QFormat("int4", 4, 32, minimum=True),  # quantized at load: asymmetric, fp16 scale + min
+    )
+}
+
+
+class QuantWeight(nn.Module):
+    """A quantized (out_features, in_features) weight: its tensors are buffers, so `.to()`,
+    `state_dict` and the strict loader treat them like any other."""
+
+    def __init__(
+        self,
+        fmt: QFormat,
+        shape: tuple[int, int],
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None = None,
+        d: torch.Tensor | None = None,
+        dmin: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.fmt, self.shape = fmt, tuple(shape)
+        for name, t in (("codes", codes), ("scales", scales), ("mins", mins), ("d", d)):
+            self.register_buffer(name, t)
+        self.register_buffer("dmin", dmin)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, shape={self.shape}"
+
+    def group_scales(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """fp32 (rows, groups): each group's scale."""
+        return _two_level(self.scales[rows], self.d, rows, self)
+
+    def group_mins(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor | None:
+        """fp32 (rows, groups): each group's additive term, or None."""
+        if self.mins is None:
+            return None
+        return _two_level(self.mins[rows], self.dmin, rows, self)
+
+    def int_codes(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """(rows, in_features) codes as int16 (offset not yet subtracted)."""
+        c = self.codes[rows]
+        if not self.fmt.packed:
+            return c.to(torch.int16)
+        c = c.view(*c.shape[:-1], -1, 16).to(torch.int16)  # (..., groups of 32, 16 bytes)
+        return torch.cat([c & 15, c >> 4], dim=-1).flatten(-2)
+
+    def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """The float32 weight (or some of its rows): the reference every kernel is tested
+        against, equal bit for bit to the `gguf` package's dequantization of the same blocks."""
+        fmt = self.fmt
+        q = self.int_codes(rows)
+        if fmt.offset:
+            q = q - fmt.offset
+        q = q.float().unflatten(-1, (-1, fmt.group_of(self.in_features)))
+        w = self.group_scales(rows)[..., None] * q  # two roundings, as numpy does: no fma
+        mins = self.group_mins(rows)
+        if mins is not None:
+            w = w + mins[..., None]
+        return w.flatten(-2)
+
+    def select_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup: the float32 rows `ids` (any shape) -> (*ids.shape, in_features)."""
+        return self.dequantize(ids.reshape(-1)).view(*ids.shape, self.in_features)
+
+
+def _two_level(small: torch.Tensor, big: torch.Tensor | None, rows, w: QuantWeight) -> torch.Tensor:
+    if big is None:
+        return small.float()
+    per = w.fmt.superblock // w.fmt.group  # groups per super-block
+    return big[rows].float().repeat_interleave(per, dim=-1) * small.float()
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack weights of one format along the output dimension (fused q|k|v, gate|up)."""
+    fmt, first = parts[0].fmt, parts[0]
+    out = sum(p.out_features for p in parts)
+
+    def cat(name: str) -> torch.Tensor | None:
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts)
+
+    return QuantWeight(
+        fmt,
+        (out, first.in_features),
+        cat("codes"),
+        cat("scales"),
+        cat("mins"),
+        cat("d"),
+        cat("dmin"),
+    )
+
+
+# --- quantize at load (int8 / int4) ----------------------------------------------------------
+def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
+    """Quantize a float (out, in) weight: `int8` symmetric per row (gpt-fast's weight-only
+    int8), `int4` asymmetric in groups of 32 with an fp16 scale and minimum (GGML's Q4_1)."""
+    fmt = FORMATS[kind]
+    w = w.detach().float()
+    out, inp = w.shape
+    if kind == "int8":
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        codes = torch.round(w / torch.where(scale == 0, 1, scale)).clamp(-127, 127)
+        return QuantWeight(fmt, (out, inp), codes.to(torch.int8), scale)
+    if inp % 32:
+        raise ValueError(f"int4 needs in_features divisible by 32, got {inp}")
+    g = w.view(out, inp // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).to(torch.float16)
+    mins = lo.to(torch.float16)
+    inv = torch.where(scale == 0, 0, 1 / scale.float())
+    q = torch.round((g - mins.float()[..., None]) * inv[..., None]).clamp(0, 15)
+    return QuantWeight(fmt, (out, inp), pack_nibbles(q.view(out, inp)), scale, mins)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(rows, in) codes in 0..15 -> (rows, in // 2) uint8 in this module's nibble order."""
+    g = q.to(torch.uint8).view(*q.shape[:-1], -1, 32)
+    return (g[..., :16] | (g[..., 16:] << 4)).flatten(-2)
