@@ -13,6 +13,7 @@ from core.loader import load_weights
 from core.model import Model
 from core.modeling import CausalLM
 from core.plugins import registry
+from core.quantize import AT_LOAD, quantize_model
 
 log = logging.getLogger("zoo")
 
@@ -68,7 +69,8 @@ def _check_fits(net: CausalLM, cfg, dtype, device, batch: int, seq: int) -> None
 
 
 def _check_finite(net: CausalLM, path: Path) -> None:
-    bad = [n for n, p in net.named_parameters() if not torch.isfinite(p).all()]
+    tensors = [*net.named_parameters(), *net.named_buffers()]  # buffers: quantized weights
+    bad = [n for n, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise CheckpointError(
             f"{path}: {len(bad)} tensor(s) hold NaN or Inf values: {', '.join(bad[:8])}; "
@@ -87,6 +89,8 @@ def load_model(
     offline: bool | None = None,
     check_finite: bool = False,
     compile: bool = False,
+    dequantize: bool = False,
+    quantize: str | None = None,
 ) -> Model:
     """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
@@ -95,7 +99,12 @@ def load_model(
     revision / offline: for hub downloads. check_finite: refuse weights holding NaN or Inf.
     compile: run decode steps as torch.compile graphs (CUDA graphs on GPUs): faster per token,
     at a one-off compile per batch size and cache bucket (see core/decode_step.py).
+    dequantize: turn a GGUF file's quantized blocks into floats of `dtype` (by default they are
+    kept as they are: docs/quantization.md). quantize: "int8" or "int4", quantize the float
+    weights of any checkpoint at load (linear layers, LM head, embedding).
     """
+    if quantize is not None and quantize not in AT_LOAD:
+        raise RequestError(f"quantize={quantize!r} is not one of {', '.join(AT_LOAD)}")
     path = _resolve_path(name_or_path, revision=revision, offline=offline)
     reg = registry()
     ckpt = reg.format_for(path).open(path)
@@ -122,7 +131,10 @@ def load_model(
             device=dev,
             ignore=net.ignored_checkpoint_names(),
             progress=True,
+            keep_quantized=not dequantize and quantize is None,
         )
+        if quantize is not None:
+            quantize_model(net, quantize)
         if check_finite:
             _check_finite(net, path)
         tokenizer = ckpt.tokenizer()
@@ -130,7 +142,7 @@ def load_model(
     finally:
         ckpt.close()
     net.setup_caches(max_batch_size, seq)
-    net.eval()
+    net.eval().requires_grad_(False)  # inference only: no autograd in eager or compiled steps
     log.info(
         "zoo: loaded %s (%s) on %s as %s in %.2fs; KV cache %d x %d tokens = %.1f MiB",
         path,

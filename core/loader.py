@@ -8,12 +8,14 @@ before a single byte is read; then each tensor is copied straight into its targe
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Container, Iterator
 
 import torch
 from torch import nn
 
+from core import quantize
 from core.checkpoint import Checkpoint
 from core.errors import CheckpointError
 from core.plugins import WeightMap
@@ -48,6 +50,39 @@ def map_name(name: str, weight_map: WeightMap) -> tuple[str, str | None] | None:
 
 def _is_index(part: str) -> bool:
     return part.isascii() and part.isdigit()
+
+
+def checkpoint_name(param: str, shard: str | None, weight_map: WeightMap) -> str:
+    """The inverse of `map_name`: the checkpoint tensor that fills `param` (or its `shard`),
+    e.g. `model.layers.2.self_attn.qkv_proj.weight`, shard `k` ->
+    `model.layers.2.self_attn.k_proj.weight`: the name a user finds in their file."""
+    module, _, leaf = param.rpartition(".")
+    for key, target in weight_map.items():
+        if target is None:
+            continue
+        want_shard = None
+        if isinstance(target, tuple):
+            target, want_shard = target
+        if (want_shard is None) != (shard is None):
+            continue
+        ints = _match(target, module)
+        if ints is None:
+            continue
+        if shard is not None:
+            more = _match(want_shard, shard)
+            if more is None:
+                continue
+            ints += more
+        return f"{key.format(*ints)}.{leaf}" if key else leaf
+    return param if shard is None else f"{param}[{shard}]"
+
+
+def _match(pattern: str, text: str) -> list[str] | None:
+    """The values of `pattern`'s `{}`s in `text`, or None when it does not match."""
+    regex = "".join(r"(\d+)" if part == "{}" else re.escape(part)
+                    for part in re.split(r"(\{\})", pattern))  # fmt: skip
+    m = re.fullmatch(regex, text)
+    return None if m is None else list(m.groups())
 
 
 def _listing(kind: str, items: list[str], limit: int = 8) -> str:
@@ -91,9 +126,7 @@ def plan_load(
         have = filled.get(pname, set())
         # a fused parameter may also be stored whole (shard None), e.g. Phi-3's qkv_proj
         if have != need and have != {None}:
-            missing += [
-                pname if s is None else f"{pname}[{s}]" for s in sorted(need - have, key=str)
-            ]
+            missing += [checkpoint_name(pname, s, weight_map) for s in sorted(need - have, key=str)]
     problems = [
         _listing(kind, items)
         for kind, items in (
@@ -121,28 +154,36 @@ def load_weights(
     device: torch.device,
     ignore: Container[str] = frozenset(),
     progress: bool = False,
+    keep_quantized: bool = True,
 ) -> None:
     """Fill `net` (built on the meta device) from `ckpt`, converting on the fly.
 
     `ignore` holds checkpoint names to skip (any container: a set, or a rule by name).
     Parameters marked `keep_fp32` (e.g. a router's correction bias) stay in float32.
+    keep_quantized: a linear or embedding weight that the checkpoint stores in a block format
+    (GGUF) becomes a `QuantWeight` of the same blocks instead of floats (core/quantize.py).
     """
     plan = plan_load(net, ckpt, weight_map, ignore)
-    state = {
-        n: torch.empty(
-            p.shape, dtype=torch.float32 if getattr(p, "keep_fp32", False) else dtype, device=device
-        )
+    state: dict[str, torch.Tensor] = {}
+    if keep_quantized:
+        kept, plan = quantize.split_plan(net, ckpt, plan)
+        for target, parts in _progress(list(kept.items()), progress, "keeping quantized"):
+            w = quantize.read_kept(ckpt, parts, dtype, device)
+            state.update(quantize.install(net, target, w))
+    state.update(
+        (n, torch.empty(p.shape, dtype=torch.float32 if getattr(p, "keep_fp32", False) else dtype,
+                        device=device))
         for n, p in net.named_parameters()
-    }
+    )  # fmt: skip
     for name, target, index in _progress(plan, progress):
         state[target][index].copy_(ckpt.read(name))
     net.load_state_dict(state, strict=True, assign=True)
 
 
-def _progress(plan: list, enabled: bool) -> Iterator:
-    if not enabled:
+def _progress(plan: list, enabled: bool, desc: str = "loading weights") -> Iterator:
+    if not enabled or not plan:
         return iter(plan)
     from tqdm import tqdm
 
     # disable=None: a bar on a terminal, nothing in logs and pipes
-    return iter(tqdm(plan, desc="loading weights", unit="tensor", leave=False, disable=None))
+    return iter(tqdm(plan, desc=desc, unit="tensor", leave=False, disable=None))

@@ -53,10 +53,18 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+_built: list[ctypes.CDLL | None] = []  # library()'s answer, read by code being traced
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built once per (source, compiler, machine); None where it cannot
     be built (the reason is logged)."""
+    _built.append(_build())
+    return _built[0]
+
+
+def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("zoo kernels: no C compiler found; quantized CPU matmuls use the reference")
@@ -108,12 +116,15 @@ def describe(fmt, in_features, codes, scales, mins, d, dmin) -> _QWeight:
 
 
 def _usable(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
+    # a trace only reads what an eager call built (kernels.dispatch.prepare builds it first):
+    # building inside the trace would break the graph at its file checks
+    built = (_built or [None])[0] if torch.compiler.is_compiling() else library()
     return (
         x.dtype == torch.float32
         and rows <= MAX_ROWS
         and x.shape[-1] == w.in_features
         and w.fmt.group_of(w.in_features) % 16 == 0
-        and library() is not None
+        and built is not None
     )
 
 

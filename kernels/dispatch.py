@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from core.errors import ZooError
 from kernels import cpu, reference
-from kernels.qweight import QuantWeight
+from kernels.qweight import QuantStack, QuantWeight
 
 log = logging.getLogger("zoo")
 
@@ -188,16 +188,25 @@ def prepare(device: torch.device, dtype: torch.dtype) -> None:
     x = torch.empty(0, device=device, dtype=dtype)
     for op in OPS:
         pick(op, x)
+    if device.type == "cpu":
+        from kernels import cpu_quant
+
+        cpu_quant.library()  # the quantized-weight kernel: compiled (or found) now
 
 
 # --- the ops the core layers call: same signatures as kernels.reference -----------------------
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantWeight | QuantStack,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias. cuBLAS needs no help; on CPUs a few rows are split over the
     threads (kernels/cpu.py) unless ZOO_KERNELS=torch asks for the plain reference. A
     quantized weight (kernels/qweight.py) takes its own kernels: the C kernel on CPUs
     (kernels/cpu_quant.py), Triton on GPUs, the dequantizing reference otherwise."""
+    if isinstance(weight, QuantStack):  # parts of different formats
+        y = torch.cat([_quant_linear(x, part, None) for part in weight.parts], dim=-1)
+        return y if bias is None else y + bias
     if isinstance(weight, QuantWeight):
         return _quant_linear(x, weight, bias)
     if x.device.type == "cpu" and os.environ.get(ENV) != "torch":

@@ -72,9 +72,11 @@ class QuantWeight(nn.Module):
         mins: torch.Tensor | None = None,
         d: torch.Tensor | None = None,
         dmin: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         self.fmt, self.shape = fmt, tuple(shape)
+        self.dtype = dtype  # the float dtype the model computes in (what the weight stands for)
         for name, t in (("codes", codes), ("scales", scales), ("mins", mins), ("d", d)):
             self.register_buffer(name, t)
         self.register_buffer("dmin", dmin)
@@ -142,9 +144,47 @@ def _two_level(small: torch.Tensor, big: torch.Tensor | None, rows, w: QuantWeig
     return big[rows].float().repeat_interleave(per, dim=-1) * small.float()
 
 
-def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """Stack weights of one format along the output dimension (fused q|k|v, gate|up)."""
+class QuantStack(nn.Module):
+    """Weights of different formats stacked along the output dimension: a fused q|k|v whose v
+    a Q4_K_M file keeps in Q6_K. `kernels.linear` runs each part and concatenates."""
+
+    def __init__(self, parts: list[QuantWeight]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.shape = (sum(p.out_features for p in parts), parts[0].in_features)
+        self.dtype = parts[0].dtype
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])[rows]
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight | QuantStack:
+    """Stack weights along the output dimension (fused q|k|v, gate|up): one `QuantWeight`
+    when they share a format, a `QuantStack` otherwise."""
     fmt, first = parts[0].fmt, parts[0]
+    if len(parts) == 1:
+        return first
+    if any(p.fmt != fmt for p in parts):
+        return QuantStack(parts)
     out = sum(p.out_features for p in parts)
 
     def cat(name: str) -> torch.Tensor | None:
@@ -159,6 +199,7 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
         cat("mins"),
         cat("d"),
         cat("dmin"),
+        first.dtype,
     )
 
 

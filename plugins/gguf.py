@@ -2,7 +2,8 @@
 
 The file is presented to the core as if it were a hub folder: `config()` is a config.json built
 from the `{arch}.*` metadata, tensor names are the hub's (`blk.0.attn_q.weight` ->
-`model.layers.0.self_attn.q_proj.weight`), tensors come back dequantized, and the tokenizer is
+`model.layers.0.self_attn.q_proj.weight`), tensors come back as floats or, for linear weights,
+as their blocks repacked (`read_quantized`, plugins/gguf_quant.py), and the tokenizer is
 rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
 permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGUF loader does.
 """
@@ -20,6 +21,8 @@ from plugins.gguf_reader import GGUFFile
 
 if TYPE_CHECKING:  # torch loads only when a model is built: listing plugins stays light
     import torch
+
+    from kernels.qweight import QuantWeight
 
 # general.architecture -> (hub model_type, whether llama.cpp permuted the q/k rows)
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
@@ -150,8 +153,27 @@ class GGUFCheckpoint:
         return self.file.tensors[self._names[name]].shape
 
     def read(self, name: str) -> torch.Tensor:
+        return self._unpermuted(name, self.file.read(self._names[name]))
+
+    def quant_format(self, name: str) -> str | None:
+        """The tensor's block format (`q4_k`), or None for floats (F32, F16, BF16)."""
+        kind = self.file.type_name(self._names[name]).lower()
+        return None if kind in ("f32", "f16", "bf16") else kind
+
+    def read_quantized(self, name: str) -> QuantWeight:
+        """The tensor's blocks as a `QuantWeight` (lossless; see plugins/gguf_quant.py)."""
+        import torch
+
+        from plugins.gguf_quant import repack
+
+        info = self.file.tensors[self._names[name]]
+        raw = torch.from_numpy(np.array(self.file.raw(info.name)))  # (rows, bytes per row)
+        raw = self._unpermuted(name, raw).numpy()
+        return repack(self.quant_format(name), raw, info.shape)
+
+    def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's q/k row order (rows are whole: floats or a row's blocks alike)."""
         gguf_name = self._names[name]
-        w = self.file.read(gguf_name)
         permuted = ARCHITECTURES.get(self.arch, ("", False))[1]
         if permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             cfg = self.config()

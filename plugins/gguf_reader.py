@@ -125,6 +125,11 @@ class GGUFFile:
     def type_name(self, name: str) -> str:
         return _type_name(self.tensors[name].ggml_type)
 
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored: (rows..., bytes per row) uint8, memory-mapped."""
+        info = self.tensors[name]
+        return self._map[info.offset : info.offset + info.nbytes].reshape(*info.shape[:-1], -1)
+
     def read(self, name: str) -> torch.Tensor:
         """The tensor on the CPU: F32/F16/BF16 as stored, block formats dequantized to float32."""
         import torch

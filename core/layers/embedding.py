@@ -1,10 +1,14 @@
-"""Token embedding and the LM head (a separate matrix, or the embedding itself when tied)."""
+"""Token embedding and the LM head (a separate matrix, or the embedding itself when tied).
+
+Either weight may be a `QuantWeight` (core/quantize.py): the head then multiplies through
+`kernels.linear`'s quantized path, and the embedding decodes the rows it looks up."""
 
 import torch
 from torch import nn
 
 import kernels
 from core.config import EmbeddingSpec
+from kernels.qweight import QuantWeight
 
 
 class Embedding(nn.Embedding):
@@ -15,7 +19,11 @@ class Embedding(nn.Embedding):
         self.scale = spec.scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = super().forward(ids)
+        w = self.weight
+        if isinstance(w, QuantWeight):  # kept quantized: only the rows looked up are decoded
+            x = w.select_rows(ids).to(w.dtype)
+        else:
+            x = super().forward(ids)
         if self.scale == 1.0:
             return x
         # Gemma: transformers rounds sqrt(hidden) to the model dtype before multiplying

@@ -35,6 +35,7 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden, r + spec.qk_rope_head_dim, bias=spec.bias)
         self.kv_a_layernorm = RMSNorm(r, RMSNormSpec(spec.norm_eps))
         self.kv_b_proj = Linear(r, h * (spec.qk_nope_head_dim + spec.v_head_dim), bias=False)
+        self.kv_b_proj.quantizable = False  # read as a matrix (absorbed into q and o), not run
         self.o_proj = Linear(h * spec.v_head_dim, hidden, bias=spec.bias)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,9 @@ def test_every_mismatch_reported_together(checkpoint):
         load_model(root)
     msg = str(exc.value)
     assert "3 missing" in msg  # k shard, norm, and the up shard whose tensor had the wrong shape
-    assert "model.layers.1.self_attn.qkv_proj.weight[k]" in msg and "model.norm.weight" in msg
+    # named as the checkpoint names them (a user searches their file for it), not the fused shard
+    assert "model.layers.1.self_attn.k_proj.weight" in msg and "model.norm.weight" in msg
+    assert "model.layers.0.mlp.up_proj.weight" in msg and "qkv_proj" not in msg
     assert "1 unexpected (model.layers.0.extra.weight)" in msg
     assert "1 with the wrong shape" in msg and "[5, 5] but the model needs [80, 64]" in msg
     assert str(root) in msg

@@ -1,0 +1,122 @@
+"""Quantized weights in a model: which weights may be kept quantized, how a checkpoint's blocks
+become `QuantWeight`s at load, and quantizing float weights at load (`quantize="int8"|"int4"`).
+
+A quantizable weight is the `weight` of a `Linear` (fused ones too), of the LM head or of the
+token embedding, unless its module says `quantizable = False` (MLA's kv_b_proj, which attention
+reads as a matrix). Such a parameter is swapped for a `QuantWeight` submodule of the same name
+(gpt-fast's module swap, done on the weight instead of the layer), so the layers' code does not
+change: `kernels.linear` dispatches on the weight's type.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+
+import torch
+from torch import nn
+
+from core.errors import CheckpointError, RequestError
+from core.layers import Embedding, Linear, LMHead
+from kernels.qweight import FORMATS, QuantStack, QuantWeight, cat_rows
+from kernels.qweight import quantize as quantize_tensor
+
+log = logging.getLogger("zoo")
+
+AT_LOAD = ("int8", "int4")  # load_model(quantize=...)
+KEPT = [f for f in FORMATS if f not in AT_LOAD]  # block formats a checkpoint may bring
+
+
+def quantizable(net: nn.Module, target: str) -> bool:
+    """Whether parameter `target` may be kept as a `QuantWeight`."""
+    module_name, _, leaf = target.rpartition(".")
+    module = net.get_submodule(module_name)
+    return (
+        leaf == "weight"
+        and isinstance(module, (Linear, LMHead, Embedding))
+        and getattr(module, "quantizable", True)
+    )
+
+
+def split_plan(net: nn.Module, ckpt, plan: list) -> tuple[dict[str, list], list]:
+    """Split the loader's plan into the parameters kept quantized ({target: [(checkpoint name,
+    index)] in row order}) and the rest. A block-format tensor whose format Zoo cannot keep is
+    an error that names it (`dequantize=True` converts it to floats instead)."""
+    fmt_of = getattr(ckpt, "quant_format", None)
+    if fmt_of is None:
+        return {}, plan
+    by_target: dict[str, list] = defaultdict(list)
+    for name, target, index in plan:
+        by_target[target].append((name, index))
+    kept: dict[str, list] = {}
+    for target, parts in by_target.items():
+        formats = [fmt_of(name) for name, _ in parts]
+        if any(f is None for f in formats) or not quantizable(net, target):
+            continue  # floats, or a weight that must be float: dequantized as before
+        for (name, _), fmt in zip(parts, formats, strict=True):
+            if fmt not in KEPT:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {name!r} is stored as {fmt.upper()}, which Zoo cannot "
+                    f"keep quantized (it keeps {', '.join(f.upper() for f in KEPT)}); "
+                    "load with dequantize=True (zoo --dequantize) to convert it to floats"
+                )
+        kept[target] = sorted(parts, key=lambda p: p[1][0].start if p[1] else 0)
+    return kept, [p for p in plan if p[1] not in kept]
+
+
+def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
+    """One parameter's blocks, its shards stacked in row order, on `device`."""
+    ws = [ckpt.read_quantized(name) for name, _ in parts]
+    w = cat_rows(ws).to(device)
+    for m in w.modules():
+        m.dtype = dtype
+    return w
+
+
+def install(net: nn.Module, target: str, w: QuantWeight | QuantStack) -> dict[str, torch.Tensor]:
+    """Put `w` in place of parameter `target`; its buffers, for load_state_dict."""
+    module_name, _, leaf = target.rpartition(".")
+    module = net.get_submodule(module_name)
+    delattr(module, leaf)
+    setattr(module, leaf, w)
+    return {f"{target}.{k}": v for k, v in w.state_dict().items()}
+
+
+def quantize_model(net: nn.Module, kind: str) -> None:
+    """Quantize every quantizable float weight of a loaded model (mlx-lm's `-q`, gpt-fast's
+    int8 / int4): int8 per row, int4 in groups of 32 with a minimum. Weights whose rows do not
+    split into groups of 32 stay in float (int4), as does a tied LM head's (it is the
+    embedding's)."""
+    if kind not in AT_LOAD:
+        raise RequestError(f"quantize={kind!r} is not one of {', '.join(AT_LOAD)}")
+    skipped = []
+    for name, p in list(net.named_parameters()):
+        if not quantizable(net, name) or p.dim() != 2:
+            continue
+        if kind == "int4" and p.shape[1] % 32:
+            skipped.append(name)
+            continue
+        w = quantize_tensor(p.data, kind).to(p.device)
+        w.dtype = p.dtype
+        install(net, name, w)
+    if skipped:
+        log.info("zoo: %d weight(s) left in float (rows not a multiple of 32): %s",
+                 len(skipped), ", ".join(skipped[:4]))  # fmt: skip
+
+
+def weight_formats(net: nn.Module) -> dict[str, tuple[int, int]]:
+    """{format: (parameters, resident bytes)} over the whole model: `zoo info`'s table.
+    Float tensors count under their dtype's name (`float32`)."""
+    out: Counter = Counter()
+    nbytes: Counter = Counter()
+    seen = set()
+    for m in net.modules():
+        if isinstance(m, QuantWeight) and id(m) not in seen:
+            seen.add(id(m))
+            out[m.fmt.name] += m.shape[0] * m.shape[1]
+            nbytes[m.fmt.name] += m.nbytes
+    for _, p in net.named_parameters():
+        kind = str(p.dtype).removeprefix("torch.")
+        out[kind] += p.numel()
+        nbytes[kind] += p.numel() * p.element_size()
+    return {k: (out[k], nbytes[k]) for k in sorted(out, key=lambda k: -nbytes[k])}
