@@ -22,6 +22,8 @@ def _load(args: argparse.Namespace, model: str | None = None, **kw):
         revision=args.revision,
         offline=True if args.offline else None,
         compile=getattr(args, "compile", False),
+        dequantize=args.dequantize,
+        quantize=args.quantize,
         **kw,
     )
 
@@ -122,9 +124,12 @@ def _download(args: argparse.Namespace) -> None:
 
 
 def _info(args: argparse.Namespace) -> None:
+    from core.quantize import weight_formats
+
     m = _load(args, max_seq_len=16)
     c = m.config
-    params = sum(p.numel() for p in m.net.parameters())
+    formats = weight_formats(m.net)
+    params = sum(n for n, _ in formats.values())
     print(f"model        {m.path}")
     print(f"architecture {c.model_type}")
     print(f"parameters   {params:,}")
@@ -134,6 +139,10 @@ def _info(args: argparse.Namespace) -> None:
     print(f"rope         {type(c.rope).__name__} theta={c.rope.theta:g}")
     print(f"dtype        {c.dtype} (loaded as {str(m.dtype).removeprefix('torch.')})")
     print(f"KV bytes     {c.kv_bytes_per_token(m.dtype.itemsize):,} per token")
+    total = sum(b for _, b in formats.values())
+    print(f"weights      {total:,} bytes resident")
+    for kind, (n, b) in formats.items():
+        print(f"  {kind:<10} {n:>14,} parameters {b:>14,} bytes")
     if m.path.is_dir():
         files = sorted(p.name for p in m.path.iterdir() if p.is_file())
         print(f"files        {', '.join(files)}")
@@ -247,6 +256,13 @@ def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
     p.add_argument("--revision", default=None, help="hub branch, tag or commit")
     p.add_argument("--offline", action="store_true", help="use only the local hub cache")
+    q = p.add_mutually_exclusive_group()
+    q.add_argument(
+        "--dequantize", action="store_true", help="GGUF: turn quantized blocks into floats"
+    )
+    q.add_argument(
+        "--quantize", choices=("int8", "int4"), default=None, help="quantize weights at load"
+    )
 
 
 def _compile_option(p: argparse.ArgumentParser) -> None:

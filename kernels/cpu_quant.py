@@ -30,7 +30,9 @@ log = logging.getLogger("zoo")
 
 SOURCE = Path(__file__).with_name("qgemv.c")
 MAX_ROWS = 64  # above this the BLAS on the dequantized weight is faster (compute-bound)
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# the instruction set: this machine's; tests also build x86-64-v3 (AVX2) and x86-64 (plain C)
+MARCH = os.environ.get("ZOO_QGEMV_MARCH", "native")
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2, torch.uint8: 3}
 
 
@@ -60,23 +62,25 @@ _built: list[ctypes.CDLL | None] = []  # library()'s answer, read by code being 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built once per (source, compiler, machine); None where it cannot
     be built (the reason is logged)."""
-    _built.append(_build())
+    _built.append(build(MARCH))
     return _built[0]
 
 
-def _build() -> ctypes.CDLL | None:
+def build(march: str) -> ctypes.CDLL | None:
+    """Compile (or find in the cache) the kernel for `-march=<march>`."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("zoo kernels: no C compiler found; quantized CPU matmuls use the reference")
         return None
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join([cc, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    flags = [*FLAGS, f"-march={march}"]
+    key.update(" ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode())
     out = _cache_dir() / f"qgemv-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             so = Path(tmp) / out.name
-            run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(so)], capture_output=True)
+            run = subprocess.run([cc, *flags, str(SOURCE), "-o", str(so)], capture_output=True)
             if run.returncode != 0:
                 log.warning(
                     "zoo kernels: compiling %s failed (%s); quantized CPU matmuls use the "
@@ -128,10 +132,10 @@ def _usable(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
     )
 
 
-def _run(x2: torch.Tensor, fmt, in_features: int, *tensors) -> torch.Tensor:
+def _run(x2: torch.Tensor, fmt, in_features: int, *tensors, lib=None) -> torch.Tensor:
     y = torch.empty(x2.shape[0], tensors[0].shape[0], dtype=torch.float32)
     desc = describe(fmt, in_features, *tensors)
-    library().zoo_qgemv(
+    (lib or library()).zoo_qgemv(
         ctypes.byref(desc), x2.data_ptr(), y.data_ptr(), x2.shape[0], torch.get_num_threads()
     )
     return y

@@ -78,6 +78,7 @@ typedef __m512 vf;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSET(s) _mm512_set1_ps(s)
 #define VLOADX(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VSUM(v) _mm512_reduce_add_ps(v)
 static inline vf codes8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -95,6 +96,7 @@ typedef __m256 vf;
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSET(s) _mm256_set1_ps(s)
 #define VLOADX(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
 static inline float VSUM(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -115,6 +117,7 @@ typedef float vf;
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VSET(s) (s)
 #define VLOADX(p) (*(p))
+#define VSTORE(p, v) (*(p) = (v))
 #define VSUM(v) (v)
 static inline vf codes8(const int8_t *p) { return (float)*p; }
 static inline void codes4(const uint8_t *p, vf *lo, vf *hi) {
@@ -126,17 +129,22 @@ static inline void codes4(const uint8_t *p, vf *lo, vf *hi) {
 // Row n of W as floats (a row fits in L1 and then serves every row of x).
 static void dequantize_row(const qweight_t *w, int64_t n, const float *s, const float *m,
                            float *out) {
-    const int64_t K = w->K, gs = w->gs;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t g = k / gs;
-        float q;
+    const int64_t K = w->K, gs = w->gs, G = K / gs;
+    for (int64_t g = 0; g < G; g++) {  // q * s + (min - offset * s)
+        vf scale = VSET(s[g]), shift = VSET((w->mins ? m[g] : 0.0f) - (float)w->offset * s[g]);
         if (w->bits == 4) {
-            uint8_t b = ((const uint8_t *)w->codes)[n * (K / 2) + g * 16 + (k % 32) % 16];
-            q = (float)((k % 32) < 16 ? (b & 15) : (b >> 4));
+            const uint8_t *c = (const uint8_t *)w->codes + n * (K / 2) + g * 16;
+            for (int j = 0; j < 16; j += W) {
+                vf lo, hi;
+                codes4(c + j, &lo, &hi);
+                VSTORE(out + g * 32 + j, VFMA(lo, scale, shift));
+                VSTORE(out + g * 32 + 16 + j, VFMA(hi, scale, shift));
+            }
         } else {
-            q = (float)((const int8_t *)w->codes)[n * K + k];
+            const int8_t *c = (const int8_t *)w->codes + n * K;
+            for (int64_t j = g * gs; j < (g + 1) * gs; j += W)
+                VSTORE(out + j, VFMA(codes8(c + j), scale, shift));
         }
-        out[k] = s[g] * (q - (float)w->offset) + (w->mins ? m[g] : 0.0f);
     }
 }
 

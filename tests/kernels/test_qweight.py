@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
-from kernels.qweight import cat_rows
+from kernels.qweight import QuantWeight, cat_rows
 from kernels.qweight import quantize as quantize_weight
 from plugins.gguf_quant import KEPT, repack
 
@@ -103,18 +103,46 @@ def test_cat_rows_stacks_parts():
     assert torch.equal(both.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17])
-@pytest.mark.parametrize("kind", ["q8_0", "q4_1", "q4_k", "q6_k", "int8", "int4"])
+def weight(kind: str) -> QuantWeight:
+    if kind in KEPT:
+        return repack(kind, random_blocks(kind, 48, 512, seed=2, edge=True), (48, 512))
+    return quantize_weight(torch.randn(48, 512, generator=torch.Generator().manual_seed(2)), kind)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    # fp32 rounding of 512-term dot products summed in another order (and, with several rows,
+    # of s * q + (min - offset * s) against s * (q - offset) + min)
+    return torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+LINEAR_KINDS = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "int4"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 80])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
 def test_linear_equals_f_linear_on_the_dequantized_weight(kind, rows):
     import kernels
 
-    if kind in KEPT:
-        w = repack(kind, random_blocks(kind, 48, 512, seed=2), (48, 512))
-    else:
-        w = quantize_weight(torch.randn(48, 512, generator=torch.Generator().manual_seed(2)), kind)
+    w = weight(kind)
     x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(48)
-    want = F.linear(x, w.dequantize(), bias)
-    got = kernels.linear(x, w, bias)
-    # fp32 rounding of a 512-term dot product, summed in another order
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert close(kernels.linear(x, w, bias), F.linear(x, w.dequantize(), bias))
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "plain-c"])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_c_kernel_without_avx512(kind, march):
+    """The AVX2 and plain-C builds of kernels/qgemv.c (this machine runs the AVX-512 one)."""
+    import platform
+
+    from kernels import cpu_quant
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction sets")
+    lib = cpu_quant.build(march)
+    assert lib is not None
+    w = weight(kind)
+    for rows in (1, 5):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        got = cpu_quant._run(x, w.fmt, 512, w.codes, w.scales, w.mins, w.d, w.dmin, lib=lib)
+        assert close(got, F.linear(x, w.dequantize()))
