@@ -55,8 +55,9 @@ def split_plan(net: nn.Module, ckpt, plan: list) -> tuple[dict[str, list], list]
             continue  # floats, or a weight that must be float: dequantized as before
         for (name, _), fmt in zip(parts, formats, strict=True):
             if fmt not in KEPT:
+                stored = getattr(ckpt, "stored_name", lambda n: n)(name)
                 raise CheckpointError(
-                    f"{ckpt.path}: tensor {name!r} is stored as {fmt.upper()}, which Zoo cannot "
+                    f"{ckpt.path}: tensor {stored!r} is stored as {fmt.upper()}, which Zoo cannot "
                     f"keep quantized (it keeps {', '.join(f.upper() for f in KEPT)}); "
                     "load with dequantize=True (zoo --dequantize) to convert it to floats"
                 )

@@ -19,6 +19,7 @@ weights from floats at load time. `kernels.linear` dispatches on the `QuantWeigh
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -183,8 +184,9 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight | QuantStack:
     fmt, first = parts[0].fmt, parts[0]
     if len(parts) == 1:
         return first
-    if any(p.fmt != fmt for p in parts):
-        return QuantStack(parts)
+    if any(p.fmt != fmt for p in parts):  # neighbours of one format merged: q|k, then v
+        runs = [list(g) for _, g in itertools.groupby(parts, key=lambda p: p.fmt)]
+        return QuantStack([cat_rows(run) for run in runs])
     out = sum(p.out_features for p in parts)
 
     def cat(name: str) -> torch.Tensor | None:

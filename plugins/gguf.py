@@ -155,6 +155,10 @@ class GGUFCheckpoint:
     def read(self, name: str) -> torch.Tensor:
         return self._unpermuted(name, self.file.read(self._names[name]))
 
+    def stored_name(self, name: str) -> str:
+        """The file's own name for a tensor (`output.weight` for `lm_head.weight`)."""
+        return self._names[name]
+
     def quant_format(self, name: str) -> str | None:
         """The tensor's block format (`q4_k`), or None for floats (F32, F16, BF16)."""
         kind = self.file.type_name(self._names[name]).lower()
