@@ -1,5 +1,6 @@
 """The GGUF format plugin: SmolLM2 parity with transformers, synthetic files for every tensor
-type, the q/k permutation on tiny Llamas, tokenizers rebuilt from metadata, and bad files."""
+type, K-quant blocks decoded by hand, the q/k permutation on tiny Llamas (one of them K-quant,
+against transformers' GGUF loader), tokenizers rebuilt from metadata, and bad files."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import LLAMA31, LLAMA32
+from parity import check_greedy, check_prefill, ids
 from test_qwen2 import QWEN25, QWEN25_YARN
 
 from core import CheckpointError, load_model
 from core.plugins import registry
 from plugins.gguf import GGUFCheckpoint, llama3_rope_scaling
-from plugins.gguf_reader import can_dequantize
+from plugins.gguf_quant import repack
+from plugins.gguf_reader import GGUFFile, can_dequantize
 
 T = gguf.GGMLQuantizationType
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,7 +124,11 @@ def test_smollm2_logits_match(ours, reference):
     ours.reset()
     err = rel_err(ours.forward(torch.tensor([ids])), want)
     print(f"SmolLM2 GGUF fp32 logits vs transformers: max|err|/max|ref| = {err:.2e}")
-    assert err < 1e-3
+    # the project's fp32 bound, not a looser one for a real model: both read the same Q4_1
+    # blocks, so the error is summation order only: measured 0 with load_model(dequantize=True)
+    # (the same fp32 weights through the same ops; 3.5e-6 in runs on a loaded machine), 3.5e-6
+    # kept as blocks (the C kernel's sums)
+    assert err < 1e-4
 
 
 def test_smollm2_answers_paris(ours):
@@ -178,6 +185,138 @@ def test_dequantize_only_types_match_the_package(tmp_path, kind):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+# --- K-quants decoded by hand, from llama.cpp's block layouts (not from the gguf package) ------
+# ggml-common.h's block_q4_K / block_q6_K and ggml-quants.c's dequantize_row_q4_K / _q6_K, written
+# out as encoders: chosen d, scales, mins and codes -> block bytes, so the expected floats are the
+# chosen values put through the formula, and the reader (which calls gguf.quants) must agree.
+def q4_k_blocks(d, dmin, scales, mins, q) -> np.ndarray:
+    """block_q4_K, one row per block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128
+    bytes of 4-bit codes. Element i is d * scales[i // 32] * q[i] - dmin * mins[i // 32]."""
+    sc, mn = np.asarray(scales, np.uint8), np.asarray(mins, np.uint8)
+    packed = [
+        sc[:, :4] | (sc[:, 4:] >> 4) << 6,  # bytes 0-3: scales 0-3, top 2 bits of scales 4-7
+        mn[:, :4] | (mn[:, 4:] >> 4) << 6,  # bytes 4-7: mins 0-3, top 2 bits of mins 4-7
+        (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4,  # bytes 8-11: low 4 bits of scales|mins 4-7
+    ]
+    q = np.asarray(q, np.uint8).reshape(-1, 4, 2, 32)  # per 32 bytes, 64 values: 32 low nibbles,
+    qs = (q[:, :, 0] | q[:, :, 1] << 4).reshape(-1, 128)  # then 32 high nibbles
+    halves = np.stack([d, dmin], axis=1).astype(np.float16).view(np.uint8)
+    return np.concatenate([halves, *packed, qs], axis=1)
+
+
+def q6_k_blocks(d, scales, q) -> np.ndarray:
+    """block_q6_K, one row per block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales,
+    fp16 d. Element i is d * scales[i // 16] * (q[i] - 32), q in 0..63."""
+    q = np.asarray(q, np.uint8).reshape(-1, 2, 4, 32)  # two halves of 4 runs of 32 values
+    lo, hi = q & 15, q >> 4
+    # per half: ql[l] holds runs 0 (low nibble) and 2 (high), ql[32 + l] runs 1 and 3;
+    # qh[l] holds the top 2 bits of runs 0, 1, 2, 3 from its lowest bits up
+    ql = np.concatenate([lo[:, :, 0] | lo[:, :, 2] << 4, lo[:, :, 1] | lo[:, :, 3] << 4], axis=2)
+    qh = hi[:, :, 0] | hi[:, :, 1] << 2 | hi[:, :, 2] << 4 | hi[:, :, 3] << 6
+    return np.concatenate(
+        [
+            ql.reshape(-1, 128),
+            qh.reshape(-1, 64),
+            np.asarray(scales, np.int8).view(np.uint8),
+            np.asarray(d, np.float16)[:, None].view(np.uint8),
+        ],
+        axis=1,
+    )
+
+
+# 6-bit scales and mins; in the half stored split over two bytes (4-7), top bits that differ
+# between scales (1, 2, 3, 0) and mins (2, 0, 1, 3)
+Q4K_SCALES = [1, 2, 3, 63, 17, 33, 48, 5]
+Q4K_MINS = [0, 1, 7, 62, 36, 3, 19, 50]
+Q6K_SCALES = [1, -1, 2, -3, 5, 8, -13, 21, 34, -55, 89, -128, 127, 0, 3, -7]
+
+
+def decoded(tmp_path: Path, blocks: np.ndarray, kind, cols: int = 512) -> list[torch.Tensor]:
+    """Blocks (in row order) as one (rows, cols) tensor, as the plugin reads it from a file
+    (gguf.quants) and as the blocks kept quantized decode (plugins/gguf_quant.py's repacking)."""
+    raw = np.ascontiguousarray(blocks.reshape(-1, cols // 256 * blocks.shape[1]))
+    ckpt = GGUFCheckpoint(write(tmp_path / "k.gguf", {"output.weight": (raw, kind)}))
+    got = [
+        ckpt.read("lm_head.weight"),
+        repack(kind.name.lower(), raw, (len(raw), cols)).dequantize(),
+    ]
+    for g in got:
+        assert g.dtype == torch.float32 and tuple(g.shape) == (len(raw), cols)
+    return got
+
+
+def test_q4_k_blocks_decoded_by_hand(tmp_path):
+    # four blocks as a 2 x 512 tensor; powers of two (and 3/1024, 5/1024) for d and dmin, so
+    # that every expected value is exact in float32 whatever order the products are taken in
+    ds, dmins = [0.5, 2.0, 3 / 1024, 0.25], [0.25, 0.5, 5 / 1024, 0.125]
+    scales = [np.roll(Q4K_SCALES, k) for k in range(4)]
+    mins = [np.roll(Q4K_MINS, k) for k in range(4)]
+    codes = [[(3 * i + i // 32 + k) % 16 for i in range(256)] for k in range(4)]
+    blocks = q4_k_blocks(ds, dmins, scales, mins, codes)
+    # block 0's bytes, written out: d = 0.5, dmin = 0.25 as fp16; scales 0-3 | top bits of
+    # scales 4-7 (17 >> 4 = 1 -> 0x41, 33 -> 0x82, 48 -> 0xc3, 5 -> 0x3f), the same for mins,
+    # then low nibbles of scale | min 4-7 (1 | 4, 1 | 3, 0 | 3, 5 | 2); codes q[0] | q[32] << 4
+    assert bytes(blocks[0, :16]).hex() == "00380034" + "4182c33f" + "800147fe" + "41313025"
+    assert blocks[0, 16] == 0 | 1 << 4 and blocks[0, 48] == 2 | 3 << 4  # q[64] | q[96] << 4
+    want = [
+        [ds[k] * scales[k][i // 32] * codes[k][i] - dmins[k] * mins[k][i // 32] for i in range(256)]
+        for k in range(4)
+    ]
+    for got in decoded(tmp_path, blocks, T.Q4_K):
+        assert torch.equal(got, torch.tensor(want, dtype=torch.float32).reshape(2, 512))
+        # a few by hand: i=33: 0.5 * 2 * 4 - 0.25 * 1; i=100: 0.5 * 63 * 15 - 0.25 * 62;
+        # i=130: 0.5 * 17 * 10 - 0.25 * 36; i=255: 0.5 * 5 * 4 - 0.25 * 50
+        by_hand = {0: 0.0, 33: 3.75, 100: 457.0, 130: 76.0, 255: -2.5}
+        assert got[0, list(by_hand)].tolist() == list(by_hand.values())
+
+
+def test_q6_k_blocks_decoded_by_hand(tmp_path):
+    ds = [0.5, 3 / 1024, 2.0, 0.125]
+    scales = [np.roll(Q6K_SCALES, k) for k in range(4)]
+    codes = [[(5 * i + i // 16 + k) % 64 for i in range(256)] for k in range(4)]
+    blocks = q6_k_blocks(ds, scales, codes)
+    # block 0 written out: ql[0] = q[0] & 15 | (q[64] & 15) << 4 (q[0] = 0, q[64] = 4);
+    # qh[0] = q[0] >> 4 | (q[32] >> 4) << 2 | (q[64] >> 4) << 4 | (q[96] >> 4) << 6 (0, 34, 4,
+    # 38); the int8 scales; d = 0.5 as fp16
+    assert blocks[0, 0] == 0x40 and blocks[0, 128] == 2 << 2 | 2 << 6
+    assert bytes(blocks[0, 192:]).hex() == "01ff02fd0508f31522c959807f0003f9" + "0038"
+    want = [[ds[k] * scales[k][i // 16] * (codes[k][i] - 32) for i in range(256)] for k in range(4)]
+    for got in decoded(tmp_path, blocks, T.Q6_K):
+        assert torch.equal(got, torch.tensor(want, dtype=torch.float32).reshape(2, 512))
+        # by hand: i=17: 0.5 * -1 * (22 - 32); i=100: 0.5 * -13 * (58 - 32);
+        # i=180: 0.5 * -128 * (15 - 32); i=220: scale 0; i=255: 0.5 * -7 * (10 - 32)
+        by_hand = {0: -16.0, 17: 5.0, 100: -169.0, 180: 1088.0, 220: 0.0, 255: 77.0}
+        assert got[0, list(by_hand)].tolist() == list(by_hand.values())
+
+
+def k_quantize(w: np.ndarray, kind) -> np.ndarray:
+    """A plain Q4_K / Q6_K quantizer (the gguf package has none): each sub-block's range over
+    its codes, the sub-block scales (and mins) over 6 or 8 bits of the block's fp16 d (dmin)."""
+    x = w.reshape(-1, 256).astype(np.float64)
+
+    def half(v):  # through fp16, as the file stores it
+        return v.astype(np.float16).astype(np.float64)
+
+    if kind == T.Q4_K:
+        sub = x.reshape(-1, 8, 32)
+        lo = np.minimum(sub.min(-1), 0)
+        step, low = (sub.max(-1) - lo) / 15, -lo
+        d, dmin = half(step.max(-1) / 63), half(low.max(-1) / 63)
+        sc = np.clip(np.rint(step / d[:, None]), 1, 63)
+        mn = np.clip(np.rint(low / dmin[:, None]), 0, 63)
+        q = np.rint((sub + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None])
+        blocks = q4_k_blocks(d, dmin, sc, mn, np.clip(q, 0, 15).reshape(-1, 256))
+    else:
+        sub = x.reshape(-1, 16, 16)
+        big = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+        step = big / -32  # as llama.cpp: the largest |x| gets code -32, so scales have signs
+        d = half(np.abs(step).max(-1) / 127)
+        sc = np.rint(step / d[:, None])
+        q = np.clip(np.rint(sub / (d[:, None] * sc)[..., None]), -32, 31) + 32
+        blocks = q6_k_blocks(d, sc, q.reshape(-1, 256))
+    return blocks.reshape(w.shape[0], -1)
+
+
 # --- tiny Llamas written the way llama.cpp's convert_hf_to_gguf.py writes them ------------------
 def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's LlamaModel.permute: (heads, 2, d/2) rows -> (heads, d/2, 2)."""
@@ -220,7 +359,7 @@ TEMPLATE = (
 
 def llama_gguf(path: Path, ref, spec: dict, kind=T.F32, arch: str = "llama") -> Path:
     """Write a transformers Llama (or Qwen2) as GGUF: llama.cpp names, q/k permuted for Llama,
-    metadata, a vocabulary."""
+    metadata, a vocabulary. kind: one tensor type, or a function of the GGUF tensor name."""
     heads, kv_heads = spec["num_attention_heads"], spec["num_key_value_heads"]
     head_dim = spec.get("head_dim") or spec["hidden_size"] // heads
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
@@ -236,14 +375,16 @@ def llama_gguf(path: Path, ref, spec: dict, kind=T.F32, arch: str = "llama") -> 
             w = permute(w, heads)
         elif permuted and module.endswith("k_proj"):
             w = permute(w, kv_heads)
-        arr = w.numpy()
+        arr, gguf_name = w.numpy(), f"{names.get_name(module)}.{leaf}"
+        t = kind(gguf_name) if callable(kind) else kind
         # like llama.cpp: norms, and rows that do not split into blocks, stay F32
-        block = gguf.GGML_QUANT_SIZES[kind][0]
-        if arr.ndim == 1 or arr.shape[-1] % block:
+        if arr.ndim == 1 or arr.shape[-1] % gguf.GGML_QUANT_SIZES[t][0]:
             stored = (arr, T.F32)
+        elif t in (T.Q4_K, T.Q6_K):
+            stored = (k_quantize(arr, t), t)
         else:
-            stored = (gguf.quants.quantize(arr, kind), kind)
-        tensors[f"{names.get_name(module)}.{leaf}"] = stored
+            stored = (gguf.quants.quantize(arr, t), t)
+        tensors[gguf_name] = stored
     scaling = spec.get("rope_scaling") or {}
     kv = []
     if scaling.get("type") == "yarn":  # llama.cpp keeps yarn in metadata
@@ -272,7 +413,7 @@ def llama_gguf(path: Path, ref, spec: dict, kind=T.F32, arch: str = "llama") -> 
         ("add_rope_freq_base", spec["rope_theta"]),
         ("add_layer_norm_rms_eps", spec["rms_norm_eps"]),
         ("add_vocab_size", spec["vocab_size"]),
-        ("add_file_type", 0 if kind == T.F32 else 7),
+        ("add_file_type", {T.F32: 0, T.Q8_0: 7}.get(kind, 15)),  # 15: MOSTLY_Q4_K_M
         ("add_tokenizer_model", "gpt2"),
         ("add_tokenizer_pre", "default"),
         ("add_token_list", tokens),
@@ -322,6 +463,37 @@ def test_q8_0_tiny_llama_stays_close(checkpoint, tmp_path):
     path = llama_gguf(tmp_path / "q8.gguf", ref, LLAMA31, kind=T.Q8_0)
     x = torch.randint(4, 96, (1, 12), generator=torch.Generator().manual_seed(3))
     assert rel_err(load_model(path).forward(x), ref(x).logits) < 3e-2  # 8-bit weights
+
+
+# llama.cpp's Q4_K_M mix, roughly: 6 bits for attn_v, ffn_down and the output, 4 bits elsewhere;
+# 256-column blocks, so every row length (hidden, q/kv heads x head_dim, intermediate) is 256k
+KQUANT = dict(LLAMA31, hidden_size=256, intermediate_size=512, num_key_value_heads=2)
+
+
+def q4_k_m(name: str):
+    return T.Q6_K if name.split(".")[-2] in ("attn_v", "ffn_down", "output") else T.Q4_K
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "kept-quantized"])
+def test_k_quant_tiny_llama_matches_transformers_gguf(checkpoint, tmp_path, dequantize):
+    """Both loaders read the same Q4_K/Q6_K file: fp32 logits and greedy tokens agree, with
+    Zoo's weights dequantized to fp32 as transformers' are, and kept as blocks."""
+    from transformers import AutoModelForCausalLM
+
+    _, unquantized = checkpoint(KQUANT)
+    path = llama_gguf(tmp_path / "k.gguf", unquantized, KQUANT, kind=q4_k_m)
+    stored = GGUFFile(path).tensors
+    assert {T(t.ggml_type) for t in stored.values()} == {T.F32, T.Q4_K, T.Q6_K}
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ours = load_model(path, max_seq_len=64, dequantize=dequantize)
+    x = ids(KQUANT["vocab_size"], 1, 24, seed=5)
+    check_prefill(ours, ref.eval(), x)  # measured: 0 dequantized, 3e-6 kept as blocks
+    check_greedy(ours, ref, x[:, :6], n=10)
+    # and the file holds the model it was written from, to 4-6 bits (k_quantize's layout is
+    # the one transformers reads: half a Q4_K step is up to 1/15 of the largest weight)
+    read = ref.state_dict()
+    for name, w in unquantized.state_dict().items():
+        assert rel_err(read[name], w) < 0.08, name
 
 
 def test_llama3_rope_recovered_for_llama31_8b():
