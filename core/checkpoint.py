@@ -29,7 +29,8 @@ class Checkpoint(Protocol):
         """A tensor's shape, read from metadata only."""
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor itself, on the CPU, in its stored dtype."""
+        """The tensor itself, on the CPU, in its stored dtype (or decoded: a block-fp8 weight
+        comes dequantized by its scales, in fp32)."""
 
     def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer (with chat template and special tokens), or None if it has none."""

@@ -5,7 +5,7 @@ this file only reads config.json and maps the checkpoint names.
 """
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
@@ -40,7 +40,8 @@ class DeepseekV2Config(DecoderConfig):
     norm_topk_prob: bool = False
     routed_scaling_factor: PositiveFloat = 1.0
     num_nextn_predict_layers: NonNegativeInt = 0  # MTP layers stored after the decoder's
-    quantization_config: dict[str, Any] | None = None  # DeepSeek's own V3/R1 weights are fp8
+    # quantization_config (DeepSeek's own V3/R1 weights are block fp8) is the format's to read:
+    # plugins/safetensors_fp8.py dequantizes them at load
 
     def rope_interleaved(self) -> bool:
         return True  # V2 rotates (x0, x1) pairs, as complex numbers
@@ -138,15 +139,6 @@ class DeepseekV2Config(DecoderConfig):
 
     def mtp_layers(self) -> int:
         return self.num_nextn_predict_layers  # differs from llama3: skipped, not loaded
-
-    def to_runtime(self):
-        if self.quantization_config:  # refuse up front, not as a wall of unexpected tensors
-            method = self.quantization_config.get("quant_method", "?")
-            raise ConfigError(
-                f"config.json: field 'quantization_config' (quant_method {method!r}): quantized "
-                "checkpoints are not supported; use a bf16 conversion of these weights"
-            )
-        return super().to_runtime()
 
 
 class DeepseekV3Config(DeepseekV2Config):

@@ -1,6 +1,7 @@
 """The safetensors checkpoint format: a hub-style folder with config.json and one
 `model.safetensors` or shards listed in `model.safetensors.index.json`. Memory-mapped; never
-unpickles anything."""
+unpickles anything. Block-scaled fp8 weights (DeepSeek-V3/R1) are dequantized as they are read
+(plugins/safetensors_fp8.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from core.checkpoint import read_json
 from core.errors import CheckpointError
 from core.hookspecs import hookimpl
+from plugins.safetensors_fp8 import SCALE_SUFFIX, BlockFP8
 
 INDEX = "model.safetensors.index.json"
 ITEMSIZE = {
@@ -109,6 +111,15 @@ class SafetensorsCheckpoint:
                 f"{path / INDEX} names {len(absent)} tensor(s) no shard holds: "
                 f"{', '.join(absent[:5])}; the index and the shards do not match, re-download them"
             )
+        self._fp8 = self._fp8_scheme()
+
+    def _fp8_scheme(self) -> BlockFP8 | None:
+        """config.json's fp8 scheme, its tensors checked against it (None: no quantization)."""
+        f = self.path / "config.json"
+        fp8 = BlockFP8.from_config(read_json(f), f) if f.is_file() else None
+        if fp8 is not None:
+            fp8.check({name: entry for name, (_, _, entry) in self._where.items()}, self.path)
+        return fp8
 
     @staticmethod
     def _shards(path: Path) -> tuple[list[Path], dict[str, Path]]:
@@ -151,12 +162,21 @@ class SafetensorsCheckpoint:
         return read_json(f) if f.is_file() else {}
 
     def tensor_names(self) -> list[str]:
-        return list(self._where)
+        if self._fp8 is None:
+            return list(self._where)
+        return [n for n in self._where if not n.endswith(SCALE_SUFFIX)]  # read with their weight
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in self._where[name][2]["shape"])
 
     def read(self, name: str):
+        """The tensor in its stored dtype; an fp8 weight dequantized by its block scales, fp32."""
+        t = self._read(name)
+        if self._fp8 is not None and name + SCALE_SUFFIX in self._where:
+            return self._fp8.dequantize(t, self._read(name + SCALE_SUFFIX))
+        return t
+
+    def _read(self, name: str):
         import torch
 
         f, start, entry = self._where[name]

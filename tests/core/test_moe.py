@@ -9,7 +9,7 @@ import torch
 
 from core.config import DenseMLPSpec, MoESpec
 from core.layers.mlp import GatedMLP
-from core.layers.moe import MoE, route
+from core.layers.moe import MoE, Router, route
 
 
 def reference_route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None):
@@ -140,3 +140,56 @@ def test_stacked_expert_shards_cover_each_expert_once():
     assert gate_up[gate_up.shards["2.up"]].shape == (5, 12)
     assert set(down.shards) == {"0", "1", "2"} and down[down.shards["1"]].shape == (12, 5)
     assert not hasattr(moe, "shared_experts")  # num_shared_experts=0
+
+
+def near_tie_inputs(s: MoESpec, hidden: int, tokens: int):
+    """(x, W) in bf16 for a bf16 model's router. Rows 0-1 put experts 0 and 1 exactly at the
+    top-k boundary, 2**-12 apart: the fp32 logits 4 and 4 + 2**-12 are both 4 in bf16, and so
+    are their softmax / sigmoid scores, so a router that rounds anything to bf16 cannot tell
+    which of the two to pick (row 0 wants expert 1, row 1 expert 0: no tie-break gets both).
+    The other rows are random, with weights that an fp32 router gets to ~1e-6."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(s.num_experts, hidden, generator=g) * 0.3
+    x = torch.randn(tokens, hidden, generator=g)
+    x[:2], x[2:, :3], w[:, :3] = 0.0, 0.0, 0.0
+    # column 0: the base logits. top_k - 1 experts clearly above experts 0 and 1, all in
+    # group 0 (or the next groups) so that the groups keep them; the rest distinct, far below
+    above = [2, 3, 4, 5, 6, 7][: s.top_k - 1]
+    w[:, 0] = -1.0 - 0.25 * torch.arange(s.num_experts, dtype=torch.float32)
+    w[above, 0] = torch.tensor([7.0, 6.5, 6.0, 5.5, 5.0, 4.5][: len(above)])
+    w[[0, 1], 0] = 4.0
+    w[1, 1] = w[0, 2] = 2.0**-12  # column 1 lifts expert 1, column 2 expert 0
+    x[0, [0, 1]] = 1.0
+    x[1, [0, 2]] = 1.0
+    return x.bfloat16(), w.bfloat16()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_bf16_router_picks_what_an_fp32_router_picks(name):
+    """A bf16 model's router (bf16 hidden states, bf16 gate weight) computes its logits,
+    scores, top-k and weights in fp32, as transformers and DeepSeek do
+    (`F.linear(x.float(), W.float())`): the same experts and weights as the written-out router
+    on the same bf16 values upcast."""
+    s = SPECS[name]
+    x, w = near_tie_inputs(s, hidden=64, tokens=64)
+    router = Router(64, s).to(torch.bfloat16)
+    bias = None
+    if s.topk_method == "noaux_tc":  # kept fp32 by the loader; zero for experts 0 and 1
+        bias = torch.randn(s.num_experts, generator=torch.Generator().manual_seed(2)) * 1e-3
+        bias[:2] = 0.0
+        router.e_score_correction_bias = torch.nn.Parameter(bias)
+    with torch.no_grad():
+        router.weight.copy_(w)
+        ids, weights = router(x)
+    assert weights.dtype == torch.float32
+    logits = x.double() @ w.double().T
+    # the premise: bf16 cannot separate experts 0 and 1 in the tie rows, fp32 can
+    for row, winner in ((0, 1), (1, 0)):
+        assert logits[row, winner] > logits[row, 1 - winner]
+        assert logits[row, :2].bfloat16().unique().numel() == 1
+    want = reference_route(logits, s, bias)
+    assert {0, 1} & set(want[0]) == {1} and {0, 1} & set(want[1]) == {0}
+    for g_row, w_row in zip(as_dicts(ids, weights), want, strict=True):
+        assert g_row.keys() == w_row.keys()
+        for k in w_row:
+            assert g_row[k] == pytest.approx(w_row[k], rel=1e-5)
