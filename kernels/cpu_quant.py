@@ -132,9 +132,21 @@ def _usable(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
     )
 
 
+# (format, in_features, the tensors' addresses) -> their C view: built once per weight, since
+# decode calls each weight once per token and the struct costs as much as a small product
+_descs: dict[tuple, ctypes.Structure] = {}
+
+
 def _run(x2: torch.Tensor, fmt, in_features: int, *tensors, lib=None) -> torch.Tensor:
     y = torch.empty(x2.shape[0], tensors[0].shape[0], dtype=torch.float32)
-    desc = describe(fmt, in_features, *tensors)
+    codes, scales, mins = tensors[:3]  # the key holds all that describe() reads
+    key = (fmt.name, in_features, codes.shape[0], scales.dtype, mins is not None and mins.dtype,
+           *(t.data_ptr() if t is not None else 0 for t in tensors))  # fmt: skip
+    desc = _descs.get(key)
+    if desc is None:
+        if len(_descs) > 4096:  # weights freed and their addresses reused: start afresh
+            _descs.clear()
+        desc = _descs[key] = describe(fmt, in_features, *tensors)
     (lib or library()).zoo_qgemv(
         ctypes.byref(desc), x2.data_ptr(), y.data_ptr(), x2.shape[0], torch.get_num_threads()
     )
