@@ -85,16 +85,15 @@ def install(net: nn.Module, target: str, w: QuantWeight | QuantStack) -> dict[st
 
 def quantize_model(net: nn.Module, kind: str) -> None:
     """Quantize every quantizable float weight of a loaded model (mlx-lm's `-q`, gpt-fast's
-    int8 / int4): int8 per row, int4 in groups of 32 with a minimum. Weights whose rows do not
-    split into groups of 32 stay in float (int4), as does a tied LM head's (it is the
-    embedding's)."""
+    int8 / int4) in groups of 32 columns: int8 symmetric, int4 with a minimum. Weights whose
+    rows do not split into groups of 32 stay in float."""
     if kind not in AT_LOAD:
         raise RequestError(f"quantize={kind!r} is not one of {', '.join(AT_LOAD)}")
     skipped = []
     for name, p in list(net.named_parameters()):
         if not quantizable(net, name) or p.dim() != 2:
             continue
-        if kind == "int4" and p.shape[1] % 32:
+        if p.shape[1] % 32:
             skipped.append(name)
             continue
         w = quantize_tensor(p.data, kind).to(p.device)
