@@ -225,3 +225,20 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
     }
     free(xs);
 }
+
+// out (N, K) = W as floats: many rows of x (prefill) go to the BLAS with this.
+void zoo_dequantize(const qweight_t *w, float *out, int threads) {
+    const int64_t G = w->K / w->gs;
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = (float *)malloc(G * sizeof(float)), *m = (float *)malloc(G * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < w->N; n++) {
+            row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
+            if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
+            dequantize_row(w, n, s, m, out + n * w->K);
+        }
+        free(s);
+        free(m);
+    }
+}
