@@ -15,7 +15,11 @@ Results equal F.linear's to float rounding (the same dot products, summed in ano
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -69,14 +73,23 @@ def _medians_s(*fns) -> list[float]:
 
 def split_pays(dtype: torch.dtype) -> bool:
     """Whether splitting few-row products over the threads beats F.linear on this machine for
-    `dtype`: timed on the first call per (dtype, thread count) (~30 ms), then remembered.
+    `dtype`: timed once per machine, (dtype, thread count) and torch version (~30 ms), and
+    remembered in the cache folder (`~/.cache/zoo/cpu_split.json`), so that every process on a
+    machine takes the same path: a verdict timed afresh in each process could differ with the
+    load of the moment, and with it a process's speed. `ZOO_CPU_SPLIT=0|1` decides instead.
     Decode steps call it when they are built, so no request pays for it (and a compiled
     step's graph bakes the verdict in)."""
     blocks = threads()
     key = (dtype, blocks)
     if key not in _split_pays:
-        if blocks < 2:
+        forced = os.environ.get("ZOO_CPU_SPLIT")
+        remembered = _remembered(key)
+        if forced in ("0", "1"):
+            _split_pays[key] = forced == "1"
+        elif blocks < 2:
             _split_pays[key] = False
+        elif remembered is not None:
+            _split_pays[key] = remembered
         else:
             g = torch.Generator().manual_seed(0)
             out = PROBE_SHAPE[0] // blocks * blocks  # one equal block per thread
@@ -85,7 +98,56 @@ def split_pays(dtype: torch.dtype) -> bool:
             with torch.inference_mode():
                 plain, split = _medians_s(lambda: F.linear(x, w), lambda: _split(x, w, blocks))
             _split_pays[key] = split < PROBE_MARGIN * plain
+            _remember(key, _split_pays[key])
     return _split_pays[key]
+
+
+def cache_dir() -> Path:
+    """Where Zoo remembers things per machine: `$ZOO_CACHE`, else `~/.cache/zoo`."""
+    root = os.environ.get("ZOO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zoo"
+    )
+    return Path(root)
+
+
+def _verdicts_file() -> Path:
+    return cache_dir() / "cpu_split.json"
+
+
+def _machine_key(key: tuple[torch.dtype, int]) -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)  # fmt: skip
+    except OSError:
+        pass
+    return f"{model} | {key[1]} threads | {key[0]} | torch {torch.__version__}"
+
+
+def _remembered(key: tuple[torch.dtype, int]) -> bool | None:
+    try:
+        verdict = json.loads(_verdicts_file().read_text()).get(_machine_key(key))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return verdict if isinstance(verdict, bool) else None
+
+
+def _remember(key: tuple[torch.dtype, int], verdict: bool) -> None:
+    path = _verdicts_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known = known if isinstance(known, dict) else {}
+        known[_machine_key(key)] = verdict
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: processes probing at once each write a whole file
+    except OSError:
+        pass  # a read-only home: timed again in the next process
 
 
 def _pays(dtype: torch.dtype) -> bool:

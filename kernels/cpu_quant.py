@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import cache_dir
 from kernels.qweight import FORMATS, QuantWeight
 
 log = logging.getLogger("zoo")
@@ -51,13 +52,6 @@ class _QWeight(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("ZOO_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zoo"
-    )
-    return Path(root) / "kernels"
-
-
 _built: list[ctypes.CDLL | None] = []  # library()'s answer, read by code being traced
 
 
@@ -78,7 +72,7 @@ def build(march: str) -> ctypes.CDLL | None:
     key = hashlib.sha256(SOURCE.read_bytes())
     flags = [*FLAGS, f"-march={march}"]
     key.update(" ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode())
-    out = _cache_dir() / f"qgemv-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / "kernels" / f"qgemv-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:

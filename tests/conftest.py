@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ import torch
 # so the CPU interpreter the kernel tests use must be chosen before any test can import it.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+# what Zoo remembers per machine (the CPU split verdict, compiled C kernels) goes to a folder of
+# the test session's, never read from or written to the user's ~/.cache/zoo
+os.environ["ZOO_CACHE"] = tempfile.mkdtemp(prefix="zoo-test-cache-")
 
 # A Llama 3.2-style tiny model: GQA (4 q heads / 2 kv heads), explicit head_dim != hidden/heads,
 # llama3 rope scaling, tied embeddings.

@@ -74,6 +74,28 @@ def _slow(fn):
     return slowed
 
 
+@pytest.fixture(autouse=True)
+def own_cache(monkeypatch, tmp_path):
+    """Each test probes afresh: no verdict remembered by an earlier test."""
+    monkeypatch.setenv("ZOO_CACHE", str(tmp_path))
+    monkeypatch.delenv("ZOO_CPU_SPLIT", raising=False)
+
+
+def test_a_verdict_is_remembered_across_processes(two_threads, monkeypatch):
+    """The first process times the probe; a later one (a fresh in-memory table) reads the
+    verdict back untimed, so every process on a machine takes the same path."""
+    monkeypatch.setattr(cpu, "_split_pays", {})
+    monkeypatch.setattr(cpu, "PROBE_REPEAT", 3)
+    monkeypatch.setattr(cpu.F, "linear", _slow(F.linear))
+    assert cpu.split_pays(torch.float32) is True
+    monkeypatch.setattr(cpu, "_split_pays", {})  # as a new process starts
+    monkeypatch.setattr(cpu, "_medians_s", lambda *fns: pytest.fail("timed again"))
+    assert cpu.split_pays(torch.float32) is True
+    monkeypatch.setattr(cpu, "_split_pays", {})
+    monkeypatch.setenv("ZOO_CPU_SPLIT", "0")  # the user's word wins
+    assert cpu.split_pays(torch.float32) is False
+
+
 @pytest.mark.parametrize("slower, verdict", [("linear", True), ("split", False)])
 def test_the_probe_keeps_whichever_path_is_faster(two_threads, monkeypatch, slower, verdict):
     monkeypatch.setattr(cpu, "_split_pays", {})
