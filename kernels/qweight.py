@@ -60,7 +60,31 @@ FORMATS = {
 }
 
 
-class QuantWeight(nn.Module):
+class _Quantized(nn.Module):
+    """What layers read of a weight, whatever holds it: its shape, device and resident bytes;
+    `dtype` is the float dtype the model computes in (what the weight stands for)."""
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers())
+
+
+class QuantWeight(_Quantized):
     """A quantized (out_features, in_features) weight: its tensors are buffers, so `.to()`,
     `state_dict` and the strict loader treat them like any other."""
 
@@ -76,27 +100,10 @@ class QuantWeight(nn.Module):
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
-        self.fmt, self.shape = fmt, tuple(shape)
-        self.dtype = dtype  # the float dtype the model computes in (what the weight stands for)
+        self.fmt, self.shape, self.dtype = fmt, tuple(shape), dtype
         for name, t in (("codes", codes), ("scales", scales), ("mins", mins), ("d", d)):
             self.register_buffer(name, t)
         self.register_buffer("dmin", dmin)
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers())
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, shape={self.shape}"
@@ -145,7 +152,7 @@ def _two_level(small: torch.Tensor, big: torch.Tensor | None, rows, w: QuantWeig
     return big[rows].float().repeat_interleave(per, dim=-1) * small.float()
 
 
-class QuantStack(nn.Module):
+class QuantStack(_Quantized):
     """Weights of different formats stacked along the output dimension: a fused q|k|v whose v
     a Q4_K_M file keeps in Q6_K. `kernels.linear` runs each part and concatenates."""
 
@@ -154,22 +161,6 @@ class QuantStack(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.shape = (sum(p.out_features for p in parts), parts[0].in_features)
         self.dtype = parts[0].dtype
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts[0].device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}"
