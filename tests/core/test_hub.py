@@ -1,5 +1,10 @@
 """Hub resolution with no network: a fake hub on 127.0.0.1 (HF_ENDPOINT) fills a temporary
-huggingface_hub cache through huggingface_hub's own download code; offline runs read it back."""
+huggingface_hub cache through huggingface_hub's own download code; offline runs read it back.
+
+One fake repo (zoo-test/pinned) holds two commits with different models: `main`, and a pinned
+commit PIN also reachable by the tag `v1`, so a revision that is dropped anywhere on the way
+(`load_model`, a registry pin, `zoo download --revision`, `zoo run --revision`) loads the
+wrong model and the test says so."""
 
 from __future__ import annotations
 
@@ -15,20 +20,26 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import LLAMA31, make_checkpoint
+from conftest import LLAMA31, LLAMA32, make_checkpoint
+from fixtures.chat_tokenizers import build_tokenizer_folder
 from huggingface_hub import constants
 
 from core import HubError, load_model
 from core import hub as zoo_hub
 
-SHA = "0123456789abcdef0123456789abcdef01234567"
+SHA = "0123456789abcdef0123456789abcdef01234567"  # every repo's main
+PIN = "fedcba9876543210fedcba9876543210fedcba98"  # zoo-test/pinned's other commit (tag v1)
 REPO = Path(__file__).resolve().parents[2]
+PROMPT = "Why is the sky blue?"
 
 
 class FakeHub(BaseHTTPRequestHandler):
-    """Answers the three hub calls snapshot_download makes: repo info, tree, file resolve."""
+    """Answers the three hub calls snapshot_download makes: repo info, tree, file resolve.
 
-    repos: ClassVar[dict[str, dict[str, bytes]]] = {}  # repo id -> {path: content}
+    A revision is a commit of `repos` or a name of `refs` (every repo's `main` is SHA)."""
+
+    repos: ClassVar[dict[str, dict[str, dict[str, bytes]]]] = {}  # id -> {commit: {path: bytes}}
+    refs: ClassVar[dict[str, dict[str, str]]] = {}  # repo id -> {branch or tag: commit}
     gated: ClassVar[set[str]] = set()
     requests: ClassVar[list[str]] = []
 
@@ -57,11 +68,13 @@ class FakeHub(BaseHTTPRequestHandler):
             return self._error(403, "GatedRepo")
         if repo_id not in self.repos:
             return self._error(404, "RepoNotFound")
-        if len(rest) < 2 or rest[1] not in ("main", SHA):
+        commits, refs = self.repos[repo_id], {"main": SHA, **self.refs.get(repo_id, {})}
+        commit = (refs.get(rest[1]) or rest[1]) if len(rest) >= 2 else None
+        if commit not in commits:
             return self._error(404, "RevisionNotFound")
-        files = self.repos[repo_id]
+        files = commits[commit]
         if api and rest[0] == "revision":
-            data = {"id": repo_id, "sha": SHA, "siblings": [{"rfilename": f} for f in files]}
+            data = {"id": repo_id, "sha": commit, "siblings": [{"rfilename": f} for f in files]}
         elif api and rest[0] == "tree":
             data = [
                 {"type": "file", "path": f, "size": len(c), "oid": _oid(c)}
@@ -72,7 +85,7 @@ class FakeHub(BaseHTTPRequestHandler):
             if name not in files:
                 return self._error(404, "EntryNotFound")
             return self._send(
-                files[name], body, {"X-Repo-Commit": SHA, "ETag": f'"{_oid(files[name])}"'}
+                files[name], body, {"X-Repo-Commit": commit, "ETag": f'"{_oid(files[name])}"'}
             )
         self._send(json.dumps(data).encode(), body, {"Content-Type": "application/json"})
 
@@ -100,11 +113,40 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
+def pinned(tmp_path_factory):
+    """zoo-test/pinned at main and at PIN: two tiny Llamas that differ in config (hidden size
+    64 untied vs 48 tied) and weights, with the same tokenizer. Returns {commit: (files,
+    transformers model, the greedy text it continues PROMPT with)}."""
+    from transformers import AutoTokenizer
+
+    out = {}
+    for commit, spec, seed in ((SHA, LLAMA31, 0), (PIN, LLAMA32, 1)):
+        root = tmp_path_factory.mktemp("pinned")
+        special = build_tokenizer_folder(root, "llama3")
+        bos, eos = special["<|begin_of_text|>"], special["<|end_of_text|>"]
+        spec = dict(spec, vocab_size=320, bos_token_id=bos, eos_token_id=eos)
+        root, ref = make_checkpoint(root, spec, seed=seed)
+        tok = AutoTokenizer.from_pretrained(root)
+        x = tok(PROMPT, return_tensors="pt").input_ids
+        with torch.no_grad():
+            new = ref.generate(x, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert eos not in new[0].tolist()  # so Zoo, which stops at eos, gives the same 8
+        text = tok.decode(new[0, x.shape[1] :])
+        out[commit] = ({p.name: p.read_bytes() for p in root.iterdir() if p.is_file()}, ref, text)
+    assert out[SHA][2] != out[PIN][2]  # the two commits answer differently
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny, pinned):
     FakeHub.repos = {
-        "zoo-test/tiny": tiny[0],
-        "zoo-test/pickles": {"config.json": tiny[0]["config.json"], "pytorch_model.bin": b"x"},
+        "zoo-test/tiny": {SHA: tiny[0]},
+        "zoo-test/pickles": {
+            SHA: {"config.json": tiny[0]["config.json"], "pytorch_model.bin": b"x"}
+        },
+        "zoo-test/pinned": {commit: files for commit, (files, _, _) in pinned.items()},
     }
+    FakeHub.refs = {"zoo-test/pinned": {"v1": PIN}}
     FakeHub.gated = {"zoo-test/gated"}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -210,13 +252,77 @@ def test_unknown_revision(hub):
         zoo_hub.resolve("zoo-test/tiny", revision="v9")
 
 
-def test_alias_resolves_to_its_repo_and_revision(hub, monkeypatch):
-    table = {"tiny": {"repo": "zoo-test/tiny", "revision": SHA}}
+def assert_loads(m, pinned, commit: str) -> None:
+    """`m` is the model of `commit` of zoo-test/pinned (its folder, config and logits)."""
+    ref, other = pinned[commit][1], pinned[PIN if commit == SHA else SHA][1]
+    assert m.path.name == commit
+    assert m.config.hidden_size == ref.config.hidden_size != other.config.hidden_size
+    x = torch.arange(4, 20)[None]
+    with torch.no_grad():
+        want = ref(x).logits
+    torch.testing.assert_close(m.forward(x), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("revision", ["v1", PIN], ids=["tag", "commit"])
+def test_a_revision_loads_that_revision(hub, pinned, revision, monkeypatch):
+    """load_model(revision=...) loads the pinned commit's model, main the other; offline, the
+    cache answers the same revision again (the tag through its cached ref)."""
+    assert_loads(load_model("zoo-test/pinned", revision=revision), pinned, PIN)
+    assert_loads(load_model("zoo-test/pinned"), pinned, SHA)
+    go_offline(monkeypatch)
+    assert_loads(load_model("zoo-test/pinned", revision=revision), pinned, PIN)
+    assert_loads(load_model("zoo-test/pinned"), pinned, SHA)
+
+
+def test_alias_resolves_to_its_repo_and_revision(hub, pinned, monkeypatch):
+    table = {"tiny": {"repo": "zoo-test/pinned", "revision": PIN}}
     monkeypatch.setattr(zoo_hub, "named_models", lambda: table)
-    assert zoo_hub.resolve("tiny").name == SHA
+    assert zoo_hub.resolve("tiny").name == PIN
     assert not any("/revision/" in r for r in FakeHub.requests)  # a commit needs no lookup
+    assert_loads(load_model("tiny"), pinned, PIN)
+    # an explicit revision overrides the pin
+    assert_loads(load_model("tiny", revision="main"), pinned, SHA)
     with pytest.raises(HubError, match="revision 'v9' not found"):
-        zoo_hub.resolve("tiny", revision="v9")  # an explicit revision overrides the pin
+        zoo_hub.resolve("tiny", revision="v9")
+
+
+def zoo_cli(hf_home: Path, endpoint: str, *args: str) -> subprocess.CompletedProcess:
+    """The `zoo` command in a fresh process, against the fake hub with its own cache."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint, "PYTHONPATH": str(REPO)}
+    env["PYTHONIOENCODING"] = "utf-8"
+    for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        env.pop(var, None)
+    return subprocess.run(
+        [sys.executable, "-m", "core.cli", *args],
+        env=env,
+        capture_output=True,
+        encoding="utf-8",
+        timeout=300,
+    )
+
+
+def test_zoo_download_at_a_revision(server, pinned, tmp_path):
+    out = zoo_cli(tmp_path / "hf", server, "download", "zoo-test/pinned", "--revision", "v1")
+    assert out.returncode == 0, out.stderr
+    folder = Path(out.stdout.strip())
+    assert folder == tmp_path / "hf" / "hub" / "models--zoo-test--pinned" / "snapshots" / PIN
+    files = pinned[PIN][0]
+    for name in ("config.json", "model.safetensors"):
+        assert (folder / name).read_bytes() == files[name]
+        assert files[name] != pinned[SHA][0][name]
+
+
+def test_zoo_run_at_a_revision(server, pinned, tmp_path):
+    """`zoo run --revision v1` answers with the pinned model: transformers' greedy text for it,
+    not main's."""
+    args = ("run", "zoo-test/pinned", "--revision", "v1", "--raw", "--prompt", PROMPT)
+    out = zoo_cli(
+        tmp_path / "hf", server, *args, "--max-new-tokens", "8", "--temperature", "0",
+        "--device", "cpu", "--dtype", "float32",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == pinned[PIN][2] + "\n"
+    assert (tmp_path / "hf" / "hub" / "models--zoo-test--pinned" / "snapshots" / PIN).is_dir()
 
 
 def test_local_path_wins_over_a_repo_id(hub, tmp_path, monkeypatch):
