@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kernel_harness  # noqa: F401  (fails on Linux where triton is missing; skips elsewhere)
 import pytest
 
-pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
