@@ -3,12 +3,13 @@ TRITON_INTERPRET=1, which kernel_harness sets) and still match transformers (fp3
 1e-4 of max |logit|, greedy tokens identical).
 
 - In process: every upper-case spec dict with a "model_type" in tests/conftest.py (today the
-  Llama 3.2 and 3.1 specs), through prefill, decode steps and greedy generation.
+  Llama 3.2 and 3.1 specs), through prefill, decode steps, greedy generation and greedy
+  generation of a ragged batch.
 - Every architecture: the plugin parity suites (tests/plugins/test_*.py: Llama, Qwen2,
-  DeepSeek, and any added later) re-run in a subprocess with ZOO_KERNELS=triton on the CPU
-  interpreter, keeping their prefill and decode checks. A new architecture joins by naming
-  its parity tests `test_prefill_logits_match` / `test_decode_steps_match_full_sequence`, as
-  the others do.
+  DeepSeek V2 / V2-Lite / V3) and the example plugins' suites (examples/*/tests: Phi-3,
+  Gemma) re-run in a subprocess with ZOO_KERNELS=triton on the CPU interpreter, keeping their
+  prefill, decode, greedy and ragged-batch checks (`SUITES`: each named test must pass). A new
+  architecture joins by adding its suite there, its tests named as the others'.
 """
 
 from __future__ import annotations
@@ -34,7 +35,25 @@ SPECS = {
 BAR = 1e-4  # fp32: max |error| / max |logit|, the parity tests' bar
 STEPS = 4  # decode steps, and greedy tokens, through the decode kernel
 ROOT = Path(__file__).resolve().parents[2]
-PARITY = "prefill_logits_match or decode_steps_match"
+# Every architecture's parity checks (tests/plugins/parity.py), as each suite names them, by
+# test file; all of them must be selected, run and pass through the Triton kernels.
+PARITY_TESTS = [
+    "test_prefill_logits_match",
+    "test_decode_steps_match_full_sequence",
+    "test_greedy_tokens_identical",
+    "test_ragged_batch_at_per_row_positions",  # per-row positions, then a ragged greedy batch
+]
+EXAMPLE_TESTS = [  # the example plugins' suites (self-contained: no parity.py)
+    "test_matches_transformers",  # prefill, decode steps, batch of two, greedy tokens
+    "test_ragged_batch_matches_transformers",
+]
+SUITES = {
+    "tests/plugins/test_llama3.py": PARITY_TESTS,
+    "tests/plugins/test_qwen2.py": PARITY_TESTS,
+    "tests/plugins/test_deepseek.py": PARITY_TESTS,
+    "examples/zoo-phi3/tests/test_zoo_phi3.py": EXAMPLE_TESTS,
+    "examples/zoo-gemma/tests/test_zoo_gemma.py": EXAMPLE_TESTS,
+}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -77,6 +96,19 @@ def test_tiny_model_through_triton_matches_transformers(checkpoint, triton_kerne
     m.eos_token_ids = set()
     assert m.generate(x[0].tolist(), max_new_tokens=STEPS).token_ids == want[0, 11:].tolist()
 
+    # a ragged batch (7 and 11 tokens) in one greedy generation: per-row positions and cache
+    # lengths through the decode kernel; each row's tokens are transformers' argmax for that
+    # row alone, and their logprobs transformers' (within twice the logit bar)
+    prompts = [x[1, :7].tolist(), x[0].tolist()]
+    m.reset()
+    out = m.generate(prompts, max_new_tokens=STEPS, temperature=0.0, logprobs=1)
+    for prompt, res in zip(prompts, out, strict=True):
+        logits = ref(torch.tensor([prompt + res.token_ids])).logits[0, len(prompt) - 1 : -1]
+        assert res.token_ids == logits.argmax(-1).tolist()
+        want = logits.log_softmax(-1)[range(STEPS), res.token_ids]
+        lps = torch.tensor([lp.logprob for lp in res.logprobs])
+        assert (lps - want).abs().max() <= 2 * BAR * logits.abs().max(), (lps, want)
+
     # every op went through Triton: forced mode raises rather than falling back
     assert {key[0] for key in dispatch._chosen} >= {"rms_norm", "apply_rope", "attention"}
 
@@ -86,11 +118,22 @@ def test_every_parity_model_through_triton():
     # on the CPU interpreter even where a GPU is present: the parity suites expect CPU fp32
     # (on CUDA they would load the checkpoints' bf16); the in-process test covers the GPU
     env = dict(os.environ, ZOO_KERNELS="triton", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/plugins"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEp", *SUITES]
+    names = sorted({name for tests in SUITES.values() for name in tests})
     run = subprocess.run(
-        [*cmd, "-k", PARITY], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        [*cmd, "-k", " or ".join(names)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    # each check ran for every suite: a renamed test would otherwise drop out unnoticed
+    passed = [line for line in run.stdout.splitlines() if line.startswith("PASSED ")]
+    for suite, tests in SUITES.items():
+        for name in tests:
+            assert any(line.startswith(f"PASSED {suite}::{name}") for line in passed), (suite, name)
 
 
 @gpu

@@ -49,13 +49,17 @@ def check_greedy(m, ref, prompt: torch.Tensor, n: int = 12) -> None:
 
 
 @torch.no_grad()
-def check_batch_of_two(m, x: torch.Tensor) -> None:
-    """Rows of a batch equal each row alone, in prefill and in a decode step."""
+def check_batch_of_two(m, x: torch.Tensor, ref=None) -> None:
+    """Rows of a batch equal each row alone, in prefill and in a decode step; given the
+    reference, each row alone also equals the reference on that row."""
     m.reset()
     both = m.forward(x)
     for row in range(2):
         m.reset()
-        assert rel_err(both[row : row + 1], m.forward(x[row : row + 1])) < 1e-5
+        alone = m.forward(x[row : row + 1])
+        assert rel_err(both[row : row + 1], alone) < 1e-5
+        if ref is not None:
+            assert rel_err(alone, ref(x[row : row + 1]).logits) < TOL
     m.reset()
     m.forward(x[:, :-1])
     t = x.shape[1] - 1
@@ -63,9 +67,11 @@ def check_batch_of_two(m, x: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def check_ragged_batch(m, ref, vocab: int, lengths=(5, 9), steps: int = 3) -> None:
+def check_ragged_batch(m, ref, vocab: int, lengths=(5, 9), steps: int = 3, new: int = 4) -> None:
     """Prompts of unequal length in one batch: a right-padded prefill, then decode steps at
-    per-row positions; each row's logits equal the reference run on that row alone."""
+    per-row positions; each row's logits equal the reference run on that row alone. Then the
+    same prompts as one batch of greedy generation (the token loop's decode step, which reads
+    the cache up to a bucket): each row's tokens and logprobs are the reference's for it."""
     rows = [ids(vocab, 1, n + steps, seed=10 + i)[0] for i, n in enumerate(lengths)]
     batch = torch.zeros(len(rows), max(lengths), dtype=torch.long)
     for r, n in enumerate(lengths):
@@ -82,3 +88,22 @@ def check_ragged_batch(m, ref, vocab: int, lengths=(5, 9), steps: int = 3) -> No
     for r in range(len(rows)):
         want = ref(rows[r][None]).logits[0]
         assert rel_err(torch.cat(got[r]), want) < TOL
+
+    prompts = [row[:n].tolist() for row, n in zip(rows, lengths, strict=True)]
+    m.reset()
+    greedy = dict(max_new_tokens=new, temperature=0.0, ignore_eos=True, logprobs=1)
+    check_generated(ref, prompts, m.generate(prompts, **greedy))
+
+
+@torch.no_grad()
+def check_generated(ref, prompts: list[list[int]], results) -> None:
+    """Greedy results against the reference run on each prompt and its new tokens alone: every
+    token is the reference's argmax there (so transformers' greedy tokens), and its logprob
+    is the reference's within the logit bar (log_softmax moves by at most 2x the logit error)."""
+    for prompt, res in zip(prompts, results, strict=True):
+        seq = torch.tensor([prompt + res.token_ids])
+        logits = ref(seq).logits[0, len(prompt) - 1 : -1].float()  # each new token's logits
+        assert res.token_ids == logits.argmax(-1).tolist()
+        want = logits.log_softmax(-1).gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
+        got = torch.tensor([lp.logprob for lp in res.logprobs])
+        assert (got - want).abs().max() <= 2 * TOL * logits.abs().max(), (got, want)

@@ -112,6 +112,40 @@ def test_matches_transformers(tmp_path, spec):
     assert m.generate(prompt[0].tolist(), max_new_tokens=12).token_ids == greedy[0, 5:].tolist()
 
 
+@torch.no_grad()
+def test_ragged_batch_matches_transformers(tmp_path):
+    """Prompts of unequal length in one batch (right-padded prefill, decode steps at per-row
+    positions): each row's logits, then its greedy tokens and their logprobs, are
+    transformers' for that row alone."""
+    root, ref = make_checkpoint(tmp_path, PHI3)
+    m = load_model(root, device="cpu", dtype=torch.float32, max_seq_len=32, max_batch_size=2)
+    rows = [token_ids(1, 12, seed=10)[0], token_ids(1, 12, seed=11)[0]]
+    lengths = [5, 9]
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        batch[r, :n] = rows[r][:n]
+    got = [[logits[:n]] for logits, n in zip(m.forward(batch), lengths, strict=True)]
+    for s in range(3):  # three decode steps, each row at its own position
+        nxt = torch.stack([row[n + s] for row, n in zip(rows, lengths, strict=True)])
+        step = m.forward(nxt[:, None], torch.tensor(lengths) + s)
+        for r in range(2):
+            got[r].append(step[r])
+    for r, n in enumerate(lengths):
+        assert rel_err(torch.cat(got[r]), ref(rows[r][None, : n + 3]).logits[0]) < TOL
+    # greedy generation of the same prompts as one batch: each new token is transformers'
+    # argmax on that row alone, and its logprob is transformers' (log_softmax moves by at
+    # most twice the logit error)
+    prompts = [row[:n].tolist() for row, n in zip(rows, lengths, strict=True)]
+    m.reset()
+    greedy = dict(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    for prompt, res in zip(prompts, m.generate(prompts, **greedy), strict=True):
+        logits = ref(torch.tensor([prompt + res.token_ids])).logits[0, len(prompt) - 1 : -1]
+        assert res.token_ids == logits.argmax(-1).tolist()
+        want = logits.log_softmax(-1)[range(4), res.token_ids]
+        lps = torch.tensor([lp.logprob for lp in res.logprobs])
+        assert (lps - want).abs().max() <= 2 * TOL * logits.abs().max(), (lps, want)
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
