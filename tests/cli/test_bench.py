@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
+import pytest
 from conftest import LLAMA31
 
 
@@ -18,21 +21,41 @@ def bench(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProce
 
 
 def test_bench_reports_every_figure_and_compares(checkpoint, tmp_path):
-    root, _ = checkpoint(LLAMA31)
+    """Every figure as its definition and the run's own wall time say: no timed span can be
+    longer than the whole command, so each rate is at least its work over that wall time."""
+    root, ref = checkpoint(LLAMA31)
     small = ["--prompt-lens", "8,16", "--batches", "1,2", "--decode-tokens", "4", "--repeat", "1"]
+    start = time.monotonic()
     out = bench(str(root), *small, "--compare", "transformers", "--json", "r.json", cwd=tmp_path)
+    wall = time.monotonic() - start
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert set(report["prefill"]) == {"8", "16"} and set(report["decode"]) == {"1", "2"}
-    for row in report["decode"].values():
-        assert row["tokens_per_s"] > 0 and row["achieved_gbps"] > 0
+    for n, row in report["prefill"].items():  # n prompt tokens before the first new one
+        assert 0 < row["time_to_first_token_s"] < wall
+        assert row["tokens_per_s"] == pytest.approx(int(n) / row["time_to_first_token_s"])
+    weights = 4 * sum(p.numel() for p in ref.parameters())  # fp32, counted by transformers
+    assert report["weight_bytes"] == weights
+    for b, row in report["decode"].items():  # b rows x 3 tokens after each row's first
+        b = int(b)
+        assert row["tokens_per_s"] >= b * 3 / wall
+        assert row["step_ms"] == pytest.approx(1e3 * b / row["tokens_per_s"])
+        # a step reads every weight and each row's cache: prompt 32 + on average 4 / 2 tokens
+        moved = weights + b * (32 + 2) * report["kv_bytes_per_token"]
+        assert row["achieved_gbps"] == pytest.approx(moved / (row["step_ms"] / 1e3) / 1e9)
         assert row["fraction_of_peak"] == row["achieved_gbps"] / report["peak_bandwidth_gbps"]
-    assert report["peak_source"].startswith("measured") and report["peak_bandwidth_gbps"] > 0
+    assert report["peak_source"].startswith("measured")
+    assert report["peak_bandwidth_gbps"] >= 2**30 / wall / 1e9  # 1 GiB read in under `wall`
     assert "GB/s (measured" in out.stdout and "n/a" not in out.stdout
     assert (
         report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4
     )  # K,V x layers x kv heads x dim x fp32
-    assert report["compare"]["peer"] == "transformers" and report["compare"]["speedup"] > 0
+    compare = report["compare"]
+    assert compare["peer"] == "transformers"
+    for side in ("zoo", "transformers"):  # 4 tokens per timed run, each inside the wall time
+        assert compare[f"{side}_tokens_per_s"] == statistics.median(compare["runs"][side])
+        assert all(rate >= 4 / wall for rate in compare["runs"][side])
+    assert compare["speedup"] == compare["zoo_tokens_per_s"] / compare["transformers_tokens_per_s"]
     assert report["compare"]["same_tokens"] == 4  # both ran the same weights, greedy, fp32
     assert "tokens/s" in out.stdout and "vs transformers" in out.stdout
     assert report["compiled"] is False and "compiled" not in out.stdout

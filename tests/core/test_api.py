@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import LLAMA31
+from fixtures.replay import replay
 
 from core import CheckpointError, HubError, RequestError, ZooError, load_model
 
@@ -72,11 +73,17 @@ def test_bad_dtype_name(root):
         load_model(root, dtype="float8")
 
 
-def test_sampling_is_reproducible_with_seed(root):
+def test_seeded_sampling_draws_what_the_seed_promises(checkpoint):
+    """A seed fixes the draws: transformers' logits and a generator of that seed give the same
+    tokens (fixtures.replay), on every call; another seed gives others."""
+    root, ref = checkpoint(LLAMA31)
     m = load_model(root)
-    a = m.generate([5, 6, 7], max_new_tokens=6, temperature=1.0, seed=11).token_ids
-    b = m.generate([5, 6, 7], max_new_tokens=6, temperature=1.0, seed=11).token_ids
-    assert a == b
+    kw = dict(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+    for seed in (11, 12):
+        want = replay(ref, [5, 6, 7], seed=seed, **kw)
+        assert m.generate([5, 6, 7], seed=seed, **kw).token_ids == want
+        assert m.generate([5, 6, 7], seed=seed, **kw).token_ids == want
+    assert replay(ref, [5, 6, 7], seed=11, **kw) != replay(ref, [5, 6, 7], seed=12, **kw)
 
 
 def test_every_error_is_a_zoo_error():

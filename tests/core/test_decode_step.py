@@ -28,7 +28,7 @@ def test_bucket_is_a_power_of_two_at_least_256_within_the_cache():
 
 
 def test_logits_at_equals_those_rows_of_the_full_logits(checkpoint):
-    root, _ = checkpoint(LLAMA31)
+    root, ref = checkpoint(LLAMA31)
     m = load_model(root, max_batch_size=2)
     x = ids(LLAMA31["vocab_size"], 2, 9)
     full = m.forward(x)
@@ -38,6 +38,9 @@ def test_logits_at_equals_those_rows_of_the_full_logits(checkpoint):
         some = m.net(x, 0, logits_at=at)
     assert some.shape == (2, 1, LLAMA31["vocab_size"])
     torch.testing.assert_close(some[:, 0], full[torch.arange(2), at], rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        want = ref(x).logits[torch.arange(2), at]  # transformers' logits at those positions
+    assert rel_err(some[:, 0], want) < TOL
 
 
 def test_a_cpu_model_runs_the_split_probe_when_loaded(checkpoint, monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import LLAMA32, make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.replay import replay
 
 from core import RequestError, load_model
 
@@ -103,6 +104,13 @@ def ref_greedy(ref, prompt_ids: list[int], n: int = MAX_NEW, **kw) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def expected(base, prompt, **kw) -> list[int]:
+    """The reference tokens (fixtures.replay: transformers' logits, the request's parameters,
+    its seed) for a prompt given as text (encoded by transformers) or as token ids."""
+    _, ref, hf, _ = base
+    return replay(ref, hf.encode(prompt) if isinstance(prompt, str) else list(prompt), **kw)
+
+
 def first_new(tokens: list[int], start: int) -> int:
     """The first step >= start whose token did not appear before it."""
     return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
@@ -147,11 +155,37 @@ def test_usage_counts(base, model):
     assert len(out.token_ids) == 7
 
 
-def test_timings_present_and_positive(model):
-    out = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
-    t = out.timings
-    assert {"time_to_first_token_s", "decode_tokens_per_s"} <= set(t)
-    assert all(v > 0 for v in t.values()), t
+def test_timings_are_read_around_prefill_and_decode(base, model, monkeypatch):
+    """The loop reads the clock before the prefill (t0), once the first token is on the host
+    (t1) and after the last token (t2): time to first token t1 - t0, prefill tokens/s
+    prompt / (t1 - t0), decode tokens/s (new - 1) / (t2 - t1). With the real clock, both
+    spans lie inside the call's own wall time."""
+    import time
+    from types import SimpleNamespace
+
+    import core.generation
+
+    n_prompt = len(base[2].encode(PROMPT))
+    clock = iter([100.0, 100.25, 102.0])
+    monkeypatch.setattr(core.generation, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    t = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True).timings
+    assert t == pytest.approx(
+        {
+            "time_to_first_token_s": 0.25,
+            "prefill_tokens_per_s": n_prompt / 0.25,
+            "decode_tokens_per_s": 7 / 1.75,
+        }
+    )
+    monkeypatch.undo()
+    start = time.perf_counter()
+    t = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True).timings
+    wall = time.perf_counter() - start
+    assert (
+        0
+        < t["time_to_first_token_s"]
+        < t["time_to_first_token_s"] + 7 / t["decode_tokens_per_s"]
+        <= wall
+    )
 
 
 def test_max_new_tokens_is_length(base, model):
@@ -170,11 +204,14 @@ def test_repetition_penalty_matches_transformers(base, model):
 
 
 # --- sampling ---------------------------------------------------------------------------------
-def test_seed_reproducibility(model):
+def test_seeded_sampling_draws_what_the_seed_promises(base, model):
+    """A seed gives the tokens transformers' logits and a generator of that seed give
+    (fixtures.replay), every time; another seed others; no seed, fresh draws each call."""
     kw = dict(max_new_tokens=MAX_NEW, ignore_eos=True, temperature=1.0)
-    a = model.generate(PROMPT, seed=1, **kw).token_ids
-    assert model.generate(PROMPT, seed=1, **kw).token_ids == a
-    assert model.generate(PROMPT, seed=2, **kw).token_ids != a
+    want = {seed: expected(base, PROMPT, seed=seed, **kw) for seed in (1, 2)}
+    assert want[1] != want[2]
+    for seed in (1, 2, 1):
+        assert model.generate(PROMPT, seed=seed, **kw).token_ids == want[seed]
     assert model.generate(PROMPT, **kw).token_ids != model.generate(PROMPT, **kw).token_ids
 
 
@@ -294,11 +331,12 @@ def test_generation_config_sampling_defaults(base, tmp_path):
     plain = load_model(variant(base, tmp_path / "b", gen={}))
     kw = dict(max_new_tokens=16, ignore_eos=True, seed=3)
     got = sampled.generate(PROMPT, **kw).token_ids
+    assert got == expected(base, PROMPT, temperature=0.6, top_p=0.9, repetition_penalty=1.3, **kw)
     explicit = plain.generate(PROMPT, temperature=0.6, top_p=0.9, repetition_penalty=1.3, **kw)
     assert got == explicit.token_ids
-    assert got != plain.generate(PROMPT, **kw).token_ids  # plain: greedy by default
-    # request parameters win over the file's
     tokens, _ = greedy_text(base, n=16)
+    assert plain.generate(PROMPT, **kw).token_ids == tokens != got  # plain: greedy by default
+    # request parameters win over the file's
     assert sampled.generate(PROMPT, temperature=0, repetition_penalty=1.0, **kw).token_ids == (
         tokens
     )
@@ -381,13 +419,13 @@ def model4(base):
     ],
     ids=["greedy", "seeded", "filtered-penalized", "repetition-logprobs"],
 )
-def test_batch_equals_each_prompt_alone(model, model4, kw):
+def test_batch_equals_each_prompt_alone(base, model, model4, kw):
     kw = dict(max_new_tokens=12, ignore_eos=True, **kw)
     batch = model4.generate(BATCH, **kw)
     assert isinstance(batch, list) and len(batch) == len(BATCH)
     for prompt, got in zip(BATCH, batch, strict=True):
         alone = model.generate(prompt, **kw)
-        assert got.token_ids == alone.token_ids
+        assert got.token_ids == alone.token_ids == expected(base, prompt, **kw)
         assert got.text == alone.text and got.finish_reason == alone.finish_reason
         assert got.usage == alone.usage
         if kw.get("logprobs"):
@@ -395,22 +433,29 @@ def test_batch_equals_each_prompt_alone(model, model4, kw):
                 assert abs(a.logprob - b.logprob) < 1e-4
 
 
-def test_each_row_stops_on_its_own(model, model4):
-    tokens = model.generate(BATCH[0], max_new_tokens=16, ignore_eos=True).token_ids
+def test_each_row_stops_on_its_own(base, model, model4):
+    tokens = expected(base, BATCH[0], max_new_tokens=16)
     kw = dict(max_new_tokens=16, stop_token_ids=[tokens[first_new(tokens, 2)]])
     batch = model4.generate(BATCH, **kw)
     alone = [model.generate(p, **kw) for p in BATCH]
-    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    stop = {*kw["stop_token_ids"], *model.eos_token_ids}
+    want = [expected(base, p, max_new_tokens=16, stop_ids=stop) for p in BATCH]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone] == want
     assert [r.finish_reason for r in batch] == [r.finish_reason for r in alone]
     assert batch[0].finish_reason == "stop" and len(batch[0].token_ids) < 16
     assert len({len(r.token_ids) for r in batch}) > 1  # rows ended at different steps
 
 
-def test_batch_with_stop_strings(model, model4):
-    first = model.generate(BATCH[0], max_new_tokens=16, ignore_eos=True).text
-    kw = dict(max_new_tokens=16, ignore_eos=True, stop=stop_strings(first)[:1])
+def test_batch_with_stop_strings(base, model, model4):
+    hf = base[2]
+    full = [
+        hf.decode(expected(base, p, max_new_tokens=16), skip_special_tokens=True) for p in BATCH
+    ]
+    stop = stop_strings(full[0])[0]
+    kw = dict(max_new_tokens=16, ignore_eos=True, stop=[stop])
     batch = model4.generate(BATCH, **kw)
     assert [r.text for r in batch] == [model.generate(p, **kw).text for p in BATCH]
+    assert [r.text for r in batch] == [t[: t.index(stop)] if stop in t else t for t in full]
     assert batch[0].finish_reason == "stop"
 
 
@@ -514,6 +559,15 @@ def test_loop_batches_rows_by_their_own_positions(base, kw):
         (alone,), _ = run_loop(base, [prompt], **kw)
         assert got.token_ids == alone.token_ids and got.finish_reason == alone.finish_reason
         assert got.text == alone.text == text
+        # and what it gives alone is the reference's (a stop string: its text, cut there)
+        want = expected(base, prompt, stop_ids=set(kw.get("stop_token_ids", ())), **kw)
+        if "stop" in kw:
+            full = base[2].decode(want, skip_special_tokens=True)
+            assert got.text == (
+                full[: full.index(kw["stop"][0])] if kw["stop"][0] in full else full
+            )
+        else:
+            assert got.token_ids == want
         if kw.get("logprobs"):
             assert [x.logprob for x in got.logprobs] == pytest.approx(
                 [x.logprob for x in alone.logprobs], abs=1e-5
@@ -537,6 +591,7 @@ def test_loop_rows_with_their_own_params(base):
     for prompt, kw, got, text in zip(BATCH, PER_ROW, batch, streamed, strict=True):
         (alone,), _ = run_loop(base, [prompt], **kw)
         assert got.token_ids == alone.token_ids and got.text == alone.text == text
+        assert got.token_ids == expected(base, prompt, **kw)
         assert len(got.token_ids) == kw["max_new_tokens"]
         if "logprobs" in kw:
             assert [len(x.top) for x in got.logprobs] == [kw["logprobs"]] * len(got.token_ids)
@@ -547,7 +602,7 @@ def test_loop_rows_with_their_own_params(base):
             assert got.logprobs is None
 
 
-def test_model_batch_with_per_row_params(model, model4):
+def test_model_batch_with_per_row_params(base, model, model4):
     """The same through the real forward: Model.token_loop with per-row params, each row equal to
     Model.generate alone (eos obeyed by all but one row, which ignores it)."""
     from core.sampling import SamplingParams
@@ -560,6 +615,8 @@ def test_model_batch_with_per_row_params(model, model4):
         alone = model.generate(prompt, **kw)
         assert got.token_ids == alone.token_ids and got.text == alone.text
         assert got.finish_reason == alone.finish_reason
+        stop = set() if kw.get("ignore_eos") else model.eos_token_ids
+        assert got.token_ids == expected(base, prompt, stop_ids=stop, **kw)
 
 
 def test_cancelled_row_stops_and_the_others_go_on(base):
@@ -573,6 +630,7 @@ def test_cancelled_row_stops_and_the_others_go_on(base):
     batch, _ = run_loop(base, BATCH, hooks=hooks, max_new_tokens=12)
     for row, (prompt, got) in enumerate(zip(BATCH, batch, strict=True)):
         (alone,), _ = run_loop(base, [prompt], max_new_tokens=12)
+        assert alone.token_ids == expected(base, prompt, max_new_tokens=12)
         if row == 1:
             assert got.finish_reason == "abort" and got.token_ids == alone.token_ids[:3]
         else:
@@ -606,6 +664,9 @@ def test_launching_steps_ahead_changes_nothing(base):
     for a, b in zip(ahead, inline, strict=True):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
         assert a.logprobs == b.logprobs
+    for row, (prompt, kw, got) in enumerate(zip(BATCH, PER_ROW, inline, strict=True)):
+        want = expected(base, prompt, **kw)
+        assert got.token_ids == (want[:2] if row == 2 else want)  # row 2: cancelled after 2
     assert [r.finish_reason for r in inline] == ["length", "length", "abort", "length"]
 
 
@@ -622,7 +683,7 @@ def test_ahead_launches_the_next_step_before_reading_tokens(base, monkeypatch):
         assert order == (["step", "token", "step", "token", "token"] if ahead else want)
 
 
-def test_model_launching_ahead_equals_stepping(model4, monkeypatch):
+def test_model_launching_ahead_equals_stepping(base, model4, monkeypatch):
     """Through the real forward and KV cache, rows ending at different steps."""
     from core.sampling import SamplingParams
 
@@ -633,6 +694,9 @@ def test_model_launching_ahead_equals_stepping(model4, monkeypatch):
         monkeypatch.setattr(model4, "ahead", ahead)
         got[ahead] = [(r.token_ids, r.text, r.logprobs) for r in model_loop(model4, ids, params)]
     assert got[True] == got[False]
+    assert [r[0] for r in got[False]] == [
+        expected(base, x, **kw) for x, kw in zip(BATCH, PER_ROW, strict=True)
+    ]
     assert [len(r[0]) for r in got[True]] == [kw["max_new_tokens"] for kw in PER_ROW]
 
 
@@ -651,6 +715,7 @@ def test_rows_of_unequal_reach_fill_a_tight_cache(base, ahead):
     for prompt, p, got in zip(ids, params, batch, strict=True):
         alone = m.generate(prompt, max_new_tokens=p.max_new_tokens, ignore_eos=True)
         assert got.token_ids == alone.token_ids and len(got.token_ids) == p.max_new_tokens
+        assert got.token_ids == expected(base, prompt, max_new_tokens=p.max_new_tokens)
 
 
 def test_batch_larger_than_max_batch_size(model, model4):
@@ -660,7 +725,8 @@ def test_batch_larger_than_max_batch_size(model, model4):
         model4.generate([PROMPT] * 5, max_new_tokens=2)
 
 
-def test_batch_of_one_is_a_list(model):
+def test_batch_of_one_is_a_list(base, model):
     out = model.generate([PROMPT], max_new_tokens=3, ignore_eos=True)
     assert isinstance(out, list) and len(out) == 1
     assert out[0].token_ids == model.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids
+    assert out[0].token_ids == expected(base, PROMPT, max_new_tokens=3)

@@ -100,7 +100,7 @@ def test_greedy_stops_at_eos_like_transformers(checkpoint):
 
 
 def test_batch_of_two_equals_each_alone(checkpoint):
-    root, _ = checkpoint(LLAMA32)
+    root, ref = checkpoint(LLAMA32)
     m = load_model(root, max_batch_size=2)
     x = ids(2, 13)
     both = m.forward(x)
@@ -108,6 +108,7 @@ def test_batch_of_two_equals_each_alone(checkpoint):
         m.reset()
         alone = m.forward(x[row : row + 1])
         assert rel_err(both[row : row + 1], alone) < 1e-5
+        assert rel_err(alone, ref(x[row : row + 1]).logits) < 1e-4  # and both are transformers'
     # decode continues per row through the cache
     m.reset()
     m.forward(x[:, :12])

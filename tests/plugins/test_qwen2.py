@@ -84,8 +84,8 @@ def test_greedy_tokens_identical(qwen):
 
 
 def test_batch_of_two_equals_each_alone(qwen):
-    m, _ = qwen
-    check_batch_of_two(m, ids(VOCAB, 2, 13))
+    m, ref = qwen
+    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
 
 
 def test_ragged_batch_at_per_row_positions(qwen):
