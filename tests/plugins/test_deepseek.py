@@ -220,8 +220,8 @@ def test_greedy_tokens_identical(deepseek):
 
 
 def test_batch_of_two_equals_each_alone(deepseek):
-    m, _ = deepseek
-    check_batch_of_two(m, ids(VOCAB, 2, 13))
+    m, ref = deepseek
+    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
 
 
 def test_ragged_batch_at_per_row_positions(deepseek):
