@@ -193,8 +193,13 @@ static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float
 // y (M, N) = x (M, K) @ W.T; gs must be a multiple of W (16 covers every format).
 // One row of x: dot products straight from the codes. More: each row of W is dequantized once
 // into a buffer and dotted with every row of x.
+// A fork-join costs microseconds (and, where other processes hold the cores, a time slice per
+// thread): small products run on the calling thread alone.
+#define PARALLEL_WORK (1 << 18)
+
 void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
     const int64_t K = w->K, gs = w->gs, G = K / gs;
+    if (w->N * K * M < PARALLEL_WORK) threads = 1;
     float *xs = NULL;
     if (M == 1) {  // per group: the sum of x's values (offset and minimum terms)
         xs = (float *)malloc(G * sizeof(float));
@@ -229,6 +234,7 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
 // out (N, K) = W as floats: many rows of x (prefill) go to the BLAS with this.
 void zoo_dequantize(const qweight_t *w, float *out, int threads) {
     const int64_t G = w->K / w->gs;
+    if (w->N * w->K < PARALLEL_WORK) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
         float *s = (float *)malloc(G * sizeof(float)), *m = (float *)malloc(G * sizeof(float));
