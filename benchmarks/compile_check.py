@@ -103,6 +103,34 @@ def cases(dtype):
         "moe_experts",
         (r(5, 2048), ids, torch.rand(5, 6), r(64, 2 * 1408, 2048), r(64, 2048, 1408)),
     )
+    # quantized weights: the GEMV for 1 and 4 rows, tiled for 300 (Llama-3.1-8B's q_proj);
+    # packed 4-bit codes with two-level scales and minimums, 6-bit codes; a narrow output (64
+    # features) splits K, which adds the split-sum kernel
+    for kind, rows, n in (("q4_k", 1, 4096), ("q4_k", 300, 4096), ("q6_k", 4, 4096),
+                          ("q6_k", 300, 4096), ("q8_0", 1, 64)):  # fmt: skip
+        yield "quant_linear", (r(rows, 4096), _quant_weight(kind, n, 4096), r(n))
+
+
+def _quant_weight(kind: str, n: int, k: int):
+    """A `QuantWeight` of random codes and scales in the format's dtypes (only they and the
+    shapes matter to the compiler)."""
+    from kernels.qweight import FORMATS, QuantWeight
+
+    fmt = FORMATS[kind]
+    groups = k // fmt.group_of(k)
+    if fmt.packed:
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    else:
+        codes = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    if fmt.superblock:  # K-quants: small integers per group, fp16 per super-block
+        small = torch.int8 if kind == "q6_k" else torch.uint8
+        scales = torch.randint(0, 64, (n, groups), dtype=small)
+        d = torch.rand(n, k // fmt.superblock).half()
+    else:
+        scales, d = torch.rand(n, groups).half(), None
+    mins = torch.randint_like(scales, 0, 64) if fmt.minimum else None
+    dmin = d if fmt.minimum else None
+    return QuantWeight(fmt, (n, k), codes, scales, mins, d, dmin)
 
 
 def main() -> None:

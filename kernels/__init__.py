@@ -3,9 +3,9 @@
 Each op dispatches (kernels/dispatch.py) to its Triton launcher on CUDA, or to its torch
 reference (kernels/reference.py) elsewhere; `ZOO_KERNELS=auto|triton|torch` overrides.
 Triton launchers live one op per file: rmsnorm.py, rope.py, silu_mul.py, decode_attention.py,
-prefill_attention.py, moe.py; CPU fast paths of plain torch ops live in cpu.py. (No file is
-named after an op: importing a submodule `kernels.x` would overwrite the op function
-`kernels.x` that the layers call.)
+prefill_attention.py, moe.py, quant_matmul.py (quantized weights); CPU fast paths of plain
+torch ops live in cpu.py and cpu_quant.py. (No file is named after an op: importing a
+submodule `kernels.x` would overwrite the op function `kernels.x` that the layers call.)
 """
 
 from kernels.dispatch import (
@@ -15,6 +15,7 @@ from kernels.dispatch import (
     linear,
     mla_attention,
     moe_experts,
+    quant_linear,
     rms_norm,
     rms_norm_residual,
     swiglu,
@@ -27,6 +28,7 @@ __all__ = [
     "linear",
     "mla_attention",
     "moe_experts",
+    "quant_linear",
     "rms_norm",
     "rms_norm_residual",
     "swiglu",

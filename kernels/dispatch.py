@@ -115,6 +115,7 @@ _TRITON: dict[str, Callable[[], Callable]] = {
     "attention": _attention_launcher,
     "mla_attention": _mla_launcher,
     "moe_experts": lambda: kernel_module("kernels.moe").moe_experts,
+    "quant_linear": lambda: kernel_module("kernels.quant_matmul").quant_linear,
 }
 OPS = tuple(_TRITON)
 
@@ -215,11 +216,11 @@ def linear(
 
 
 def _quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None):
-    if x.device.type == "cpu" and os.environ.get(ENV) != "torch":
-        from kernels import cpu_quant
+    if x.device.type == "cpu" and (os.environ.get(ENV) or "auto") == "auto":
+        from kernels import cpu_quant  # the C kernel: CPUs need no interpreter for this op
 
         return cpu_quant.quant_linear(x, weight, bias)
-    return reference.quant_linear(x, weight, bias)
+    return pick("quant_linear", x)(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -275,3 +276,12 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed SwiGLU experts, weighted and summed over each token's top-k (see reference)."""
     return pick("moe_experts", x)(x, topk_ids, topk_weights, gate_up, down)
+
+
+def quant_linear(
+    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T + bias for one quantized W (kernels/qweight.py), as `linear` runs it: the C
+    kernel for CPU tensors under `auto`, else Triton or the dequantizing reference by `pick`
+    (CPU tensors reach Triton under ZOO_KERNELS=triton, in the interpreter)."""
+    return _quant_linear(x, weight, bias)
