@@ -136,15 +136,18 @@ def measure(
 
     peak_gbps: the device's peak memory bandwidth; by default a datasheet figure for GPUs we
     can name, and measured on CPUs (`cpu_stream_gbps`)."""
+    from core.quantize import weight_formats
+
     dev, cfg = model.device, model.config
     itemsize = model.dtype.itemsize
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.net.parameters())
+    formats = weight_formats(model.net).values()  # quantized weights are no parameters
+    weight_bytes = sum(nbytes for _, nbytes in formats)
     report = BenchReport(
         model=str(model.path),
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         dtype=str(model.dtype).removeprefix("torch."),
         load_s=0.0,
-        params=sum(p.numel() for p in model.net.parameters()),
+        params=sum(n for n, _ in formats),
         weight_bytes=weight_bytes,
         kv_bytes_per_token=cfg.kv_bytes_per_token(itemsize),
         kv_cache_bytes=model.net.kv_cache.nbytes,
