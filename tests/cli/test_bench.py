@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -11,6 +13,8 @@ import time
 
 import pytest
 from conftest import LLAMA31
+
+from core.errors import ZooError
 
 
 def bench(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -173,3 +177,141 @@ def test_compare_without_transformers_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == (
         "zoo: error: --compare transformers: not installed; pip install transformers\n"
     )
+
+
+# --- --compare llama.cpp (llama-cpp-python: an optional extra, zoo[llama-cpp]) -----------------
+
+NO_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is None
+
+
+def _without(monkeypatch, module: str | None) -> None:
+    """find_spec answers None for `module`, and a stand-in spec for llama_cpp otherwise."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == module:
+            return None
+        return real("json") if name == "llama_cpp" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_compare_without_llama_cpp_is_one_line_before_any_work(monkeypatch, capsys):
+    from core import cli, hub
+
+    _without(monkeypatch, "llama_cpp")
+    monkeypatch.setattr(hub, "resolve", lambda *a, **k: pytest.fail("resolved a model"))
+    assert cli.main(["bench", "--compare", "llama.cpp"]) == 1
+    assert capsys.readouterr().err == (
+        "zoo: error: --compare llama.cpp: not installed; pip install llama-cpp-python "
+        "(the extra zoo[llama-cpp]; builds from source)\n"
+    )
+
+
+def test_compare_llama_cpp_needs_a_gguf_file(monkeypatch, capsys, checkpoint):
+    from core import cli
+
+    _without(monkeypatch, None)
+    root, _ = checkpoint(LLAMA31)  # config.json + safetensors
+    capsys.readouterr()  # (what writing the checkpoint printed)
+    assert cli.main(["bench", str(root), "--compare", "llama.cpp"]) == 1
+    assert capsys.readouterr().err == (
+        f"zoo: error: --compare llama.cpp needs a .gguf file; {root} is not one\n"
+    )
+    argv = ["bench", "--shape", "smollm2", "--random-weights", "--compare", "llama.cpp"]
+    assert cli.main(argv) == 1
+    assert "--random-weights makes none" in capsys.readouterr().err
+
+
+def test_llama_cpp_crashing_on_batches_is_run_one_token_per_step(monkeypatch):
+    """llama.cpp 0.3.36's AMX matmul segfaults on multi-token batches; the worker is started
+    again with n_ubatch=1, and the report says why. Any other death is an error."""
+    from core import bench_llamacpp as lc
+
+    started = []
+
+    class Worker:
+        def __init__(self, engine, config):
+            started.append(config["n_ubatch"])
+            if config["n_ubatch"] > 1:
+                raise lc._Died(engine, -signal.SIGSEGV, "")
+
+    monkeypatch.setattr(lc, "_Worker", Worker)
+    _, note = lc._llama_worker({"n_ubatch": 512})
+    assert started == [512, 1] and "SIGSEGV" in note and "n_ubatch=1" in note
+
+    def exits(engine, config):
+        raise lc._Died(engine, 1, "RuntimeError: llama.cpp could not load x.gguf\n")
+
+    monkeypatch.setattr(lc, "_Worker", exits)
+    with pytest.raises(ZooError, match=r"worker ended \(exit 1\): RuntimeError: llama.cpp could"):
+        lc._llama_worker({"n_ubatch": 512})
+
+
+LLAMA_RUN = """
+import json, sys
+import llama_cpp
+path, ids, n, settings = json.loads(sys.argv[1])
+llm = llama_cpp.Llama(path, n_ctx=len(ids) + n, n_batch=len(ids) + n, verbose=False,
+                      n_ubatch=settings["n_ubatch"], n_threads=settings["n_threads"],
+                      flash_attn=settings["flash_attn"])
+out = []
+for t in llm.generate(ids, temp=0.0):  # greedy; generate stops at nothing, eos included
+    out.append(t)
+    if len(out) == n:
+        break
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    NO_LLAMA_CPP,
+    reason="llama_cpp not importable: llama-cpp-python is an optional extra (zoo[llama-cpp]) "
+    "that CI does not install",
+)
+def test_bench_compares_with_llama_cpp_on_the_same_gguf(tmp_path):
+    from gguf import GGUFReader
+
+    from core import load_model
+    from core.hub import resolve
+
+    n, prompt = 12, "List three colors."  # here: the first 9 of 12 agree (a near-tie parts them)
+    small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", str(n), "--repeat", "2"]
+    out = bench(
+        "smollm2", *small, "--peak-gbps", "100", "--compare", "llama.cpp", "--prompt", prompt,
+        "--json", "r.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    c = json.loads((tmp_path / "r.json").read_text())["compare"]
+    zoo, peer = c["engines"]["zoo"], c["engines"]["llama.cpp"]
+    for e in (zoo, peer):
+        assert len(e["runs"]) == 2 and e["threads"] >= 1 and e["peak_rss_bytes"] > 0
+        for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "tokens_per_s"):
+            assert e[k] == statistics.median(r[k] for r in e["runs"]) > 0
+            assert c["ratios"][k] == zoo[k] / peer[k]
+    assert c["speedup"] == zoo["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+    assert zoo["threads"] == peer["threads"] == peer["settings"]["n_threads"]
+    # the Q4_1 file's blocks are kept as they are on both sides: resident = the file's tensors
+    path = resolve("smollm2")
+    tensors = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert c["file_tensor_bytes"] == tensors == zoo["weight_bytes"] == peer["weight_bytes"]
+    for line in ("vs llama.cpp", "zoo/llama.cpp", "MiB of tensors", "greedy tokens the same"):
+        assert line in out.stdout
+
+    # the agreement, recomputed: Zoo in this process, llama.cpp through its own Llama class
+    model = load_model(path)
+    ids = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True
+    )
+    assert len(ids) == c["prompt_tokens"]
+    ours = model.generate(ids, max_new_tokens=n, temperature=0.0, ignore_eos=True).token_ids
+    job = json.dumps([str(path), ids, n, peer["settings"]])
+    run = subprocess.run([sys.executable, "-c", LLAMA_RUN, job], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    theirs = json.loads(run.stdout)
+    assert zoo["tokens"] == ours and peer["tokens"] == theirs
+    same = 0
+    while same < n and ours[same] == theirs[same]:
+        same += 1
+    assert c["same_tokens"] == same
+    assert f"the first {same} of {n}" in out.stdout
