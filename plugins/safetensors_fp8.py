@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from core.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:  # torch loads only when weights are read: listing plugins stays light
+    import torch
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names for torch's float8 dtypes
@@ -120,6 +121,8 @@ class BlockFP8:
     def dequantize(self, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """fp8 (out, in) x its block scales -> fp32 (out, in), one strip of blocks at a time,
         so nothing beside the result is larger than a strip."""
+        import torch
+
         rows, cols = self.block
         out = torch.empty(w.shape, dtype=torch.float32)
         for i, s in enumerate(scale_inv.float()):  # s: (ceil(in / cols),), one block row
