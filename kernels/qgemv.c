@@ -57,13 +57,23 @@ static inline float load(const void *p, int64_t kind, int64_t i) {
 }
 
 // The group scales (or minimums) of row n: small values, times the super-block's fp16.
+// (The kind is looked at once per row, not per group: decode runs this for every row.)
 static void row_factors(const qweight_t *w, const void *small, int64_t kind,
                         const uint16_t *big, int64_t n, int64_t G, float *out) {
-    int64_t per = w->superblock ? w->superblock / w->gs : 1;
-    for (int64_t g = 0; g < G; g++) {
-        float s = load(small, kind, n * G + g);
-        if (big) s = half_to_float(big[n * (G / per) + g / per]) * s;
-        out[g] = s;
+    int64_t per = w->superblock ? w->superblock / w->gs : 1, g = 0;
+    if (kind == 1) {  // fp16: 16 at a time where the CPU converts them in one instruction
+        const uint16_t *p = (const uint16_t *)small + n * G;
+#if defined(__AVX512F__)
+        for (; g + 16 <= G; g += 16)
+            _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + g))));
+#endif
+        for (; g < G; g++) out[g] = half_to_float(p[g]);
+    } else {
+        for (; g < G; g++) out[g] = load(small, kind, n * G + g);
+    }
+    if (big) {
+        const uint16_t *b = big + n * (G / per);
+        for (g = 0; g < G; g++) out[g] = half_to_float(b[g / per]) * out[g];
     }
 }
 
@@ -183,10 +193,8 @@ static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float
         }
     }
     float total = VSUM(acc);
-    for (int64_t g = 0; g < G; g++) {
-        if (w->offset) total -= s[g] * (float)w->offset * xsr[g];
-        if (w->mins) total += m[g] * xsr[g];
-    }
+    if (w->offset) total -= (float)w->offset * dot(s, xsr, G);
+    if (w->mins) total += dot(m, xsr, G);
     return total;
 }
 
