@@ -13,7 +13,7 @@ from core.loader import load_weights
 from core.model import Model
 from core.modeling import CausalLM
 from core.plugins import registry
-from core.quantize import AT_LOAD, quantize_model
+from core.quantize import check_kind, quantize_model
 
 log = logging.getLogger("zoo")
 
@@ -103,8 +103,8 @@ def load_model(
     kept as they are: docs/quantization.md). quantize: "int8" or "int4", quantize the float
     weights of any checkpoint at load (linear layers, LM head, embedding).
     """
-    if quantize is not None and quantize not in AT_LOAD:
-        raise RequestError(f"quantize={quantize!r} is not one of {', '.join(AT_LOAD)}")
+    if quantize is not None:
+        check_kind(quantize)  # before any download or read
     path = _resolve_path(name_or_path, revision=revision, offline=offline)
     reg = registry()
     ckpt = reg.format_for(path).open(path)

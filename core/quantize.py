@@ -83,12 +83,17 @@ def install(net: nn.Module, target: str, w: QuantWeight | QuantStack) -> dict[st
     return {f"{target}.{k}": v for k, v in w.state_dict().items()}
 
 
+def check_kind(kind: str) -> None:
+    """A `quantize=` value Zoo does not make is a `RequestError` naming the ones it does."""
+    if kind not in AT_LOAD:
+        raise RequestError(f"quantize={kind!r} is not one of {', '.join(AT_LOAD)}")
+
+
 def quantize_model(net: nn.Module, kind: str) -> None:
     """Quantize every quantizable float weight of a loaded model (mlx-lm's `-q`, gpt-fast's
     int8 / int4) in groups of 32 columns: int8 symmetric, int4 with a minimum. Weights whose
     rows do not split into groups of 32 stay in float."""
-    if kind not in AT_LOAD:
-        raise RequestError(f"quantize={kind!r} is not one of {', '.join(AT_LOAD)}")
+    check_kind(kind)
     skipped = []
     for name, p in list(net.named_parameters()):
         if not quantizable(net, name) or p.dim() != 2:
@@ -109,10 +114,8 @@ def weight_formats(net: nn.Module) -> dict[str, tuple[int, int]]:
     Float tensors count under their dtype's name (`float32`)."""
     out: Counter = Counter()
     nbytes: Counter = Counter()
-    seen = set()
-    for m in net.modules():
-        if isinstance(m, QuantWeight) and id(m) not in seen:
-            seen.add(id(m))
+    for m in net.modules():  # each module once, a tied embedding too
+        if isinstance(m, QuantWeight):
             out[m.fmt.name] += m.shape[0] * m.shape[1]
             nbytes[m.fmt.name] += m.nbytes
     for _, p in net.named_parameters():

@@ -147,7 +147,12 @@ def _desc(fmt, in_features: int, tensors) -> ctypes.Structure:
     return desc
 
 
+def _tensors(w: QuantWeight) -> tuple:
+    return (w.codes, w.scales, w.mins, w.d, w.dmin)
+
+
 def _run(x2: torch.Tensor, fmt, in_features: int, *tensors, lib=None) -> torch.Tensor:
+    """x2 (M, K) @ W.T straight from the codes."""
     y = torch.empty(x2.shape[0], tensors[0].shape[0], dtype=torch.float32)
     (lib or library()).zoo_qgemv(
         ctypes.byref(_desc(fmt, in_features, tensors)), x2.data_ptr(), y.data_ptr(),
@@ -156,17 +161,23 @@ def _run(x2: torch.Tensor, fmt, in_features: int, *tensors, lib=None) -> torch.T
     return y
 
 
-def dequantize(w: QuantWeight, lib=None) -> torch.Tensor:
-    """The whole weight as float32, by the C kernel (SIMD, all threads): ~10x the reference's
-    speed, to within fp32 rounding of it (s * q + (min - offset * s))."""
-    out = torch.empty(w.shape, dtype=torch.float32)
-    tensors = (w.codes, w.scales, w.mins, w.d, w.dmin)
+def _dequantize(fmt, in_features: int, *tensors, lib=None) -> torch.Tensor:
+    """W (N, K) as float32, by the C kernel (SIMD, all threads)."""
+    out = torch.empty(tensors[0].shape[0], in_features, dtype=torch.float32)
     (lib or library()).zoo_dequantize(
-        ctypes.byref(_desc(w.fmt, w.in_features, tensors)), out.data_ptr(), torch.get_num_threads()
+        ctypes.byref(_desc(fmt, in_features, tensors)), out.data_ptr(), torch.get_num_threads()
     )
     return out
 
 
+def dequantize(w: QuantWeight, lib=None) -> torch.Tensor:
+    """The whole weight as float32, by the C kernel: ~10x the reference's speed, to within fp32
+    rounding of it (s * q + (min - offset * s))."""
+    return _dequantize(w.fmt, w.in_features, *_tensors(w), lib=lib)
+
+
+# The C kernel as ops that torch.compile keeps opaque: a compiled decode step calls them from its
+# graph (a ctypes call would break it).
 @torch.library.custom_op("zoo::qgemv", mutates_args=())
 def _qgemv_op(
     x: torch.Tensor,
@@ -178,18 +189,32 @@ def _qgemv_op(
     fmt: str,
     in_features: int,
 ) -> torch.Tensor:
-    """The C kernel as an op that torch.compile keeps opaque (a compiled decode step calls it
-    from its graph): x (M, K) @ W.T for few rows, or the dequantized W itself when x is empty."""
-    if x.shape[0] == 0:
-        w = QuantWeight(FORMATS[fmt], (codes.shape[0], in_features), codes, scales, mins, d, dmin)
-        return dequantize(w)
+    """x (M, K) @ W.T for few rows."""
     return _run(x, FORMATS[fmt], in_features, codes, scales, mins, d, dmin)
 
 
 @_qgemv_op.register_fake
 def _(x, codes, scales, mins, d, dmin, fmt, in_features):
-    rows = x.shape[0] if x.shape[0] else codes.shape[0]
-    return x.new_empty(rows, codes.shape[0] if x.shape[0] else in_features)
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.custom_op("zoo::qdequantize", mutates_args=())
+def _qdequantize_op(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    d: torch.Tensor | None,
+    dmin: torch.Tensor | None,
+    fmt: str,
+    in_features: int,
+) -> torch.Tensor:
+    """W as float32 (N, K), for the BLAS to multiply many rows."""
+    return _dequantize(FORMATS[fmt], in_features, codes, scales, mins, d, dmin)
+
+
+@_qdequantize_op.register_fake
+def _(codes, scales, mins, d, dmin, fmt, in_features):
+    return codes.new_empty(codes.shape[0], in_features, dtype=torch.float32)
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,19 +223,18 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if not _usable(x, w):
         return F.linear(x, w.dequantize().to(x.dtype), bias)
     rows = x.numel() // w.in_features
-    x2 = x.reshape(rows, w.in_features).contiguous()
-    tensors = (w.codes, w.scales, w.mins, w.d, w.dmin)
     compiling = torch.compiler.is_compiling()
     if rows > MAX_ROWS:
-        empty = x2[:0]
-        weight = (
-            _qgemv_op(empty, *tensors, w.fmt.name, w.in_features) if compiling else dequantize(w)
-        )
+        if compiling:
+            weight = _qdequantize_op(*_tensors(w), w.fmt.name, w.in_features)
+        else:
+            weight = dequantize(w)
         return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, w.in_features).contiguous()
     if compiling:
-        y = _qgemv_op(x2, *tensors, w.fmt.name, w.in_features)
+        y = _qgemv_op(x2, *_tensors(w), w.fmt.name, w.in_features)
     else:
-        y = _run(x2, w.fmt, w.in_features, *tensors)
+        y = _run(x2, w.fmt, w.in_features, *_tensors(w))
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], w.out_features)

@@ -146,3 +146,19 @@ def test_c_kernel_without_avx512(kind, march):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         got = cpu_quant._run(x, w.fmt, 512, w.codes, w.scales, w.mins, w.d, w.dmin, lib=lib)
         assert close(got, F.linear(x, w.dequantize()))
+
+
+def test_c_kernel_inside_a_compiled_graph():
+    """A compiled decode step reaches the C kernel through its custom ops (zoo::qgemv for few
+    rows, zoo::qdequantize for many) in one graph, with the eager results."""
+    import kernels
+    from kernels import cpu_quant
+
+    cpu_quant.library()  # built eagerly first, as kernels.dispatch.prepare does
+    w = weight("q4_1")
+    g = torch.Generator().manual_seed(4)
+    few, many = torch.randn(1, 512, generator=g), torch.randn(17, 512, generator=g)
+    both = torch.compile(lambda a, b: (kernels.linear(a, w), kernels.linear(b, w)), fullgraph=True)
+    got_few, got_many = both(few, many)
+    assert close(got_few, F.linear(few, w.dequantize()))
+    assert close(got_many, F.linear(many, w.dequantize()))
