@@ -27,15 +27,24 @@ def map_name(name: str, weight_map: WeightMap) -> tuple[str, str | None] | None:
     """Checkpoint tensor name -> (core parameter name, shard or None); None skips the tensor.
 
     `model.layers.3.mlp.gate_proj.weight` looks up `model.layers.{}.mlp.gate_proj`; the layer
-    indices fill the target's `{}`s first, then the shard's (for stacked experts).
+    indices fill the target's `{}`s first, then the shard's (for stacked experts). A key may
+    also name a whole tensor, leaf included, for tensors stored without a `.weight` leaf
+    (transformers 5's stacked `mlp.experts.gate_up_proj`); its target is then a whole
+    parameter name. Whole-tensor keys are looked up first.
     """
+    whole = _template(name.split("."))
+    if whole in weight_map:
+        return _target(weight_map[whole], _indices(name.split(".")), None)
     module, _, leaf = name.rpartition(".")
     parts = module.split(".")
-    ints = [p for p in parts if _is_index(p)]
-    key = ".".join("{}" if _is_index(p) else p for p in parts)
+    key = _template(parts)
     if key not in weight_map:
         return name, None  # identity: core parameters carry the hub's names
-    target = weight_map[key]
+    return _target(weight_map[key], _indices(parts), leaf)
+
+
+def _target(target, ints: list[str], leaf: str | None) -> tuple[str, str | None] | None:
+    """A weight map entry filled with the name's indices (and leaf), as `map_name` returns it."""
     if target is None:
         return None
     shard = None
@@ -45,11 +54,21 @@ def map_name(name: str, weight_map: WeightMap) -> tuple[str, str | None] | None:
     target = target.format(*ints[:n])
     if shard is not None:
         shard = shard.format(*ints[n:])
+    if leaf is None:
+        return target, shard
     return (f"{target}.{leaf}" if target else leaf), shard
 
 
 def _is_index(part: str) -> bool:
     return part.isascii() and part.isdigit()
+
+
+def _indices(parts: list[str]) -> list[str]:
+    return [p for p in parts if _is_index(p)]
+
+
+def _template(parts: list[str]) -> str:
+    return ".".join("{}" if _is_index(p) else p for p in parts)
 
 
 def checkpoint_name(param: str, shard: str | None, weight_map: WeightMap) -> str:

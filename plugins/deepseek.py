@@ -169,6 +169,20 @@ class DeepseekV3Config(DeepseekV2Config):
 
 
 _L = "model.layers.{}"
+# transformers 5 keeps routed experts stacked, as the core does: `mlp.experts.gate_up_proj`
+# (E, 2I, H), gate rows then up rows, and `mlp.experts.down_proj` (E, H, I), with no `.weight`
+# leaf; these whole-tensor keys fill the core's stacked parameters in one piece
+STACKED_EXPERTS = {
+    f"{_L}.mlp.experts.gate_up_proj": f"{_L}.mlp.experts.gate_up_proj.weight",
+    f"{_L}.mlp.experts.down_proj": f"{_L}.mlp.experts.down_proj.weight",
+}
+# each routed expert stored on its own (the hub's checkpoints) fills its slice of them
+ROUTED_EXPERTS = {
+    f"{_L}.mlp.experts.{{}}.gate_proj": (f"{_L}.mlp.experts.gate_up_proj", "{}.gate"),
+    f"{_L}.mlp.experts.{{}}.up_proj": (f"{_L}.mlp.experts.gate_up_proj", "{}.up"),
+    f"{_L}.mlp.experts.{{}}.down_proj": (f"{_L}.mlp.experts.down_proj", "{}"),
+    **STACKED_EXPERTS,
+}
 WEIGHT_MAP = {
     # differs from llama3: MLA keeps its projections unfused, under their hub names (identity)
     **{
@@ -177,10 +191,8 @@ WEIGHT_MAP = {
     # differs from llama3: shared experts fuse gate/up like the dense MLP
     f"{_L}.mlp.shared_experts.gate_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "gate"),
     f"{_L}.mlp.shared_experts.up_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "up"),
-    # differs from llama3: each routed expert fills its slice of the stacked expert weights
-    f"{_L}.mlp.experts.{{}}.gate_proj": (f"{_L}.mlp.experts.gate_up_proj", "{}.gate"),
-    f"{_L}.mlp.experts.{{}}.up_proj": (f"{_L}.mlp.experts.gate_up_proj", "{}.up"),
-    f"{_L}.mlp.experts.{{}}.down_proj": (f"{_L}.mlp.experts.down_proj", "{}"),
+    # differs from llama3: routed experts, per expert or stacked
+    **ROUTED_EXPERTS,
 }
 
 

@@ -46,6 +46,24 @@ def test_map_name_fuses_and_passes_through():
     )
 
 
+def test_map_name_whole_tensor_keys():
+    """A key naming a whole tensor (transformers 5's stacked experts have no `.weight` leaf)
+    maps it to a whole parameter; module keys still take the leaf."""
+    e = "model.layers.{}.mlp.experts"
+    stacked = {
+        f"{e}.gate_up_proj": f"{e}.gate_up_proj.weight",
+        e + ".{}.up_proj": (f"{e}.gate_up_proj", "{}.up"),
+    }
+    assert map_name("model.layers.4.mlp.experts.gate_up_proj", stacked) == (
+        "model.layers.4.mlp.experts.gate_up_proj.weight",
+        None,
+    )
+    assert map_name("model.layers.4.mlp.experts.3.up_proj.weight", stacked) == (
+        "model.layers.4.mlp.experts.gate_up_proj.weight",
+        "3.up",
+    )
+
+
 def test_sharded_equals_single_file(checkpoint, tmp_path):
     root, ref = checkpoint(LLAMA31)
     sharded = tmp_path / "sharded"
