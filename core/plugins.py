@@ -52,6 +52,7 @@ BUILTIN_PLUGINS = (
     "plugins.llama3",
     "plugins.qwen2",
     "plugins.deepseek",
+    "plugins.mixtral",
     "plugins.safetensors",
     "plugins.gguf",
 )

@@ -33,6 +33,7 @@ BASES = [
     dict(LLAMA32, model_type="qwen2"),
     DEEPSEEK,
     dict(DEEPSEEK, model_type="deepseek_v2"),
+    dict(LLAMA32, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
 ]
 
 scalars = st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats() | st.text(max_size=8)

@@ -1,0 +1,81 @@
+"""Mixtral 8x7B / 8x22B (model_type `mixtral`), as a delta of Llama 3: every MLP is a mixture
+of experts, softmax top-k routing renormalised over the chosen experts, no shared expert.
+
+The MoE layer is the core's (`core/layers/moe.py`, the one DeepSeek uses); this file reads
+config.json and maps Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` onto the stacked experts.
+"""
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt
+
+from core.config import MoESpec
+from core.errors import ConfigError
+from core.hfconfig import DecoderConfig
+from core.hookspecs import hookimpl
+from plugins.deepseek import STACKED_EXPERTS
+from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
+
+
+class MixtralConfig(DecoderConfig):
+    """Defaults are transformers' MixtralConfig's; hub configs spell every key out."""
+
+    model_type: Literal["mixtral"] = "mixtral"
+    rms_norm_eps: PositiveFloat = 1e-5
+    max_position_embeddings: PositiveInt = 4096 * 32
+    default_rope_theta = 1e6  # transformers' default when rope_theta is absent
+    # differs from llama3: intermediate_size is each expert's width; every layer is MoE
+    num_local_experts: PositiveInt = Field(
+        8, validation_alias=AliasChoices("num_local_experts", "num_experts")
+    )
+    num_experts_per_tok: PositiveInt = 2
+    # differs from llama3: one sliding window for every layer (null: full attention)
+    sliding_window: PositiveInt | None = None
+
+    def moe_spec(self) -> MoESpec:
+        e, k = self.num_local_experts, self.num_experts_per_tok
+        if k > e:
+            raise ConfigError(
+                f"config.json: field 'num_experts_per_tok' ({k}) exceeds num_local_experts "
+                f"({e}): a token cannot be routed to more experts than the layer has; set it "
+                f"between 1 and {e}"
+            )
+        return MoESpec(
+            num_experts=e,
+            top_k=k,
+            intermediate_size=self.intermediate_size,
+            num_shared_experts=0,
+            layers=tuple(range(self.num_hidden_layers)),
+            scoring="softmax",
+            topk_method="greedy",
+            norm_topk_prob=True,  # always, even for top-1 (the weight is then 1)
+        )
+
+    def to_runtime(self):
+        if self.sliding_window is not None:
+            raise ConfigError(
+                f"config.json: field 'sliding_window' is {self.sliding_window}: every layer "
+                "would attend within a window of that many tokens, and Zoo does not implement "
+                "sliding-window attention yet. Set sliding_window to null (as "
+                "Mixtral-8x7B-Instruct-v0.1's config does) if the window is not needed."
+            )
+        return super().to_runtime()
+
+
+_L = "model.layers.{}"
+WEIGHT_MAP = {
+    **LLAMA3_WEIGHT_MAP,
+    # differs from llama3: the hub's Mixtral checkpoints keep the MoE under block_sparse_moe,
+    # one expert per w1 (gate), w3 (up), w2 (down)
+    f"{_L}.block_sparse_moe.gate": f"{_L}.mlp.gate",
+    f"{_L}.block_sparse_moe.experts.{{}}.w1": (f"{_L}.mlp.experts.gate_up_proj", "{}.gate"),
+    f"{_L}.block_sparse_moe.experts.{{}}.w3": (f"{_L}.mlp.experts.gate_up_proj", "{}.up"),
+    f"{_L}.block_sparse_moe.experts.{{}}.w2": (f"{_L}.mlp.experts.down_proj", "{}"),
+    # transformers 5's own names: mlp.gate (identity) and the experts stacked
+    **STACKED_EXPERTS,
+}
+
+
+@hookimpl
+def zoo_register_architectures(registry):
+    registry.add_architecture(("mixtral",), MixtralConfig, WEIGHT_MAP)

@@ -1,0 +1,178 @@
+"""Mixtral parity against transformers on tiny random checkpoints (fp32).
+
+Two checkpoint layouts: the hub's (`block_sparse_moe.experts.E.w1/w2/w3`, as transformers'
+save_pretrained still writes them) and transformers 5's in-memory one (`mlp.gate`, experts
+stacked in `mlp.experts.gate_up_proj` / `down_proj`, no `.weight` leaf).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_checkpoint
+from parity import (
+    check_batch_of_two,
+    check_decode,
+    check_greedy,
+    check_prefill,
+    check_ragged_batch,
+    ids,
+    rel_err,
+)
+from safetensors.torch import load_file, save_file
+
+from core import CheckpointError, ConfigError, load_model
+from plugins.mixtral import MixtralConfig
+
+# Mixtral-8x7B-style: GQA 4/2 heads, 4 experts, top-2, untied head, rope_theta 1e6, no window
+MIXTRAL = dict(
+    model_type="mixtral",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=1e6,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# top-1 of 3 (the weight renormalises to 1), explicit head_dim, transformers 5's stacked layout
+TOP1 = dict(MIXTRAL, num_local_experts=3, num_experts_per_tok=1, head_dim=24)
+CASES = {"top2-hub": (MIXTRAL, "hub"), "top1-stacked": (TOP1, "stacked")}
+VOCAB = MIXTRAL["vocab_size"]
+
+
+def stacked_tensors(root, ref) -> None:
+    """Rewrite model.safetensors with transformers 5's own parameter names."""
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+
+
+def make_mixtral(root, spec: dict, layout: str = "hub"):
+    root, ref = make_checkpoint(root, spec)
+    cfg = json.loads((root / "config.json").read_text())
+    if cfg.get("head_dim") is None:
+        del cfg["head_dim"]  # Mixtral's hub configs have no head_dim key
+    (root / "config.json").write_text(json.dumps(cfg))
+    names = load_file(root / "model.safetensors")
+    assert any(".block_sparse_moe.experts.0.w1.weight" in k for k in names)
+    if layout == "stacked":
+        stacked_tensors(root, ref)
+    return root, ref
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def mixtral(request, tmp_path_factory):
+    """(loaded model, transformers reference) per case, built once per module."""
+    spec, layout = CASES[request.param]
+    root, ref = make_mixtral(tmp_path_factory.mktemp(request.param), spec, layout)
+    return load_model(root, max_seq_len=64, max_batch_size=2), ref
+
+
+def test_prefill_logits_match(mixtral):
+    m, ref = mixtral
+    check_prefill(m, ref, ids(VOCAB, 2, 40))
+
+
+def test_decode_steps_match_full_sequence(mixtral):
+    m, ref = mixtral
+    check_decode(m, ref, ids(VOCAB, 1, 16), prefill=10)
+
+
+def test_greedy_tokens_identical(mixtral):
+    m, ref = mixtral
+    check_greedy(m, ref, ids(VOCAB, 1, 7, seed=3))
+
+
+def test_batch_of_two_equals_each_alone(mixtral):
+    m, ref = mixtral
+    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
+
+
+def test_ragged_batch_at_per_row_positions(mixtral):
+    m, ref = mixtral
+    check_ragged_batch(m, ref, VOCAB)
+
+
+def test_every_layer_routes_and_the_router_matters(mixtral):
+    """Every layer is MoE; zeroing a router changes the logits, so the checks above can fail."""
+    m, ref = mixtral
+    assert m.config.moe.layers == (0, 1)
+    gate = m.net.model.layers[1].mlp.gate
+    assert torch.equal(gate.weight, ref.model.layers[1].mlp.gate.weight)
+    x = ids(VOCAB, 1, 12)
+    saved = gate.weight.detach().clone()
+    with torch.no_grad():
+        gate.weight.zero_()
+        try:
+            m.reset()
+            assert rel_err(m.forward(x), ref(x).logits) > 1e-3
+        finally:
+            gate.weight.copy_(saved)
+
+
+def test_config_spec():
+    cfg = MixtralConfig.from_dict(MIXTRAL).to_runtime()
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 48)
+    assert (moe.scoring, moe.topk_method, moe.norm_topk_prob) == ("softmax", "greedy", True)
+    assert moe.num_shared_experts == 0 and moe.routed_scaling_factor == 1.0
+    assert cfg.rope.theta == 1e6 and cfg.attention.num_kv_heads == 2
+    # transformers 5 reads num_experts as an alias of num_local_experts
+    alias = {k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}
+    assert MixtralConfig.from_dict({**alias, "num_experts": 6}).to_runtime().moe.num_experts == 6
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_experts_per_tok": 5}, r"'num_experts_per_tok' \(5\) exceeds num_local_experts"),
+        ({"num_local_experts": 0}, "num_local_experts"),
+        ({"sliding_window": 32}, "'sliding_window' is 32"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_bad_configs_name_the_field(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        MixtralConfig.from_dict({**MIXTRAL, **changes}).to_runtime()
+
+
+@pytest.mark.parametrize("key", ["intermediate_size", "hidden_size", "num_hidden_layers"])
+def test_missing_key_is_named(key):
+    raw = {k: v for k, v in MIXTRAL.items() if k != key}
+    with pytest.raises(ConfigError, match=f"missing required field '{key}'"):
+        MixtralConfig.from_dict(raw).to_runtime()
+
+
+def test_missing_expert_is_named_by_its_hub_name(tmp_path):
+    root, _ = make_mixtral(tmp_path, MIXTRAL)
+    path = root / "model.safetensors"
+    state = load_file(path)
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=r"missing \(model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\."
+    ):
+        load_model(root, max_seq_len=16)
+
+
+def test_registry_shape_is_mixtral_8x7b():
+    """registry.yaml's `mixtral` shape builds (on the meta device) the published 46.7B model."""
+    from core.hub import named_models
+    from core.modeling import CausalLM
+
+    entry = named_models()["mixtral"]
+    assert entry["repo"] == "mistralai/Mixtral-8x7B-Instruct-v0.1"
+    with torch.device("meta"):
+        net = CausalLM(MixtralConfig.from_dict(entry["shape"]).to_runtime())
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "46.7B"
