@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Literal
+from typing import Any, Literal
 
 
 # --- rotary position embeddings: one frozen spec per kind -------------------------------------
@@ -89,13 +89,38 @@ class RMSNormSpec:
 
 @dataclass(frozen=True)
 class GQASpec:
-    """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads."""
+    """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads.
+
+    One spec per layer (`RuntimeConfig.layer_attention(i)`); besides its shape a layer may
+    - `window`: attend to the current token and the window - 1 before it (transformers'
+      sliding window); its cache is then a ring buffer of `window` positions;
+    - `rope`: "model" rotates q and k with `RuntimeConfig.rope`, "none" not at all (NoPE), a
+      rope spec with its own (a local rope base);
+    - `softmax_scale`: replace head_dim ** -0.5;
+    - `softcap`: scores -> softcap * tanh(scores / softcap) before the softmax;
+    - `sinks`: a learned logit per query head (parameter `sinks`, (num_heads,)) that joins
+      each softmax's denominator and attends to nothing (gpt-oss);
+    - `qk_norm`: a norm over head_dim of every q and k head before rope (parameters
+      `q_norm`, `k_norm`; built from the norm spec's type, like every norm).
+    """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     qkv_bias: bool = False
     o_bias: bool = False
+    window: int | None = None  # None: full attention
+    rope: RopeSpec | Literal["model", "none"] = "model"
+    softmax_scale: float | None = None  # None: head_dim ** -0.5
+    softcap: float | None = None  # None: no soft-capping
+    sinks: bool = False
+    qk_norm: RMSNormSpec | Any | None = None  # None: no q/k norm; a norm spec of any kind
+
+    def __post_init__(self):
+        for name in ("window", "softcap", "softmax_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"GQASpec.{name} must be positive or None, got {value!r}")
 
     @property
     def kv_groups(self) -> int:
@@ -103,10 +128,14 @@ class GQASpec:
 
     @property
     def scale(self) -> float:
-        return self.head_dim**-0.5
+        return self.head_dim**-0.5 if self.softmax_scale is None else self.softmax_scale
 
     def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
-        """What one layer caches, in the order forward() takes it: full K and V per kv head."""
+        """What one layer caches, in the order forward() takes it: K and V per kv head, for
+        every position (full) or the last `window` ones (a ring buffer: position p in slot
+        p % window)."""
+        if self.window is not None:
+            seq = min(seq, self.window)
         shape = (batch, self.num_kv_heads, seq, self.head_dim)  # (B, H_kv, S, D)
         return {"k": shape, "v": shape}
 
@@ -188,15 +217,17 @@ class RuntimeConfig:
 
     The layer specs are typed by kind (`attention`: GQASpec | MLASpec, ...); a plugin may put
     its own spec type in any of them if it registers a module for it (`zoo_register_layers`).
+    Attention is per layer (`attention_layers`, read through `layer_attention(i)`): a model may
+    mix full and sliding layers, roped and NoPE ones, or kinds of its own.
     """
 
     model_type: str
     vocab_size: int
     hidden_size: int
     num_layers: int
-    attention: AttentionSpec  # one kind for every layer
+    attention: AttentionSpec  # the model's attention kind; layers that differ: attention_layers
     mlp: DenseMLPSpec  # every layer's MLP, except the MoE layers below
-    rope: RopeSpec
+    rope: RopeSpec  # the model's rope; a layer may have its own, or none (GQASpec.rope)
     norm: RMSNormSpec  # every norm of the decoder: before attention, before the MLP, final
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -206,16 +237,47 @@ class RuntimeConfig:
     moe: MoESpec | None = None  # None: a dense model
     embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)
     mtp_layers: int = 0  # checkpoint layers past num_layers (multi-token prediction): not loaded
+    # one attention spec per layer (any kind: a hybrid model mixes them); () = `attention` on
+    # every layer, filled in here
+    attention_layers: tuple[Any, ...] = ()
+
+    def __post_init__(self):
+        if not self.attention_layers:
+            object.__setattr__(self, "attention_layers", (self.attention,) * self.num_layers)
+        if len(self.attention_layers) != self.num_layers:
+            raise ValueError(
+                f"RuntimeConfig: {len(self.attention_layers)} attention_layers for "
+                f"{self.num_layers} layers"
+            )
+
+    def layer_attention(self, i: int) -> AttentionSpec:
+        """The attention spec of layer i."""
+        return self.attention_layers[i]
+
+    def layer_rope(self, i: int) -> RopeSpec | None:
+        """The rope layer i rotates q and k with; None: none (a NoPE layer)."""
+        rope = getattr(self.attention_layers[i], "rope", "model")
+        return self.rope if rope == "model" else None if rope == "none" else rope
 
     def layer_mlp(self, i: int) -> DenseMLPSpec | MoESpec:
         """The MLP kind of layer i."""
         return self.moe if self.moe is not None and i in self.moe.layers else self.mlp
 
+    def kv_bytes(self, itemsize: int, seq_len: int, batch: int = 1) -> int:
+        """Bytes the KV cache holds for `batch` sequences of `seq_len` tokens, all layers
+        together; a sliding layer holds at most its window."""
+        return itemsize * sum(
+            prod(shape)
+            for spec in self.attention_layers
+            for shape in spec.cache_layout(batch, seq_len).values()
+        )
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes the static KV cache holds per token, all layers together.
+        """Bytes the KV cache holds per token in the layers that keep every token (all but the
+        sliding ones, whose ring buffers stop growing at their window).
 
         GQA: 2 * layers * kv_heads * head_dim * itemsize; MLA: layers * (kv_lora_rank +
         qk_rope_head_dim) * itemsize.
         """
-        per_layer = sum(prod(s) for s in self.attention.cache_layout(1, 1).values())
-        return self.num_layers * per_layer * itemsize
+        full = [s for s in self.attention_layers if getattr(s, "window", None) is None]
+        return sum(prod(x) for s in full for x in s.cache_layout(1, 1).values()) * itemsize

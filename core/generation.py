@@ -173,8 +173,9 @@ def run(
 ) -> Generator[tuple[int, str], None, list[GenerationResult]]:
     """Yield (row, text piece) as tokens arrive; return the results.
 
-    `forward(ids, 0, logits_at=...)` prefills (the model's forward); `step(tokens, positions,
-    end)` feeds one token per row (a `DecodeStep`), end = every row's position + 1 at most.
+    `forward(ids, 0, logits_at=..., lengths=...)` prefills (the model's forward); `step(tokens,
+    positions, end)` feeds one token per row (a `DecodeStep`), end = every row's position + 1
+    at most.
     `params` and `stop_ids` are shared by all rows or given one per row (rows sampled alike run
     together). `cancelled(row)` is asked before each of a row's tokens: True ends that row with
     finish_reason "abort" (the batch ends once every row has ended). `on_token(row, token id,
@@ -212,7 +213,8 @@ def run(
     active = torch.ones(b, dtype=torch.long, device=device)  # ... and the device's, 1 = running
 
     t0 = time.perf_counter()
-    logits = forward(ids, 0, logits_at=lens - 1)[:, 0].float()  # (B, V): last prompt tokens
+    # (B, V): the last prompt tokens; `lengths` keeps padding out of sliding layers' rings
+    logits = forward(ids, 0, logits_at=lens - 1, lengths=lens)[:, 0].float()
     tokens = next_tokens(logits, ps, groups, generators, counts, seen)
     pos = lens - 1  # position of the token fed next, per row (B,) on the device ...
     pos_host = [len(x) - 1 for x in prompts]  # ... and on the host

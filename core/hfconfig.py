@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt
@@ -32,6 +33,7 @@ from core.config import (
 from core.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
+LAYER_KINDS = ("full_attention", "sliding_attention")  # the `layer_types` values Zoo runs
 
 
 def validation_error(err: _ValidationError, source: str) -> ConfigError:
@@ -172,6 +174,10 @@ class DecoderConfig(BaseModel):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # per-layer attention kinds (transformers 5 writes them out): full_attention, or
+    # sliding_attention within `sliding_window` tokens; see layer_windows()
+    layer_types: list[str] | None = None
+    sliding_window: PositiveInt | None = None
 
     default_rope_theta: ClassVar[float] = (
         10000.0  # what transformers assumes when the key is absent
@@ -212,6 +218,63 @@ class DecoderConfig(BaseModel):
             qkv_bias=self.attention_bias,
             o_bias=self.attention_bias,
         )
+
+    # --- per-layer attention: each a small method a subclass may override --------------------
+    def layer_kinds(self) -> list[str]:
+        """Each layer's kind, from `layer_types` (checked against LAYER_KINDS) or, absent,
+        `default_layer_kinds()`."""
+        n = self.num_hidden_layers
+        kinds = self.layer_types if self.layer_types is not None else self.default_layer_kinds()
+        if len(kinds) < n:
+            raise ConfigError(
+                f"config.json: field 'layer_types' lists {len(kinds)} kinds for "
+                f"num_hidden_layers={n}; give one per layer"
+            )
+        bad = sorted({k for k in kinds[:n] if k not in LAYER_KINDS})
+        if bad:
+            raise ConfigError(
+                f"config.json: field 'layer_types' holds {', '.join(map(repr, bad))}, which "
+                f"{type(self).__name__} cannot run; supported: {', '.join(LAYER_KINDS)}"
+            )
+        return list(kinds[:n])
+
+    def default_layer_kinds(self) -> list[str]:
+        """Layer kinds when config.json has no `layer_types`: all full (Llama)."""
+        return ["full_attention"] * self.num_hidden_layers
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention)."""
+        kinds = self.layer_kinds()
+        sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+        if sliding and self.sliding_window is None:
+            raise ConfigError(
+                f"config.json: layers {sliding} are sliding_attention (field 'layer_types'), "
+                "but field 'sliding_window' is not set; set it to the window in tokens"
+            )
+        return [self.sliding_window if k == "sliding_attention" else None for k in kinds]
+
+    def layer_ropes(self) -> list[bool]:
+        """Whether each layer rotates q and k (False: a NoPE layer)."""
+        return [True] * self.num_hidden_layers
+
+    def attention_layers(self, base: Any) -> tuple[Any, ...]:
+        """Every layer's attention spec: `base` with that layer's window and rope."""
+        specs = []
+        for i, (window, roped) in enumerate(
+            zip(self.layer_windows(), self.layer_ropes(), strict=True)
+        ):
+            if window is None and roped:
+                specs.append(base)
+            elif not isinstance(base, GQASpec):  # MLA has no window nor NoPE form
+                what = f"a sliding window of {window}" if window is not None else "no rope"
+                raise ConfigError(
+                    f"config.json: layer {i} asks for {what} (fields 'layer_types', "
+                    f"'sliding_window', 'no_rope_layers'), which {type(base).__name__} "
+                    "attention cannot run; remove those keys"
+                )
+            else:
+                specs.append(replace(base, window=window, rope="model" if roped else "none"))
+        return tuple(specs)
 
     def mlp_spec(self) -> DenseMLPSpec:
         return DenseMLPSpec(self.intermediate_size, bias=self.mlp_bias, act=self.hidden_act)
@@ -272,12 +335,14 @@ class DecoderConfig(BaseModel):
 
     def to_runtime(self) -> RuntimeConfig:
         """The frozen config the core builds from; every derivation and check happens here."""
+        attention = self.attention_spec()
         return RuntimeConfig(
             model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             num_layers=self.num_hidden_layers,
-            attention=self.attention_spec(),
+            attention=attention,
+            attention_layers=self.attention_layers(attention),
             mlp=self.mlp_spec(),
             rope=self.rope_spec(),
             norm=self.norm_spec(),

@@ -1,8 +1,9 @@
 """The static KV cache: allocated once, written in place, never reallocated.
 
 What a layer caches per token is the attention kind's business: its spec's `cache_layout`
-names the tensors (GQA: `k`, `v`; MLA: `latent`, `k_pe`) and their per-layer shapes. The cache
-allocates them for every layer and hands a layer its own, in that order.
+names the tensors (GQA: `k`, `v`; MLA: `latent`, `k_pe`) and their shapes; a sliding GQA layer
+asks for `min(window, max_seq_len)` positions (its ring buffer). The cache allocates each
+layer's own layout and hands a layer its tensors, in that order.
 """
 
 import torch
@@ -13,7 +14,7 @@ from core.config import RuntimeConfig
 class StaticKVCache:
     """Per layer, one buffer per cached tensor in the model dtype, allocated once.
 
-    GQA: k, v (max_batch_size, kv_heads, max_seq_len, head_dim);
+    GQA: k, v (max_batch_size, kv_heads, max_seq_len or min(window, max_seq_len), head_dim);
     MLA: latent (max_batch_size, max_seq_len, kv_lora_rank), k_pe (..., qk_rope_head_dim).
     Each layer owns its buffers (not views of one stacked tensor), so a compiled decode step
     writes them in place instead of copying a shared base.
@@ -27,11 +28,11 @@ class StaticKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        layout = cfg.attention.cache_layout(max_batch_size, max_seq_len)
-        self.names = tuple(layout)
+        layouts = [spec.cache_layout(max_batch_size, max_seq_len) for spec in cfg.attention_layers]
+        self.names = [tuple(layout) for layout in layouts]  # per layer
         self.layers = [
             tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in layout.values())
-            for _ in range(cfg.num_layers)
+            for layout in layouts
         ]
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len

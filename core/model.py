@@ -72,9 +72,17 @@ class Model:
         return self.net.kv_cache.max_batch_size
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: int | torch.Tensor = 0,
+        lengths: Sequence[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, vocab) for input_ids (B, T) at positions start_pos.. (an int, or one
-        per row as a (B,) tensor), writing their keys and values into the cache."""
+        per row as a (B,) tensor), writing their keys and values into the cache.
+
+        lengths: for rows right-padded to T, each row's real token count; sliding-window layers
+        (whose ring buffers padding would overwrite) then store only those. None: all T."""
         b, t = input_ids.shape
         if b > self.max_batch_size:
             raise RequestError(
@@ -87,7 +95,9 @@ class Model:
                 f"positions up to {end} exceed the KV cache (max_seq_len={self.max_seq_len}); "
                 f"pass load_model(..., max_seq_len={end})"
             )
-        return self.net(input_ids.to(self.device), start_pos)
+        if lengths is not None:
+            lengths = torch.as_tensor(lengths, device=self.device)
+        return self.net(input_ids.to(self.device), start_pos, lengths=lengths)
 
     def reset(self) -> None:
         """Clear the KV cache."""

@@ -21,7 +21,8 @@ def build(spec: Any, *args: Any) -> nn.Module:
     """The module registered for `type(spec)`, built as `Module(*args, spec, ...)`:
 
     embedding (vocab, hidden, spec); norm and mlp (hidden, spec); attention (hidden, spec,
-    rope_interleaved).
+    rope_interleaved), its forward taking (x, cos, sin, *its cache tensors, start_pos, end,
+    lengths) with cos = sin = None on a layer without rope.
     """
     return registry().layer(spec)(*args)
 
@@ -33,15 +34,19 @@ class DecoderBlock(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = build(cfg.norm, h, cfg.norm)
-        self.self_attn = build(cfg.attention, h, cfg.attention, cfg.rope.interleaved)
+        attn, rope = cfg.layer_attention(index), cfg.layer_rope(index)
+        self.self_attn = build(attn, h, attn, rope is not None and rope.interleaved)
         self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
         mlp = cfg.layer_mlp(index)
         self.mlp = build(mlp, h, mlp)
 
-    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos, end: int):
+    def forward(
+        self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos, end: int, lengths=None
+    ):
         """`cache`: this layer's cache tensors, as its attention kind lays them out;
-        `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end)
+        `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T; `lengths`:
+        None, or (B,) real tokens per row of a right-padded prefill."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end, lengths)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -84,7 +89,11 @@ class CausalLM(nn.Module):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tied_to=tied)
         self.kv_cache: StaticKVCache | None = None
-        self.rotary: RotaryEmbedding | None = None
+        self.rotary: RotaryEmbedding | None = None  # the model's rope (cfg.rope)
+        self.rotaries = nn.ModuleList()  # one per distinct rope among the layers
+        ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
+        self.rope_specs = list(dict.fromkeys(r for r in ropes if r is not None))
+        self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in ropes]
 
     def ignored_checkpoint_names(self) -> IgnoredNames:
         """Checkpoint tensors that are expected but not loaded: a tied head's copy, MTP layers."""
@@ -97,6 +106,10 @@ class CausalLM(nn.Module):
         w = self.model.embed_tokens.weight
         self.kv_cache = StaticKVCache(self.config, max_batch_size, max_seq_len, w.dtype, w.device)
         self.rotary = RotaryEmbedding(self.config.rope, max_seq_len, w.device)
+        self.rotaries = nn.ModuleList(
+            self.rotary if r == self.config.rope else RotaryEmbedding(r, max_seq_len, w.device)
+            for r in self.rope_specs
+        )
 
     def forward(
         self,
@@ -104,6 +117,7 @@ class CausalLM(nn.Module):
         start_pos: int | torch.Tensor = 0,
         end: int | None = None,
         logits_at: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) at positions start_pos.. -> logits (B, T, vocab); fills the cache.
 
@@ -112,6 +126,9 @@ class CausalLM(nn.Module):
         max(start_pos) + T; by default exactly that, which costs a host sync for tensor
         positions (a compiled decode step passes a bucket instead). logits_at: (B,) indices
         into T; only those rows of the LM head are computed, and logits are (B, 1, vocab).
+        lengths: (B,) real tokens per row of a right-padded input_ids; sliding layers then keep
+        no padding in their ring buffers (full layers never read past a row's position, so
+        they need none). None: every row is T tokens.
         """
         t = input_ids.shape[1]
         if isinstance(start_pos, torch.Tensor):
@@ -121,9 +138,11 @@ class CausalLM(nn.Module):
         elif end is None:
             end = start_pos + t
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(start_pos, t, end)
+        tables = [rotary(start_pos, t, end) for rotary in self.rotaries]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos, end)
+            j = self.rope_of_layer[i]
+            cos, sin = (None, None) if j is None else tables[j]
+            x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos, end, lengths)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
         return self.lm_head(self.model.norm(x))

@@ -51,6 +51,7 @@ BUILTIN_PLUGINS = (
     "plugins.core_layers",
     "plugins.llama3",
     "plugins.qwen2",
+    "plugins.qwen3",
     "plugins.deepseek",
     "plugins.mixtral",
     "plugins.safetensors",

@@ -86,10 +86,12 @@ def _attention_launcher() -> Callable:
     dec = kernel_module("kernels.decode_attention")
     pre = kernel_module("kernels.prefill_attention")
 
-    def attention(q, k, v, start_pos, scale):
+    def attention(q, k, v, start_pos, scale, window=None, softcap=None, sinks=None):
+        extra = {n: x for n, x in (("window", window), ("softcap", softcap), ("sinks", sinks))}
+        extra = {n: x for n, x in extra.items() if x is not None}
         if q.shape[2] == 1:  # one new token per row: split-K flash-decoding
-            return dec.decode_attention(q, k, v, scale, seq_lens=_lens(start_pos))
-        return pre.prefill_attention(q, k, v, start_pos, scale)
+            return dec.decode_attention(q, k, v, scale, seq_lens=_lens(start_pos), **extra)
+        return pre.prefill_attention(q, k, v, start_pos, scale, **extra)
 
     return attention
 
@@ -248,11 +250,19 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention over the cache, start_pos an int or per-row (B,) tensor; Triton
-    routes T == 1 to decode, T > 1 to prefill."""
-    return pick("attention", q)(q, k, v, start_pos, scale)
+    """Causal GQA attention over the cache, start_pos an int or per-row (B,) tensor, with an
+    optional sliding window, logit soft-cap and per-head sinks (see reference); Triton routes
+    T == 1 to decode, T > 1 to prefill."""
+    return pick("attention", q)(q, k, v, start_pos, scale, window, softcap, sinks)
 
 
 def mla_attention(

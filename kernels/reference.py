@@ -57,51 +57,92 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _visible(start_pos: int | torch.Tensor, t: int, s: int, device) -> torch.Tensor | None:
-    """Causal mask: query t at position start_pos + t sees cache positions <= its own.
+def _visible(
+    start_pos: int | torch.Tensor, t: int, s: int, device, window: int | None = None
+) -> torch.Tensor | None:
+    """Causal mask: query t at position start_pos + t sees cache positions <= its own, and
+    with a window only the last `window` of them (positions > its own - window).
 
     (T, S) for an int start_pos, (B, 1, T, S) for a per-row (B,) tensor; None for one token at
-    an int start_pos, which sees the whole cache slice it is given.
+    an int start_pos without a window, which sees the whole cache slice it is given.
     """
     if isinstance(start_pos, torch.Tensor):
         pos_q = start_pos.to(device).view(-1, 1, 1, 1) + torch.arange(t, device=device)[:, None]
-        return torch.arange(s, device=device) <= pos_q
-    if t == 1:
-        return None
-    pos_q = torch.arange(start_pos, start_pos + t, device=device)[:, None]
-    return torch.arange(s, device=device)[None, :] <= pos_q
+        pos_k = torch.arange(s, device=device)
+    else:
+        if t == 1 and (window is None or s <= window):
+            return None
+        pos_q = torch.arange(start_pos, start_pos + t, device=device)[:, None]
+        pos_k = torch.arange(s, device=device)[None, :]
+    visible = pos_k <= pos_q
+    if window is not None:
+        visible = visible & (pos_k > pos_q - window)
+    return visible
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of q (B, Hq, T, D) over the cache k, v (B, Hkv, S, D).
 
     Query t of row b sits at position start_pos + t (start_pos an int, or a (B,) tensor of
     per-row positions) and sees cached positions <= its own; S >= max(start_pos) + T.
+    window: only positions > its own - window (the token and window - 1 before it);
+    softcap: scores (after `scale`) -> softcap * tanh(scores / softcap); sinks (Hq,): one more
+    logit per head in each softmax, attending to nothing (as gpt-oss).
     Returns (B, Hq, T, Dv).
     """
-    if q.shape[2] == 1 and isinstance(start_pos, torch.Tensor) and torch.compiler.is_compiling():
-        return _decode_attention_math(q, k, v, start_pos, scale)
-    mask = _visible(start_pos, q.shape[2], k.shape[2], q.device)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    plain = softcap is None and sinks is None
+    if plain and not (q.shape[2] == 1 and torch.is_tensor(start_pos) and _compiling()):
+        mask = _visible(start_pos, q.shape[2], k.shape[2], q.device, window)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    return _attention_math(q, k, v, start_pos, scale, window, softcap, sinks)
 
 
-def _decode_attention_math(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: torch.Tensor, scale: float
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _attention_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per row as plain matmuls and a masked softmax (fp32 scores). Inside a
-    compiled decode step inductor fuses these into the step's own loops, which beats a call
-    into SDPA's kernel per layer; eager, SDPA is the cheaper path."""
-    b, hq, _, d = q.shape
+    """Attention as plain matmuls and a masked softmax (fp32 scores), for what SDPA lacks
+    (soft-capping, sinks). Inside a compiled decode step inductor fuses these into the step's
+    own loops, which beats a call into SDPA's kernel per layer; eager, SDPA is the cheaper
+    path."""
+    b, hq, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hk, hq // hk, d)  # query heads grouped by the kv head they share
-    scores = (qg.float() @ k.float().transpose(-1, -2)) * scale  # (B, Hk, G, S)
-    visible = _visible(start_pos, 1, s, q.device)  # (B, 1, 1, S)
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    return (probs.to(v.dtype) @ v).reshape(b, hq, 1, v.shape[-1])
+    qg = q.reshape(b, hk, hq // hk * t, d)  # query heads grouped by the kv head they share
+    scores = (qg.float() @ k.float().transpose(-1, -2)) * scale  # (B, Hk, G*T, S)
+    scores = scores.view(b, hq, t, s)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    visible = _visible(start_pos, t, s, q.device, window)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, t, 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :s]
+    else:
+        probs = scores.softmax(dim=-1)
+    probs = probs.view(b, hk, hq // hk * t, s).to(v.dtype)
+    return (probs @ v).view(b, hq, t, v.shape[-1])
 
 
 def mla_attention(

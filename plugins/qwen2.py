@@ -1,16 +1,15 @@
 """Qwen2 / Qwen2.5 and DeepSeek-R1-Distill-Qwen (model_type `qwen2`), as a delta of Llama 3.
 
 The checkpoint names are Llama's, so the weight map is llama3's; the differences are in the
-config: biases on q/k/v, and the sliding-window keys, which Zoo refuses rather than ignores.
+config: biases on q/k/v, and optional sliding windows on the layers from max_window_layers on.
 """
 
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import NonNegativeInt, PositiveInt
+from pydantic import NonNegativeInt
 
 from core.config import GQASpec
-from core.errors import ConfigError
 from core.hfconfig import DecoderConfig
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
@@ -18,40 +17,31 @@ from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
 class Qwen2Config(DecoderConfig):
     model_type: Literal["qwen2"] = "qwen2"
-    # differs from llama3: optional sliding-window attention on layers >= max_window_layers
+    # differs from llama3: a sliding window on layers >= max_window_layers (or on those
+    # `layer_types` marks sliding_attention), only when use_sliding_window is true
     use_sliding_window: bool = False
-    sliding_window: PositiveInt | None = None
     max_window_layers: NonNegativeInt = 28
-    layer_types: list[str] | None = None  # transformers 5 writes these out per layer
 
     def attention_spec(self) -> GQASpec:
         spec = super().attention_spec()
         # differs from llama3: q/k/v always carry a bias, o never does (attention_bias unused)
         return replace(spec, qkv_bias=True, o_bias=False)
 
-    def sliding_layers(self) -> list[int]:
-        """The layers transformers would run with a sliding window (none unless enabled)."""
-        if not self.use_sliding_window or self.sliding_window is None:
-            return []
-        n = self.num_hidden_layers
-        kinds = self.layer_types or [
-            "sliding_attention" if i >= self.max_window_layers else "full_attention"
-            for i in range(n)
+    def default_layer_kinds(self) -> list[str]:
+        return [
+            "sliding_attention"
+            if self.use_sliding_window and i >= self.max_window_layers
+            else "full_attention"
+            for i in range(self.num_hidden_layers)
         ]
-        return [i for i, kind in enumerate(kinds[:n]) if kind == "sliding_attention"]
 
-    def to_runtime(self):
-        # differs from llama3: sliding-window attention is not implemented, so refuse it loudly
-        sliding = self.sliding_layers()
-        if sliding:
-            raise ConfigError(
-                f"config.json: field 'use_sliding_window' is true, so layers {sliding} would "
-                f"attend within a window of sliding_window={self.sliding_window} tokens "
-                f"(max_window_layers={self.max_window_layers}); Zoo does not implement "
-                "sliding-window attention. Set use_sliding_window to false, as the released "
-                "Qwen2 / Qwen2.5 configs do."
-            )
-        return super().to_runtime()
+    def layer_windows(self) -> list[int | None]:
+        # transformers drops sliding_window unless use_sliding_window (the released configs
+        # carry a window with use_sliding_window false): then no layer slides, whatever
+        # layer_types says
+        if not self.use_sliding_window:
+            return [None] * self.num_hidden_layers
+        return super().layer_windows()
 
 
 # differs from llama3: nothing; q/k/v biases fill the same fused shards as their weights

@@ -1,4 +1,15 @@
-"""Grouped-query attention over the static KV cache."""
+"""Grouped-query attention over the static KV cache, one spec per layer (`GQASpec`).
+
+A full layer caches every position; a sliding layer (`spec.window`) keeps a ring buffer of its
+last `R = min(window, max_seq_len)` positions, position p in slot p % R:
+- decode (one token per row): the token is written to its slot, then attends to every filled
+  slot (order does not matter to a softmax): all R once a row has passed R - 1, else 0..p.
+- prefill (T tokens from start s): the chunk's queries need up to window - 1 keys before s,
+  which the chunk itself may overwrite in the ring when T > 1. So the old keys are first read
+  out in position order and the chunk's keys appended (`_ring_prefill`), attention runs over
+  that with the window mask, and only then is the ring rewritten with each row's last R real
+  positions (`lengths`: a right-padded row's padding must not evict its real keys).
+"""
 
 import torch
 from torch import nn
@@ -7,6 +18,7 @@ import kernels
 from core.config import GQASpec
 from core.kv_cache import cache_write
 from core.layers.linear import FusedLinear, Linear
+from core.plugins import registry
 
 
 class GQAAttention(nn.Module):
@@ -19,16 +31,23 @@ class GQAAttention(nn.Module):
         parts = dict(zip(("q", "k", "v"), self.sizes, strict=True))
         self.qkv_proj = FusedLinear(hidden, parts, bias=spec.qkv_bias)
         self.o_proj = Linear(hq * d, hidden, bias=spec.o_bias)
+        if spec.qk_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
+            norm = registry().layer(spec.qk_norm)
+            self.q_norm = norm(d, spec.qk_norm)
+            self.k_norm = norm(d, spec.qk_norm)
+        if spec.sinks:  # one logit per query head (gpt-oss)
+            self.sinks = nn.Parameter(torch.zeros(hq))
 
     def forward(
         self,
         x: torch.Tensor,  # (B, T, hidden)
-        cos: torch.Tensor,  # (1, T, rot/2) fp32
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,  # (B_max, H_kv, S_max, D), written in place
+        cos: torch.Tensor | None,  # (1 or B, T, rot/2) fp32; None: a NoPE layer
+        sin: torch.Tensor | None,
+        k_cache: torch.Tensor,  # (B_max, H_kv, S_max or R, D), written in place
         v_cache: torch.Tensor,
         start_pos: int | torch.Tensor,  # an int, or (B,) per-row positions
         end: int,  # max(start_pos) + T: how much of the cache attention reads
+        lengths: torch.Tensor | None = None,  # (B,) real tokens per row in x (right padding)
     ) -> torch.Tensor:
         b, t, _ = x.shape
         s = self.spec
@@ -36,8 +55,56 @@ class GQAAttention(nn.Module):
         q = q.view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
-        keys = cache_write(k_cache, k, start_pos, end, seq_dim=2)
-        values = cache_write(v_cache, v, start_pos, end, seq_dim=2)
-        o = kernels.attention(q, keys, values, start_pos, s.scale)
+        if s.qk_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:
+            q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
+        extra = dict(softcap=s.softcap, sinks=self.sinks if s.sinks else None)
+        if s.window is None:
+            keys = cache_write(k_cache, k, start_pos, end, seq_dim=2)
+            values = cache_write(v_cache, v, start_pos, end, seq_dim=2)
+            o = kernels.attention(q, keys, values, start_pos, s.scale, **extra)
+        elif t == 1:
+            r = k_cache.shape[2]  # ring slots
+            cache_write(k_cache, k, start_pos % r, 1, seq_dim=2)
+            cache_write(v_cache, v, start_pos % r, 1, seq_dim=2)
+            n = min(end, r)  # slots any row may read; each row reads 0..min(pos, r - 1)
+            keys, values = k_cache[:b, :, :n], v_cache[:b, :, :n]
+            rel = (
+                start_pos.clamp(max=r - 1) if torch.is_tensor(start_pos) else min(start_pos, r - 1)
+            )
+            o = kernels.attention(q, keys, values, rel, s.scale, **extra)
+        else:
+            o = self._ring_prefill(q, k, v, k_cache, v_cache, start_pos, lengths, extra)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.num_heads * s.head_dim))
+
+    def _ring_prefill(self, q, k, v, k_cache, v_cache, start_pos, lengths, extra):
+        """T > 1 new tokens on a sliding layer: attend over [the ring's keys before start, in
+        position order | the new keys], then store each row's last real positions."""
+        b, _, t, _ = q.shape
+        r, w = k_cache.shape[2], self.spec.window
+        dev = q.device
+        per_row = torch.is_tensor(start_pos)
+        s = start_pos.to(dev).view(b, 1) if per_row else torch.full((b, 1), start_pos, device=dev)
+        rel = s.clamp(max=w - 1)  # old keys each row's first query may see: (B, 1)
+        span = (min(w - 1, r) if per_row else int(rel[0, 0])) + t  # gathered keys per row
+        i = torch.arange(span, device=dev)[None]  # (1, L)
+        # index into [ring slots 0..r-1 | new tokens r..r+t-1]; past a row's chunk: junk,
+        # which causality hides (every query sits at or before rel + t - 1)
+        old = (s - rel + i).remainder(r)
+        src = torch.where(i < rel, old, (r + i - rel).clamp(max=r + t - 1))  # (B, L)
+        # the ring after the write: slot j holds the latest real position p = j (mod r) before
+        # the row's end; a new token if p >= start, else what it held
+        stop = s + (lengths.to(dev).view(b, 1) if lengths is not None else t)  # (B, 1)
+        j = torch.arange(r, device=dev)[None]
+        p = stop - 1 - (stop - 1 - j).remainder(r)
+        keep = torch.where(p >= s, r + p - s, j)  # (B, R)
+        outs = []
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            both = torch.cat((cache[:b], new.to(cache.dtype)), dim=2)  # (B, H, R + T, D)
+            idx = src[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[3])
+            outs.append(both.gather(2, idx))
+            idx = keep[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[3])
+            cache[:b].copy_(both.gather(2, idx))
+        rel_pos = rel.view(b) if per_row else int(rel[0, 0])
+        return kernels.attention(q, *outs, rel_pos, self.spec.scale, window=w, **extra)

@@ -58,6 +58,7 @@ class MLAAttention(nn.Module):
         k_pe_cache: torch.Tensor,  # (B_max, S_max, D_rope), written in place
         start_pos: int | torch.Tensor,  # an int, or (B,) per-row positions
         end: int,  # max(start_pos) + T: how much of the cache attention reads
+        lengths: torch.Tensor | None = None,  # real tokens per row: a full cache needs none
     ) -> torch.Tensor:
         b, t, _ = x.shape
         s = self.spec

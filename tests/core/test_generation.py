@@ -468,7 +468,9 @@ class PerRowReference:
         self.ref, self.rows = ref, None
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, start_pos, end=None, logits_at=None) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, start_pos, end=None, logits_at=None, lengths=None
+    ) -> torch.Tensor:
         b, t = ids.shape
         starts = start_pos.tolist() if isinstance(start_pos, torch.Tensor) else [start_pos] * b
         self.rows = self.rows or [[] for _ in range(b)]

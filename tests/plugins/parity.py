@@ -77,7 +77,9 @@ def check_ragged_batch(m, ref, vocab: int, lengths=(5, 9), steps: int = 3, new: 
     for r, n in enumerate(lengths):
         batch[r, :n] = rows[r][:n]
     m.reset()
-    prefill = m.forward(batch)  # padding sits after each prompt; causality keeps it unseen
+    # padding sits after each prompt; causality keeps it unseen, and `lengths` keeps it out of
+    # sliding layers' ring buffers
+    prefill = m.forward(batch, lengths=lengths)
     got = [[prefill[r, :n]] for r, n in enumerate(lengths)]
     for s in range(steps):
         pos = torch.tensor(lengths) + s  # each row at its own position

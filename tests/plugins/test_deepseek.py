@@ -232,7 +232,7 @@ def test_ragged_batch_at_per_row_positions(deepseek):
 def test_cache_holds_the_latent_not_full_kv(deepseek):
     m, ref = deepseek
     cache, c = m.net.kv_cache, ref.config
-    assert cache.names == ("latent", "k_pe")
+    assert cache.names == [("latent", "k_pe")] * c.num_hidden_layers  # per layer
     assert len(cache.layers) == c.num_hidden_layers
     latent, k_pe = cache.layer(0)
     assert tuple(latent.shape) == (2, 64, c.kv_lora_rank)
@@ -389,3 +389,13 @@ def test_compiled_decode_step_matches_greedy(tmp_path):
     m = load_model(root, max_seq_len=64, max_batch_size=2, compile=True)
     assert m.step.compiled is not None
     check_greedy(m, ref, ids(VOCAB, 1, 9), n=8)
+
+
+def test_stacked_experts_as_transformers_5_names_them(tmp_path):
+    """A checkpoint written from transformers 5's own state dict: routed experts stacked in
+    `mlp.experts.gate_up_proj` / `down_proj` (no `.weight` leaf) fill the core's whole."""
+    root, ref = make_deepseek(tmp_path, "v2-lite")
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    check_prefill(load_model(root, max_seq_len=32), ref, ids(VOCAB, 1, 20))

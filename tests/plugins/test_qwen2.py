@@ -120,15 +120,23 @@ def test_tied_and_yarn_configs_read():
     assert yarn.rope.attention_factor == 0.1 * math.log(4.0) + 1.0
 
 
-def test_sliding_window_is_refused_naming_the_field():
+def test_sliding_window_keys_pick_the_sliding_layers():
     from plugins.qwen2 import Qwen2Config
 
-    with pytest.raises(ConfigError, match=r"'use_sliding_window'.*layers \[1\]"):
-        Qwen2Config.from_dict(dict(QWEN25, use_sliding_window=True)).to_runtime()
-    # transformers 5's explicit layer_types decide which layers would slide
+    def windows(**changes):
+        cfg = Qwen2Config.from_dict(dict(QWEN25, **changes)).to_runtime()
+        return [cfg.layer_attention(i).window for i in range(cfg.num_layers)]
+
+    assert windows() == [None, None]  # the released configs: a window, but switched off
+    assert windows(use_sliding_window=True) == [None, 64]  # layers >= max_window_layers
+    # transformers 5's explicit layer_types decide which layers slide
     types = ["sliding_attention", "full_attention"]
-    with pytest.raises(ConfigError, match=r"layers \[0\]"):
-        Qwen2Config.from_dict(dict(QWEN25, use_sliding_window=True, layer_types=types)).to_runtime()
+    assert windows(use_sliding_window=True, layer_types=types) == [64, None]
+    assert windows(use_sliding_window=False, layer_types=types) == [None, None]
+    with pytest.raises(ConfigError, match=r"'layer_types' holds 'linear_attention'"):
+        windows(use_sliding_window=True, layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ConfigError, match=r"layers \[0\] are sliding_attention.*'sliding_window'"):
+        windows(use_sliding_window=True, layer_types=types, sliding_window=None)
 
 
 def test_sliding_window_enabled_on_no_layer_loads(tmp_path):
@@ -137,3 +145,16 @@ def test_sliding_window_enabled_on_no_layer_loads(tmp_path):
     root, ref = make_checkpoint(tmp_path, spec)
     hub_config(root, use_sliding_window=True)
     check_prefill(load_model(root, max_seq_len=64), ref, ids(VOCAB, 1, 12))
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    # use_sliding_window true: layer 1 attends within 6 tokens, shorter than every check's
+    spec = dict(QWEN25, use_sliding_window=True, sliding_window=6)
+    root, ref = make_checkpoint(tmp_path, spec)
+    hub_config(root, use_sliding_window=True, sliding_window=6)
+    m = load_model(root, max_seq_len=64, max_batch_size=2)
+    assert [layer.self_attn.spec.window for layer in m.net.model.layers] == [None, 6]
+    check_prefill(m, ref, ids(VOCAB, 2, 20))
+    check_decode(m, ref, ids(VOCAB, 1, 24), prefill=18)  # a prompt 3x the window
+    check_greedy(m, ref, ids(VOCAB, 1, 18, seed=3))
+    check_ragged_batch(m, ref, VOCAB, lengths=(3, 14), steps=3, new=8)
