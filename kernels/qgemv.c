@@ -198,6 +198,83 @@ static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float
     return total;
 }
 
+// 4-bit codes against bf16-rounded x (CPUs with AVX512-BF16): two multiply-adds per
+// instruction and no integer-to-float conversion. A code q becomes the bf16 number 128 + q by
+// putting the byte 0x43 above it (bf16 0x43qq = 128 + q for q < 128), so
+//     sum_j (128 + q_j) x_j = dot_g + 128 * xs_g
+// and the offset term simply grows by 128. The products are exact and the sums fp32, so the
+// result is F.linear with bf16(x) to fp32 rounding: within bf16 rounding of x itself.
+// Codes go 64 bytes (4 groups, one per 128-bit lane) at a time; unpacking the low and the high
+// nibbles with 0x43 within each lane gives four registers of 32 bf16 in which lane L holds
+// group L's columns 8r..8r+7 (r = 0..3); x is permuted once per call to the same order.
+#if defined(__AVX512BF16__)
+#define BF16_CODES 1
+#define CHUNK 128  // columns per 64 bytes of codes
+#define BH(v) ((__m512bh)(v))
+#define MAX_BF16_ROWS 8
+
+// x (K) -> xp: bf16(x) in the register order above, zero-padded to whole chunks; xs: the
+// group sums of bf16(x) (what the codes' offset, the 128 and the minimum multiply).
+static void prepare_bf16(const float *x, int64_t K, uint16_t *xp, float *xs) {
+    const int64_t chunks = (K + CHUNK - 1) / CHUNK;
+    memset(xp, 0, chunks * CHUNK * sizeof(uint16_t));
+    for (int64_t k = 0; k < K; k++) {
+        int64_t c = k / CHUNK, g = (k % CHUNK) / 32, r = (k % 32) / 8, j = k % 8;
+        uint32_t bits;
+        memcpy(&bits, x + k, 4);
+        bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even (x finite)
+        xp[c * CHUNK + r * 32 + g * 8 + j] = (uint16_t)(bits >> 16);
+    }
+    for (int64_t g = 0; g < K / 32; g++) {
+        float t = 0;
+        for (int64_t j = 0; j < 32; j++) {
+            int64_t k = g * 32 + j, at = (k / CHUNK) * CHUNK + (j / 8) * 32 + (g % 4) * 8 + j % 8;
+            uint32_t bits = (uint32_t)xp[at] << 16;
+            float v;
+            memcpy(&v, &bits, 4);
+            t += v;
+        }
+        xs[g] = t;
+    }
+}
+
+// out[r] = sum_g s_g * sum_j (128 + q_j) bf16(x_rj) for row n of W and the M <= 8 rows of x
+// (xp holds them one after another, `stride` apart); s is padded with zeros to whole chunks.
+// A chunk's codes are unpacked once and serve every row of x.
+static void row_dot_bf16(const qweight_t *w, int64_t n, const uint16_t *xp, int64_t stride,
+                         int64_t M, const float *s, float *out) {
+    const int64_t K = w->K, full = K / CHUNK, chunks = (K + CHUNK - 1) / CHUNK;
+    const uint8_t *c = (const uint8_t *)w->codes + n * (K / 2);
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x43);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const int64_t rest = (K % CHUNK) / 2;  // bytes of codes in a last, partial chunk
+    const __mmask64 tail = rest ? (__mmask64)-1 >> (64 - rest) : 0;
+    __m512 acc[MAX_BF16_ROWS];
+    for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        __m512i b = ch < full ? _mm512_loadu_si512(c + 64 * ch)
+                              : _mm512_maskz_loadu_epi8(tail, c + 64 * ch);
+        __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+        __m512bh w0 = BH(_mm512_unpacklo_epi8(lo, top)), w1 = BH(_mm512_unpackhi_epi8(lo, top));
+        __m512bh w2 = BH(_mm512_unpacklo_epi8(hi, top)), w3 = BH(_mm512_unpackhi_epi8(hi, top));
+        __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * ch)));
+        for (int64_t r = 0; r < M; r++) {
+            const uint16_t *xc = xp + r * stride + ch * CHUNK;
+            __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, BH(_mm512_loadu_si512(xc)));
+            part = _mm512_dpbf16_ps(part, w1, BH(_mm512_loadu_si512(xc + 32)));
+            part = _mm512_dpbf16_ps(part, w2, BH(_mm512_loadu_si512(xc + 64)));
+            part = _mm512_dpbf16_ps(part, w3, BH(_mm512_loadu_si512(xc + 96)));
+            acc[r] = _mm512_fmadd_ps(part, sv, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < M; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
+#define BF16_CODES 0
+#define CHUNK 128
+#define MAX_BF16_ROWS 8
+#endif
+
 // y (M, N) = x (M, K) @ W.T; gs must be a multiple of W (16 covers every format).
 // One row of x: dot products straight from the codes. More: each row of W is dequantized once
 // into a buffer and dotted with every row of x.
@@ -207,9 +284,18 @@ static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float
 
 void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
     const int64_t K = w->K, gs = w->gs, G = K / gs;
+    const int bf16 = BF16_CODES && w->bits == 4 && gs == 32 && M <= MAX_BF16_ROWS;
+    const int64_t stride = (K + CHUNK - 1) / CHUNK * CHUNK;  // x's row in whole chunks
     if (w->N * K * M < PARALLEL_WORK) threads = 1;
-    float *xs = NULL;
-    if (M == 1) {  // per group: the sum of x's values (offset and minimum terms)
+    float *xs = NULL;  // per row of x and group: the sum of x's values (offset, minimum terms)
+    uint16_t *xp = NULL;
+    if (bf16) {
+        xs = (float *)malloc(M * G * sizeof(float));
+        xp = (uint16_t *)malloc(M * stride * sizeof(uint16_t));
+#if BF16_CODES
+        for (int64_t r = 0; r < M; r++) prepare_bf16(x + r * K, K, xp + r * stride, xs + r * G);
+#endif
+    } else if (M == 1) {
         xs = (float *)malloc(G * sizeof(float));
         for (int64_t g = 0; g < G; g++) {
             float t = 0;
@@ -219,13 +305,23 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
     }
 #pragma omp parallel num_threads(threads)
     {
-        float *s = (float *)malloc(G * sizeof(float)), *m = (float *)malloc(G * sizeof(float));
-        float *row = M > 1 ? (float *)malloc(K * sizeof(float)) : NULL;
+        float *s = (float *)calloc(stride / gs + 1, sizeof(float));  // zeros past G: see bf16
+        float *m = (float *)malloc(G * sizeof(float)), dots[MAX_BF16_ROWS];
+        float *row = M > 1 && !bf16 ? (float *)malloc(K * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < w->N; n++) {
             row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
             if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
-            if (M == 1) {
+            if (bf16) {
+#if BF16_CODES
+                row_dot_bf16(w, n, xp, stride, M, s, dots);
+#endif
+                for (int64_t r = 0; r < M; r++) {
+                    const float *xsr = xs + r * G;
+                    float t = dots[r] - (float)(w->offset + 128) * dot(s, xsr, G);
+                    y[r * w->N + n] = w->mins ? t + dot(m, xsr, G) : t;
+                }
+            } else if (M == 1) {
                 y[n] = row_dot(w, n, x, xs, s, m);
             } else {
                 dequantize_row(w, n, s, m, row);
@@ -237,7 +333,12 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
         free(row);
     }
     free(xs);
+    free(xp);
 }
+
+// Whether 4-bit codes multiply bf16-rounded x (this build has AVX512-BF16): tests pick their
+// reference by it.
+int zoo_qgemv_bf16(void) { return BF16_CODES; }
 
 // out (N, K) = W as floats: many rows of x (prefill) go to the BLAS with this.
 void zoo_dequantize(const qweight_t *w, float *out, int threads) {

@@ -115,6 +115,16 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def expected(x: torch.Tensor, w: QuantWeight, bias=None, lib=None) -> torch.Tensor:
+    """F.linear with the reference-dequantized weight, on x as the kernel reads it: rounded to
+    bf16 where it multiplies 4-bit codes in bf16 (the ISA and the row count decide)."""
+    from kernels import cpu_quant
+
+    if cpu_quant.rounds_x_to_bf16(w, x.numel() // w.in_features, lib):
+        x = x.bfloat16().float()
+    return F.linear(x, w.dequantize(), bias)
+
+
 LINEAR_KINDS = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "int4"]
 
 
@@ -126,7 +136,7 @@ def test_linear_equals_f_linear_on_the_dequantized_weight(kind, rows):
     w = weight(kind)
     x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(48)
-    assert close(kernels.linear(x, w, bias), F.linear(x, w.dequantize(), bias))
+    assert close(kernels.linear(x, w, bias), expected(x, w, bias))
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "plain-c"])
@@ -145,7 +155,7 @@ def test_c_kernel_without_avx512(kind, march):
     for rows in (1, 5):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         got = cpu_quant._run(x, w.fmt, 512, w.codes, w.scales, w.mins, w.d, w.dmin, lib=lib)
-        assert close(got, F.linear(x, w.dequantize()))
+        assert close(got, expected(x, w, lib=lib))
 
 
 def test_c_kernel_inside_a_compiled_graph():
@@ -160,5 +170,30 @@ def test_c_kernel_inside_a_compiled_graph():
     few, many = torch.randn(1, 512, generator=g), torch.randn(17, 512, generator=g)
     both = torch.compile(lambda a, b: (kernels.linear(a, w), kernels.linear(b, w)), fullgraph=True)
     got_few, got_many = both(few, many)
-    assert close(got_few, F.linear(few, w.dequantize()))
-    assert close(got_many, F.linear(many, w.dequantize()))
+    assert close(got_few, expected(few, w))
+    assert close(got_many, expected(many, w))
+
+
+@pytest.mark.parametrize("inp", [96, 160, 576])  # 128-column chunks and a partial last one
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "int4"])
+def test_bf16_codes_path(kind, inp):
+    """Where 4-bit codes multiply bf16(x) (AVX512-BF16 CPUs): F.linear of bf16(x) to fp32
+    rounding for 1..8 rows, and within bf16 rounding of F.linear on x itself."""
+    from kernels import cpu_quant
+
+    if kind == "int4":
+        w = quantize_weight(torch.randn(37, inp, generator=torch.Generator().manual_seed(5)), kind)
+    else:
+        w = repack(kind, random_blocks(kind, 37, inp, seed=inp, edge=True), (37, inp))
+    if not cpu_quant.rounds_x_to_bf16(w, 1):
+        pytest.skip("this CPU has no AVX512-BF16: the fp32 path runs (tested above)")
+    wd = w.dequantize().double()
+    for rows in (1, 2, 8):
+        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 4
+        got = cpu_quant.quant_linear(x, w).double()
+        size = x.abs().double() @ wd.abs().T  # what the rounding of each term scales with
+        # the kernel sums s * (128 + q) * x in fp32, then takes s * 128 * sum(x) away
+        steps = w.group_scales().abs().double().repeat_interleave(32, dim=-1)
+        summed = x.abs().double() @ (steps * 144).T
+        assert ((got - x.bfloat16().double() @ wd.T).abs() <= 1e-6 * (size + summed)).all()
+        assert ((got - x.double() @ wd.T).abs() <= 2**-9 * size + 1e-6 * summed).all()
