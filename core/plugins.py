@@ -54,6 +54,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen3",
     "plugins.deepseek",
     "plugins.mixtral",
+    "plugins.qwen3_moe",
     "plugins.safetensors",
     "plugins.gguf",
 )

@@ -34,6 +34,9 @@ BASES = [
     DEEPSEEK,
     dict(DEEPSEEK, model_type="deepseek_v2"),
     dict(LLAMA32, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    dict(
+        LLAMA32, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0]
+    ),
 ]
 
 scalars = st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats() | st.text(max_size=8)

@@ -6,10 +6,11 @@ TRITON_INTERPRET=1, which kernel_harness sets) and still match transformers (fp3
   Llama 3.2 and 3.1 specs), through prefill, decode steps, greedy generation and greedy
   generation of a ragged batch.
 - Every architecture: the plugin parity suites (tests/plugins/test_*.py: Llama, Qwen2,
-  DeepSeek V2 / V2-Lite / V3, Mixtral) and the example plugins' suites (examples/*/tests: Phi-3,
-  Gemma) re-run in a subprocess with ZOO_KERNELS=triton on the CPU interpreter, keeping their
-  prefill, decode, greedy and ragged-batch checks (`SUITES`: each named test must pass). A new
-  architecture joins by adding its suite there, its tests named as the others'.
+  DeepSeek V2 / V2-Lite / V3, Mixtral, Qwen3-MoE) and the example plugins' suites
+  (examples/*/tests: Phi-3, Gemma) re-run in a subprocess with ZOO_KERNELS=triton on the CPU
+  interpreter, keeping their prefill, decode, greedy and ragged-batch checks (`SUITES`: each
+  named test must pass). A new architecture joins by adding its suite there, its tests named
+  as the others'.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ SUITES = {
     "tests/plugins/test_qwen2.py": PARITY_TESTS,
     "tests/plugins/test_deepseek.py": PARITY_TESTS,
     "tests/plugins/test_mixtral.py": PARITY_TESTS,
+    "tests/plugins/test_qwen3_moe.py": PARITY_TESTS,
     "examples/zoo-phi3/tests/test_zoo_phi3.py": EXAMPLE_TESTS,
     "examples/zoo-gemma/tests/test_zoo_gemma.py": EXAMPLE_TESTS,
 }
