@@ -1,5 +1,6 @@
 """Mixtral 8x7B / 8x22B (model_type `mixtral`), as a delta of Llama 3: every MLP is a mixture
-of experts, softmax top-k routing renormalised over the chosen experts, no shared expert.
+of experts, softmax top-k routing renormalised over the chosen experts, no shared expert; an
+optional sliding window on every layer (Mistral's).
 
 The MoE layer is the core's (`core/layers/moe.py`, the one DeepSeek uses); this file reads
 config.json and maps Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` onto the stacked experts.
@@ -29,8 +30,11 @@ class MixtralConfig(DecoderConfig):
         8, validation_alias=AliasChoices("num_local_experts", "num_experts")
     )
     num_experts_per_tok: PositiveInt = 2
-    # differs from llama3: one sliding window for every layer (null: full attention)
-    sliding_window: PositiveInt | None = None
+
+    def default_layer_kinds(self) -> list[str]:
+        # differs from llama3: sliding_window (null: none) slides every layer
+        slides = self.sliding_window is not None
+        return ["sliding_attention" if slides else "full_attention"] * self.num_hidden_layers
 
     def moe_spec(self) -> MoESpec:
         e, k = self.num_local_experts, self.num_experts_per_tok
@@ -50,16 +54,6 @@ class MixtralConfig(DecoderConfig):
             topk_method="greedy",
             norm_topk_prob=True,  # always, even for top-1 (the weight is then 1)
         )
-
-    def to_runtime(self):
-        if self.sliding_window is not None:
-            raise ConfigError(
-                f"config.json: field 'sliding_window' is {self.sliding_window}: every layer "
-                "would attend within a window of that many tokens, and Zoo does not implement "
-                "sliding-window attention yet. Set sliding_window to null (as "
-                "Mixtral-8x7B-Instruct-v0.1's config does) if the window is not needed."
-            )
-        return super().to_runtime()
 
 
 _L = "model.layers.{}"
