@@ -112,6 +112,21 @@ def test_ragged_batch_at_per_row_positions(qwen3_moe):
     check_ragged_batch(m, ref, VOCAB)
 
 
+@torch.no_grad()
+def test_sliding_window_on_every_layer_matches_transformers(tmp_path):
+    """use_sliding_window slides every layer in transformers' Qwen3-MoE, max_window_layers
+    notwithstanding (Qwen3's dense model would slide only layers >= it): window 5, prefill
+    8x the window, decode past it, greedy from a prompt 3x it, a ragged batch straddling it."""
+    spec = dict(QWEN3_MOE, use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    root, ref = make_qwen3_moe(tmp_path, spec)
+    m = load_model(root, max_seq_len=64, max_batch_size=2)
+    assert [a.window for a in m.config.attention_layers] == [5, 5, 5]
+    check_prefill(m, ref, ids(VOCAB, 2, 40))
+    check_decode(m, ref, ids(VOCAB, 1, 20), prefill=13)
+    check_greedy(m, ref, ids(VOCAB, 1, 15, seed=3))
+    check_ragged_batch(m, ref, VOCAB, lengths=(4, 16), steps=3, new=8)
+
+
 def test_dense_and_moe_layers_follow_the_config(qwen3_moe):
     """The layers transformers builds dense are dense here, the others route; q/k norms and
     the router are loaded and matter (zeroing one moves the logits past the parity bar)."""
