@@ -36,3 +36,9 @@ def mma(a, b):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def tanh(x):
+    """tanh of fp32 x as 2 * sigmoid(2x) - 1: one exp, and it runs in the interpreter too."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0

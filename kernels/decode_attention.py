@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.casting import mma, round_to
-from kernels.dispatch import interpreting, require
+from kernels.casting import mma, round_to, tanh
+from kernels.dispatch import check_features, interpreting, require, softcap_factors
 
 INTERPRETED = interpreting()
 LOG2E = 1.4426950408889634
@@ -31,6 +31,7 @@ def _decode_split_kernel(
     KPE,  # (B, S, DPE), when HAS_PE
     V,  # (B, Hkv, S, DV); ignored when V_IS_K
     LENS,  # (B,) int32, when HAS_LENS
+    SINKS,  # (Hq,) per-head sink logits, when HAS_SINKS (read here only when DIRECT)
     O_PART,  # (B, Hq, NS, DV) fp32; with DIRECT (one split) the output (B, Hq, DV) itself
     LSE_PART,  # (B, Hq, NS) fp32, log2 domain; unused with DIRECT
     sq_b,
@@ -55,6 +56,9 @@ def _decode_split_kernel(
     seq_len,
     split_len,
     qk_scale,  # softmax scale * log2(e)
+    window,  # the last `window` positions are visible, when HAS_WINDOW
+    cap_in,  # soft-cap: scores -> cap_out * tanh(cap_in * q.k), scale and log2(e) folded in
+    cap_out,
     D,
     DPE,
     DV,
@@ -62,6 +66,9 @@ def _decode_split_kernel(
     HAS_LENS: tl.constexpr,
     V_IS_K: tl.constexpr,
     DIRECT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -79,6 +86,8 @@ def _decode_split_kernel(
         length = tl.load(LENS + b)
     start = split * split_len
     end = tl.minimum(start + split_len, length)
+    if HAS_WINDOW:  # the query sits at length - 1: keys before its window are not read
+        start = tl.maximum(start, length - window)
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -116,7 +125,11 @@ def _decode_split_kernel(
                 other=0.0,
             )
             scores += mma(qpe, tl.trans(kpe))
-        scores = tl.where(n_mask[None, :], scores * qk_scale, float("-inf"))
+        if HAS_SOFTCAP:
+            scores = cap_out * tanh(scores * cap_in)
+        else:
+            scores = scores * qk_scale
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -133,6 +146,9 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + mma(p, v)
         m_i = m_new
 
+    if DIRECT and HAS_SINKS:  # one split: the sink joins the denominator here (log2 domain)
+        sink = tl.load(SINKS + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i += tl.exp2(sink - m_i)
     # an empty split (past this row's length) leaves l_i = 0: write 0 and lse = -inf
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptr = O_PART + b * so_b + heads[:, None] * so_h + split * so_s + offs_dv[None, :]
@@ -147,6 +163,7 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     O_PART,
     LSE_PART,
+    SINKS,  # (Hq,) per-head sink logits, when HAS_SINKS
     OUT,  # (B, Hq, DV) view
     n_heads,
     n_splits,
@@ -158,6 +175,7 @@ def _decode_merge_kernel(
     sout_b,
     sout_h,
     DV,
+    HAS_SINKS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -176,6 +194,8 @@ def _decode_merge_kernel(
         other=0.0,
     )
     den = tl.sum(w, axis=0)
+    if HAS_SINKS:  # the sink's share of the softmax: in the denominator, attending to nothing
+        den += tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - m)
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(
         OUT + b * sout_b + h * sout_h + offs_dv,
@@ -196,7 +216,9 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
+def _launch(
+    q, qpe, k, kpe, v, seq_lens, scale, num_splits, op, window=None, softcap=None, sinks=None
+):
     """q (B, Hq, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, DV)."""
     bsz, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -208,6 +230,7 @@ def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
             require(t.stride(-1) == 1, op, f"{name} must be contiguous in its last dim")
             require(t.device == q.device, op, f"{name} on {t.device}, q on {q.device}")
             require(t.dtype == k.dtype, op, f"{name} is {t.dtype}, the cache is {k.dtype}")
+    check_features(op, hq, q.device, window, softcap, sinks)
     out = torch.empty(bsz, hq, 1, dv, dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
@@ -232,6 +255,7 @@ def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
         o_part = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
     lens = seq_lens if seq_lens is not None else o_part  # a dummy pointer when unused
+    sinks_ = sinks if sinks is not None else o_part
     has_pe = qpe is not None
     qpe_ = qpe if has_pe else q
     kpe_ = kpe if has_pe else k
@@ -243,6 +267,7 @@ def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
         kpe_,
         v_,
         lens,
+        sinks_,
         o_part,
         lse_part,
         q.stride(0),
@@ -267,6 +292,8 @@ def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
         s,
         split_len,
         scale * LOG2E,
+        window or 0,
+        *softcap_factors(scale, softcap),
         d,
         qpe_.shape[-1],
         dv,
@@ -274,6 +301,9 @@ def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
         HAS_LENS=seq_lens is not None,
         V_IS_K=v is None,
         DIRECT=direct,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         BLOCK_G=block_g,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -287,6 +317,7 @@ def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
     _decode_merge_kernel[(bsz * hq,)](
         o_part,
         lse_part,
+        sinks_,
         o3,
         hq,
         num_splits,
@@ -298,6 +329,7 @@ def _launch(q, qpe, k, kpe, v, seq_lens, scale, num_splits, op):
         o3.stride(0),
         o3.stride(1),
         dv,
+        HAS_SINKS=sinks is not None,
         BLOCK_S=_p2(num_splits),
         BLOCK_DV=block_dv,
         num_warps=4,
@@ -325,18 +357,25 @@ def decode_attention(
     scale: float,
     seq_lens: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, 1, D) over the cache k, v (B', Hkv, S, D/Dv) with B' >= B -> (B, Hq, 1, Dv).
 
-    Row b sees cache positions [0, seq_lens[b]) (default: all S). The last query token sits at
-    the last visible position, so no causal mask is needed.
+    Row b sees cache positions [0, seq_lens[b]) (default: all S), with `window` only the last
+    `window` of them (positions [len - window, len): no split reads below that). The query
+    sits at the last visible position, so no causal mask is needed. softcap, sinks: as
+    `kernels.reference.attention`.
     """
     op = "attention (decode)"
     require(q.ndim == 4 and q.shape[2] == 1, op, f"q {tuple(q.shape)} must be (B, Hq, 1, D)")
     require(k.ndim == 4 and v.ndim == 4, op, "k and v must be (B, Hkv, S, D)")
     require(k.shape[:3] == v.shape[:3], op, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     lens = _check_lens(seq_lens, q, op)
-    return _launch(q[:, :, 0], None, k, None, v, lens, scale, num_splits, op)
+    return _launch(
+        q[:, :, 0], None, k, None, v, lens, scale, num_splits, op, window, softcap, sinks
+    )
 
 
 def mla_decode_attention(

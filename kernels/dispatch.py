@@ -2,7 +2,8 @@
 
 `ZOO_KERNELS` picks the policy, read on every call so tests can flip it:
 - `auto` (default): Triton for CUDA tensors where triton is installed and the GPU supports the
-  dtype (bf16 needs sm80+); the torch reference everywhere else.
+  dtype (bf16 needs sm80+); the torch reference everywhere else, except the small ops that
+  `kernels.cpu_ops` runs as one C call each for eager fp32 CPU tensors (rms_norm, rope).
 - `triton`: Triton always, also for CPU tensors under `TRITON_INTERPRET=1`; raises `KernelError`
   instead of falling back when a kernel cannot run.
 - `torch`: the references in `kernels.reference` always.
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import ZooError
-from kernels import cpu, reference
+from kernels import cpu, cpu_ops, reference
 from kernels.qweight import QuantStack, QuantWeight
 
 log = logging.getLogger("zoo")
@@ -44,6 +45,23 @@ def require(ok: bool, op: str, msg: str) -> None:
     """Launcher-side argument check: raise KernelError("<op>: <msg>") unless ok."""
     if not ok:
         raise KernelError(f"{op}: {msg}")
+
+
+def check_features(op, heads, device, window, softcap, sinks) -> None:
+    """Launcher-side checks of attention's optional features (see reference.attention)."""
+    require(window is None or (isinstance(window, int) and window >= 1), op, f"window {window!r}")
+    require(softcap is None or softcap > 0, op, f"softcap {softcap!r} must be positive")
+    if sinks is not None:
+        require(sinks.shape == (heads,), op, f"sinks {tuple(sinks.shape)} != ({heads},)")
+        require(sinks.device == device and sinks.is_contiguous(), op, "sinks on q's device")
+
+
+def softcap_factors(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(cap_in, cap_out) such that the kernels' log2-domain score is cap_out * tanh(cap_in *
+    q.k) = log2(e) * softcap * tanh(scale * q.k / softcap); (0, 0) without a soft-cap."""
+    if softcap is None:
+        return 0.0, 0.0
+    return scale / softcap, softcap * 1.4426950408889634
 
 
 def interpreting() -> bool:
@@ -87,8 +105,7 @@ def _attention_launcher() -> Callable:
     pre = kernel_module("kernels.prefill_attention")
 
     def attention(q, k, v, start_pos, scale, window=None, softcap=None, sinks=None):
-        extra = {n: x for n, x in (("window", window), ("softcap", softcap), ("sinks", sinks))}
-        extra = {n: x for n, x in extra.items() if x is not None}
+        extra = dict(window=window, softcap=softcap, sinks=sinks)
         if q.shape[2] == 1:  # one new token per row: split-K flash-decoding
             return dec.decode_attention(q, k, v, scale, seq_lens=_lens(start_pos), **extra)
         return pre.prefill_attention(q, k, v, start_pos, scale, **extra)
@@ -159,6 +176,8 @@ def _resolve(op: str, mode: str, x: torch.Tensor) -> Callable:
         fn, path = ref, "torch (ZOO_KERNELS=torch)"
     elif mode == "auto" and x.device.type != "cuda":
         fn, path = ref, f"torch ({x.device.type} tensors)"
+        if x.device.type == "cpu" and x.dtype == torch.float32 and op in cpu_ops.OPS:
+            fn, path = getattr(cpu_ops, op), "C (kernels/cpu_ops.c), eager fp32"
     else:
         why = _unsupported(x)
         if why is None:

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.casting import mma, round_to
-from kernels.dispatch import interpreting, require
+from kernels.casting import mma, round_to, tanh
+from kernels.dispatch import check_features, interpreting, require, softcap_factors
 
 INTERPRETED = interpreting()
 LOG2E = 1.4426950408889634
@@ -33,6 +33,7 @@ def _prefill_kernel(
     V,  # (B, Hkv, S, DV); ignored when V_IS_K
     OUT,  # (B, Hq, T, DV)
     STARTS,  # (B,) int32 per-row start positions, when PER_ROW
+    SINKS,  # (Hq,) per-head sink logits, when HAS_SINKS
     sq_b,
     sq_h,
     sq_t,
@@ -56,12 +57,18 @@ def _prefill_kernel(
     n_kv,
     start_pos,
     qk_scale,  # softmax scale * log2(e)
+    window,  # keys > query position - window are visible, when HAS_WINDOW
+    cap_in,  # soft-cap: scores -> cap_out * tanh(cap_in * q.k), scale and log2(e) folded in
+    cap_out,
     D,
     DPE,
     DV,
     HAS_PE: tl.constexpr,
     V_IS_K: tl.constexpr,
     PER_ROW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -98,7 +105,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     hi = tl.minimum(n_kv, start_pos + (pid_m + 1) * BLOCK_M)  # keys past the block's last query
-    for n0 in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:  # keys before the block's first query's window: skipped, tile-aligned
+        lo = tl.maximum(start_pos + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_kv
         k = tl.load(
@@ -115,9 +125,16 @@ def _prefill_kernel(
             )
             scores += mma(qpe, tl.trans(kpe))
         visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
-        # key 0 is visible to every row, so the first tile makes m_new finite
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        if HAS_SOFTCAP:
+            scores = cap_out * tanh(scores * cap_in)
+        else:
+            scores = scores * qk_scale
+        scores = tl.where(visible, scores, float("-inf"))
+        # a window may hide a whole tile from a row: keep its maximum finite (no inf - inf)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -133,7 +150,11 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + mma(p, v)
         m_i = m_new
 
-    out = round_to(acc / l_i[:, None], OUT.dtype.element_ty)
+    if HAS_SINKS:  # the sink joins the denominator only (log2 domain, like the scores)
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        l_i += tl.exp2(sink - m_i)
+    # (a query row past T may see no key: 0, not 0/0; it is not stored)
+    out = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], OUT.dtype.element_ty)
     o_ptr = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_dv[None, :]
     tl.store(o_ptr, out, mask=m_mask[:, None] & (offs_dv < DV)[None, :])
 
@@ -142,7 +163,7 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _launch(q, qpe, k, kpe, v, start_pos, scale, op):
+def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, sinks=None):
     """q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, T, DV).
 
     start_pos: an int, or a (B,) tensor of per-row positions (then S >= max + T is the
@@ -166,6 +187,7 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op):
             require(x.stride(-1) == 1, op, f"{name} must be contiguous in its last dim")
             require(x.device == q.device, op, f"{name} on {x.device}, q on {q.device}")
             require(x.dtype == k.dtype, op, f"{name} is {x.dtype}, the cache is {k.dtype}")
+    check_features(op, hq, q.device, window, softcap, sinks)
     out = torch.empty(bsz, hq, t, dv, dtype=q.dtype, device=q.device)
     if bsz * t == 0:
         return out
@@ -188,6 +210,7 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op):
         v_,
         out,
         starts if per_row else out,  # a dummy pointer when unused
+        sinks if sinks is not None else out,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -211,12 +234,17 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op):
         s,
         0 if per_row else start_pos,
         scale * LOG2E,
+        window or 0,
+        *softcap_factors(scale, softcap),
         d,
         qpe_.shape[-1],
         dv,
         HAS_PE=has_pe,
         V_IS_K=v is None,
         PER_ROW=per_row,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -234,17 +262,21 @@ def prefill_attention(
     v: torch.Tensor,
     start_pos: int | torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of q (B, Hq, T, D) over the cache k, v (B', Hkv, S, D/Dv), B' >= B.
 
     Query t of row b sits at position start_pos + t (an int, or a (B,) tensor of per-row
-    positions) and sees cache positions <= its own.
+    positions) and sees cache positions <= its own; with `window`, only the last `window` of
+    them. softcap, sinks: as `kernels.reference.attention`.
     Returns (B, Hq, T, Dv) in q's dtype.
     """
     op = "attention (prefill)"
     require(q.ndim == 4 and k.ndim == 4 and v.ndim == 4, op, "q, k, v must be (B, H, T|S, D)")
     require(k.shape[:3] == v.shape[:3], op, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    return _launch(q, None, k, None, v, start_pos, scale, op)
+    return _launch(q, None, k, None, v, start_pos, scale, op, window, softcap, sinks)
 
 
 def mla_prefill_attention(
