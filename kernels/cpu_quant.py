@@ -33,7 +33,8 @@ from kernels.qweight import FORMATS, QuantWeight
 
 log = logging.getLogger("zoo")
 
-SOURCE = Path(__file__).with_name("qgemv.c")
+# the quantized products, and decode's small ops (kernels/cpu_ops.py): one library
+SOURCES = [Path(__file__).with_name(name) for name in ("qgemv.c", "cpu_ops.c")]
 # Up to this many rows the kernel reads the codes directly (each weight row dequantized once
 # into L1 and dotted with every row of x); above, it writes the dequantized weight for the BLAS
 # (single-thread, 1536 x 576 int4: 64 rows 2.25 ms directly, 0.65 ms in F.linear)
@@ -73,7 +74,7 @@ def build(march: str) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("zoo kernels: no C compiler found; quantized CPU matmuls use the reference")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     flags = [*FLAGS, f"-march={march}"]
     key.update(" ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode())
     out = cache_dir() / "kernels" / f"qgemv-{key.hexdigest()[:16]}.so"
@@ -81,12 +82,13 @@ def build(march: str) -> ctypes.CDLL | None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             so = Path(tmp) / out.name
-            run = subprocess.run([cc, *flags, str(SOURCE), "-o", str(so)], capture_output=True)
+            cmd = [cc, *flags, *map(str, SOURCES), "-o", str(so), "-lm"]
+            run = subprocess.run(cmd, capture_output=True)
             if run.returncode != 0:
                 log.warning(
                     "zoo kernels: compiling %s failed (%s); quantized CPU matmuls use the "
                     "reference",
-                    SOURCE.name,
+                    " ".join(src.name for src in SOURCES),
                     run.stderr.decode(errors="replace").strip()[-500:],
                 )
                 return None
@@ -98,6 +100,11 @@ def build(march: str) -> ctypes.CDLL | None:
     lib.zoo_dequantize.argtypes = [ctypes.POINTER(_QWeight), ctypes.c_void_p, ctypes.c_int]
     lib.zoo_dequantize.restype = None
     lib.zoo_qgemv_bf16.restype = ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.zoo_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.zoo_rms_norm.restype = None
+    lib.zoo_rope.argtypes = [ptr, *[i64] * 6, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.zoo_rope.restype = None
     return lib
 
 

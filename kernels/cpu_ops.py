@@ -1,0 +1,80 @@
+"""Decode's small ops on CPUs, one C call each (kernels/cpu_ops.c, built with kernels/qgemv.c).
+
+A decode step normalises and rotates a few hundred numbers per layer; the references do it in
+chains of 6-20 torch ops of 2-6 microseconds each, most of an eager SmolLM2 step's time outside
+its matmuls. Here each op is one ctypes call with the reference's arithmetic. fp32 CPU tensors
+only, and only in eager mode (a compiled step fuses the references itself); anything else, or
+a machine where the C library cannot be built, runs the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels.cpu_quant import library
+
+OPS = ("rms_norm", "rms_norm_residual", "apply_rope")  # what kernels.dispatch routes here
+
+
+def _lib(*ts: torch.Tensor):
+    """The C library where it takes these tensors, else None (the reference runs)."""
+    if torch.compiler.is_compiling():  # checked first: a trace must not reach library()
+        return None
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts):
+        return library()
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.rms_norm in one call."""
+    lib = _lib(x, weight)
+    if lib is None or not weight.is_contiguous():
+        return reference.rms_norm(x, weight, eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.zoo_rms_norm(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(),
+                     x.numel() // dim, dim, eps)  # fmt: skip
+    return out
+
+
+def rms_norm_residual(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rms_norm_residual in one call: (rms_norm(x + residual), x + residual)."""
+    lib = _lib(x, residual, weight)
+    if lib is None or x.shape != residual.shape:
+        return reference.rms_norm_residual(x, residual, weight, eps)
+    x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
+    out, h = torch.empty_like(x), torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.zoo_rms_norm(x.data_ptr(), residual.data_ptr(), h.data_ptr(), weight.data_ptr(),
+                     out.data_ptr(), x.numel() // dim, dim, eps)  # fmt: skip
+    return out, h
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.apply_rope, in place (as the Triton kernel): q (B, Hq, T, D) and k (B, Hk, T,
+    D) may be strided views of one projection's output, their last dim contiguous."""
+    lib = _lib(q, k, cos, sin)
+    ok = (
+        lib is not None
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape
+        and cos.shape[0] in (1, q.shape[0])
+    )
+    if not ok:
+        return reference.apply_rope(q, k, cos, sin, interleaved)
+    half = cos.shape[-1]
+    cb = half * cos.shape[1] if cos.shape[0] > 1 else 0
+    for x in (q, k):
+        b, h, t, _ = x.shape
+        lib.zoo_rope(x.data_ptr(), b, h, t, x.stride(0), x.stride(1), x.stride(2),
+                     cos.data_ptr(), sin.data_ptr(), cb, half, interleaved)  # fmt: skip
+    return q, k

@@ -1,0 +1,56 @@
+"""kernels/cpu_ops.py (one C call per small op on CPUs) against the torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops, reference
+from kernels.cpu_quant import library
+
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the references run")
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3])  # at 1e-3, eps outweighs mean(x^2)
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 3, 40), (5, 17)])
+def test_rms_norm(shape, scale):
+    x, w = randn(*shape, scale=scale), randn(shape[-1], seed=1)
+    want = reference.rms_norm(x, w, 1e-5)
+    # the same formula; only the fp32 sum of squares runs in another order: 1-2 ulp
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), want, rtol=3e-7, atol=0)
+    r = randn(*shape, seed=2, scale=scale)
+    got, h = cpu_ops.rms_norm_residual(x, r, w, 1e-5)
+    want, want_h = reference.rms_norm_residual(x, r, w, 1e-5)
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot", [64, 32])  # all dims, or a partial rotary factor
+@pytest.mark.parametrize("t,rows", [(1, 1), (5, 1), (1, 3)])  # decode, prefill, per-row cos
+def test_rope_in_place_on_a_fused_projection(interleaved, rot, t, rows):
+    """q and k as the attention layer makes them: strided views of one q|k|v output."""
+    b, hq, hk, d = 3, 4, 2, 64
+    qkv = randn(b, t, (hq + 2 * hk) * d)
+    q = qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2)
+    k = qkv[..., hq * d : (hq + hk) * d].view(b, t, hk, d).transpose(1, 2)
+    v_before = qkv[..., (hq + hk) * d :].clone()
+    cos, sin = randn(rows, t, rot // 2, seed=3), randn(rows, t, rot // 2, seed=4)
+    want_q, want_k = reference.apply_rope(q.clone(), k.clone(), cos, sin, interleaved)
+    got_q, got_k = cpu_ops.apply_rope(q, k, cos, sin, interleaved)
+    # the reference's own products and sums, in its order: bit for bit
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv[..., (hq + hk) * d :], v_before)  # v untouched
+
+
+def test_other_inputs_take_the_reference():
+    """bf16 tensors, and any call inside a torch.compile trace, run the references."""
+    x, w = randn(2, 64).bfloat16(), randn(64, seed=1).bfloat16()
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    x, w = randn(2, 64), randn(64, seed=1)
+    compiled = torch.compile(cpu_ops.rms_norm, fullgraph=True)  # a ctypes call would break it
+    torch.testing.assert_close(compiled(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
