@@ -1,8 +1,12 @@
 """Mixture of experts: a router, stacked routed experts, and optional shared experts.
 
-Checkpoints store each expert separately (`mlp.experts.7.gate_proj.weight`); the core keeps them
-stacked, `experts.gate_up_proj.weight` (E, 2I, H) and `experts.down_proj.weight` (E, H, I), with
-one named shard per expert slice ("7.gate", "7.up", "7") for the loader to fill.
+One layer for every MoE architecture (DeepSeek V2/V3, Mixtral, Qwen3-MoE); they differ only in
+their `MoESpec` (scoring, top-k method, renormalisation, shared experts).
+
+Hub checkpoints store each expert separately (`mlp.experts.7.gate_proj.weight`); the core keeps
+them stacked, `experts.gate_up_proj.weight` (E, 2I, H) and `experts.down_proj.weight` (E, H, I),
+with one named shard per expert slice ("7.gate", "7.up", "7") for the loader to fill, or filled
+whole from a checkpoint that stores them stacked (transformers 5's `mlp.experts.gate_up_proj`).
 """
 
 import torch
