@@ -52,6 +52,8 @@ BUILTIN_PLUGINS = (
     "plugins.llama3",
     "plugins.qwen2",
     "plugins.qwen3",
+    "plugins.mistral",
+    "plugins.smollm3",
     "plugins.deepseek",
     "plugins.mixtral",
     "plugins.qwen3_moe",

@@ -82,15 +82,15 @@ def report(site, **env: str) -> tuple[dict, str]:
 
 
 def test_entry_point_plugin_registers_every_kind(tmp_path):
-    write_dist(tmp_path, "zoo-mistral", "zoo_mistral", FULL_PLUGIN.format(name="mistral"))
+    write_dist(tmp_path, "zoo-olmo2", "zoo_olmo2", FULL_PLUGIN.format(name="olmo2"))
     got, _ = report(tmp_path)
-    row = got["plugins"]["zoo-mistral:zoo_mistral"]
-    assert (row["distribution"], row["version"]) == ("zoo-mistral", "0.1")
+    row = got["plugins"]["zoo-olmo2:zoo_olmo2"]
+    assert (row["distribution"], row["version"]) == ("zoo-olmo2", "0.1")
     assert row["registers"] == {
-        "architectures": ["mistral"],
-        "formats": ["mistral-format"],
+        "architectures": ["olmo2"],
+        "formats": ["olmo2-format"],
         "layers": ["TinyNormSpec"],
-        "models": ["mistral-tiny"],
+        "models": ["olmo2-tiny"],
     }
 
 
@@ -132,8 +132,8 @@ def test_misspelled_hook_fails_check_pending(tmp_path):
 
 
 def test_two_entry_point_plugins_claiming_one_name_are_named(tmp_path):
-    write_dist(tmp_path, "zoo-a", "zoo_a", FULL_PLUGIN.format(name="mistral"))
-    write_dist(tmp_path, "zoo-b", "zoo_b", FULL_PLUGIN.format(name="mistral"))
+    write_dist(tmp_path, "zoo-a", "zoo_a", FULL_PLUGIN.format(name="olmo2"))
+    write_dist(tmp_path, "zoo-b", "zoo_b", FULL_PLUGIN.format(name="olmo2"))
     got, _ = report(tmp_path)
     assert "registered by both plugin 'zoo-" in got["error"]
     assert "zoo-a:zoo_a" in got["error"] and "zoo-b:zoo_b" in got["error"]

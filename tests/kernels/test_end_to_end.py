@@ -6,6 +6,7 @@ TRITON_INTERPRET=1, which kernel_harness sets) and still match transformers (fp3
   Llama 3.2 and 3.1 specs), through prefill, decode steps, greedy generation and greedy
   generation of a ragged batch.
 - Every architecture: the plugin parity suites (tests/plugins/test_*.py: Llama, Qwen2, Qwen3,
+  Mistral, SmolLM3,
   DeepSeek V2 / V2-Lite / V3, Mixtral, Qwen3-MoE) and the example plugins' suites
   (examples/*/tests: Phi-3, Gemma) re-run in a subprocess with ZOO_KERNELS=triton on the CPU
   interpreter, keeping their prefill, decode, greedy and ragged-batch checks (`SUITES`: each
@@ -52,6 +53,8 @@ SUITES = {
     "tests/plugins/test_llama3.py": PARITY_TESTS,
     "tests/plugins/test_qwen2.py": PARITY_TESTS,
     "tests/plugins/test_qwen3.py": PARITY_TESTS,  # q/k norm, sliding windows (ring buffers)
+    "tests/plugins/test_mistral.py": PARITY_TESTS,  # a window on every layer
+    "tests/plugins/test_smollm3.py": PARITY_TESTS,  # NoPE layers
     "tests/plugins/test_deepseek.py": PARITY_TESTS,
     "tests/plugins/test_mixtral.py": PARITY_TESTS,
     "tests/plugins/test_qwen3_moe.py": PARITY_TESTS,
