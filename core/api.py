@@ -58,7 +58,7 @@ def _check_fits(net: CausalLM, cfg, dtype, device, batch: int, seq: int) -> None
     """Refuse, before reading any weight, a model + KV cache larger than free memory."""
     free = available_memory(device)
     weights = sum(p.numel() for p in net.parameters()) * dtype.itemsize
-    cache = cfg.kv_bytes_per_token(dtype.itemsize) * batch * seq
+    cache = cfg.kv_bytes(dtype.itemsize, seq, batch)  # sliding layers: their window only
     if free is not None and weights + cache > free:
         gib = 2**30
         raise RequestError(

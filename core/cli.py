@@ -143,7 +143,12 @@ def _info(args: argparse.Namespace) -> None:
     print(f"attention    {type(a).__name__}: {a.num_heads} heads, " + _attention_detail(a))
     print(f"rope         {type(c.rope).__name__} theta={c.rope.theta:g}")
     print(f"dtype        {c.dtype} (loaded as {str(m.dtype).removeprefix('torch.')})")
-    print(f"KV bytes     {c.kv_bytes_per_token(m.dtype.itemsize):,} per token")
+    print(f"layer kinds  {_layer_kinds(c)}")
+    size, seq = m.dtype.itemsize, c.max_position_embeddings
+    print(
+        f"KV bytes     {c.kv_bytes_per_token(size):,} per token (full layers), "
+        f"{c.kv_bytes(size, seq):,} per sequence of {seq:,} tokens"
+    )
     total = sum(b for _, b in formats.values())
     print(f"weights      {total:,} bytes resident")
     for kind, (n, b) in formats.items():
@@ -151,6 +156,18 @@ def _info(args: argparse.Namespace) -> None:
     if m.path.is_dir():
         files = sorted(p.name for p in m.path.iterdir() if p.is_file())
         print(f"files        {', '.join(files)}")
+
+
+def _layer_kinds(c) -> str:
+    """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9'."""
+    kinds: dict[str, int] = {}
+    for i in range(c.num_layers):
+        window = getattr(c.layer_attention(i), "window", None)
+        kind = "full" if window is None else f"window {window}"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if c.layer_rope(i) is None:
+            kinds["NoPE"] = kinds.get("NoPE", 0) + 1
+    return ", ".join(f"{k} x {n}" for k, n in kinds.items())
 
 
 def _attention_detail(a) -> str:

@@ -23,6 +23,22 @@ def test_info_describes_a_checkpoint(checkpoint):
     assert "KV bytes     512 per token" in out.stdout  # 2 (K,V) * 2 layers * 2 kv heads * 16 * 4 B
 
 
+def test_info_counts_sliding_layers_by_their_window(checkpoint):
+    # SmolLM3 with windows on its NoPE layer: 3 full layers keep every token, 1 keeps 8
+    spec = dict(
+        model_type="smollm3", vocab_size=96, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=100, use_sliding_window=True, sliding_window=8, pad_token_id=0,
+    )  # fmt: skip
+    root, _ = checkpoint(spec)
+    out = zoo("info", str(root))
+    assert out.returncode == 0, out.stderr
+    assert "layer kinds  full x 3, window 8 x 1, NoPE x 1" in out.stdout
+    per_token = 2 * 2 * 8 * 4  # K and V, 2 kv heads, head_dim 8, fp32: per layer
+    want = f"{3 * per_token:,} per token (full layers), {per_token * (3 * 100 + 8):,} per sequence"
+    assert want in out.stdout, out.stdout
+
+
 def test_list_shows_named_models():
     out = zoo("list")
     assert out.returncode == 0 and "llama3" in out.stdout
