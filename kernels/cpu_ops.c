@@ -4,6 +4,7 @@
 // except where a sum's order differs.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 // out = w * (h * (1 / sqrt(mean(h^2) + eps))) per row of `dim`, h = x, or x + res when res is
 // given (h is then also written to h_out: the block's new residual).
@@ -44,4 +45,59 @@ void zoo_rope(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh,
                 }
             }
         }
+}
+
+// Decode attention, one query per row: out (B, Hq, Dv) from q (B, Hq, D) over k (B, Hk, S, D)
+// and v (B, Hk, S, Dv), each strided (sb, sh, ss in floats; the last dim contiguous). Row b's
+// query sits at position pos[b] (or pos0 for every row when pos is NULL) and sees slots
+// <= its position, and with a window > 0 only the last `window` of them; one position for all
+// rows without a window (or with one no shorter than S) sees the whole slice, as
+// reference._visible. Scores are scale * q.k, soft-capped as cap * tanh(score / cap) when
+// cap > 0, and sinks (Hq,) add one logit per head to each softmax's denominator. Two passes:
+// the scores, then their softmax's weighted sum of v.
+void zoo_decode_attention(const float *q, int64_t qsb, int64_t qsh, const float *k, int64_t ksb,
+                          int64_t ksh, int64_t kss, const float *v, int64_t vsb, int64_t vsh,
+                          int64_t vss, float *out, int64_t B, int64_t Hq, int64_t Hk, int64_t S,
+                          int64_t D, int64_t Dv, const int64_t *pos, int64_t pos0,
+                          int64_t window, float scale, float cap, const float *sinks,
+                          int threads) {
+    const int64_t group = Hq / Hk, all = !pos && (window <= 0 || S <= window);
+    if (B * Hq * S * (D + Dv) < (1 << 17)) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = (float *)malloc((S > 0 ? S : 1) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * Hq; bh++) {
+            const int64_t b = bh / Hq, h = bh % Hq, kh = h / group;
+            const float *qr = q + b * qsb + h * qsh;
+            const float *kb = k + b * ksb + kh * ksh, *vb = v + b * vsb + kh * vsh;
+            float *o = out + bh * Dv, top = sinks ? sinks[h] : -INFINITY;
+            const int64_t at = pos ? pos[b] : pos0;
+            const int64_t hi = all || at + 1 > S ? S : at + 1;
+            const int64_t lo = all || window <= 0 || at - window + 1 < 0 ? 0 : at - window + 1;
+            for (int64_t s = lo; s < hi; s++) {
+                const float *kr = kb + s * kss;
+                float acc[16] = {0}, dot = 0;
+                int64_t i = 0;
+                for (; i + 16 <= D; i += 16)
+                    for (int j = 0; j < 16; j++) acc[j] += qr[i + j] * kr[i + j];
+                for (int j = 0; j < 16; j++) dot += acc[j];
+                for (; i < D; i++) dot += qr[i] * kr[i];
+                float score = dot * scale;
+                if (cap > 0) score = tanhf(score / cap) * cap;
+                p[s - lo] = score;
+                if (score > top) top = score;
+            }
+            float total = sinks ? expf(sinks[h] - top) : 0.0f;
+            for (int64_t d = 0; d < Dv; d++) o[d] = 0;
+            for (int64_t s = lo; s < hi; s++) {
+                const float e = expf(p[s - lo] - top), *vr = vb + s * vss;
+                total += e;
+                for (int64_t d = 0; d < Dv; d++) o[d] += e * vr[d];
+            }
+            const float inv = total > 0 ? 1.0f / total : 0.0f;
+            for (int64_t d = 0; d < Dv; d++) o[d] *= inv;
+        }
+        free(p);
+    }
 }

@@ -14,7 +14,12 @@ import torch
 from kernels import reference
 from kernels.cpu_quant import library
 
-OPS = ("rms_norm", "rms_norm_residual", "apply_rope")  # what kernels.dispatch routes here
+OPS = (
+    "rms_norm",
+    "rms_norm_residual",
+    "apply_rope",
+    "attention",
+)  # what kernels.dispatch routes here
 
 
 def _lib(*ts: torch.Tensor):
@@ -78,3 +83,41 @@ def apply_rope(
         lib.zoo_rope(x.data_ptr(), b, h, t, x.stride(0), x.stride(1), x.stride(2),
                      cos.data_ptr(), sin.data_ptr(), cb, half, interleaved)  # fmt: skip
     return q, k
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """reference.attention for one query per row (decode) in one call; more queries (prefill)
+    go to the reference, whose SDPA call is a small part of a prefill step."""
+    lib = _lib(q, k, v) if q.shape[2] == 1 else None
+    per_row = isinstance(start_pos, torch.Tensor)
+    ok = (
+        lib is not None
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and (sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()))
+        and (not per_row or start_pos.device.type == "cpu")
+    )
+    if not ok:
+        return reference.attention(q, k, v, start_pos, scale, window, softcap, sinks)
+    b, hq, _, d = q.shape
+    hk, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    out = q.new_empty(b, hq, 1, dv)
+    pos = start_pos.to(torch.int64).contiguous() if per_row else None
+    lib.zoo_decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+        out.data_ptr(), b, hq, hk, s, d, dv,
+        pos.data_ptr() if per_row else None, 0 if per_row else start_pos, window or 0,
+        scale, softcap or 0.0, sinks.data_ptr() if sinks is not None else None,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out

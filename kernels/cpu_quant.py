@@ -105,6 +105,10 @@ def build(march: str) -> ctypes.CDLL | None:
     lib.zoo_rms_norm.restype = None
     lib.zoo_rope.argtypes = [ptr, *[i64] * 6, ptr, ptr, i64, i64, ctypes.c_int]
     lib.zoo_rope.restype = None
+    lib.zoo_decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                                         ptr, *[i64] * 6, ptr, i64, i64, ctypes.c_float,
+                                         ctypes.c_float, ptr, ctypes.c_int]  # fmt: skip
+    lib.zoo_decode_attention.restype = None
     return lib
 
 

@@ -54,3 +54,24 @@ def test_other_inputs_take_the_reference():
     x, w = randn(2, 64), randn(64, seed=1)
     compiled = torch.compile(cpu_ops.rms_norm, fullgraph=True)  # a ctypes call would break it
     torch.testing.assert_close(compiled(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize(
+    "window,softcap,sinks",
+    [(None, None, False), (4, None, False), (None, 5.0, True), (3, 2.0, True)],
+)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_decode_attention(window, softcap, sinks, per_row):
+    """One query per row over a strided cache slice (as the layer passes it), GQA 6:2, with
+    per-row positions or one for all, a window shorter than the slice, soft-cap and sinks."""
+    b, hq, hk, s_max, d = 3, 6, 2, 16, 32
+    q = randn(b, 1, hq * d).view(b, 1, hq, d).transpose(1, 2)
+    cache_k, cache_v = randn(b, hk, s_max, d, seed=1), randn(b, hk, s_max, d, seed=2)
+    start = torch.tensor([9, 3, 11]) if per_row else 11
+    k, v = cache_k[:, :, :12], cache_v[:, :, :12]  # max(start) + 1 slots
+    sink = randn(hq, seed=3) if sinks else None
+    args = (q, k, v, start, d**-0.5, window, softcap, sink)
+    want = reference.attention(*args)
+    got = cpu_ops.attention(*args)
+    # the same softmax, its sums in another order (docs/kernels.md's attention row)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
