@@ -1,6 +1,6 @@
-"""Mixtral 8x7B / 8x22B (model_type `mixtral`), as a delta of Llama 3: every MLP is a mixture
-of experts, softmax top-k routing renormalised over the chosen experts, no shared expert; an
-optional sliding window on every layer (Mistral's).
+"""Mixtral 8x7B / 8x22B (model_type `mixtral`), as a delta of Mistral (its attention, with a
+sliding window on every layer when `sliding_window` is set): every MLP is a mixture of experts,
+softmax top-k routing renormalised over the chosen experts, no shared expert.
 
 The MoE layer is the core's (`core/layers/moe.py`, the one DeepSeek uses); this file reads
 config.json and maps Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` onto the stacked experts.
@@ -12,29 +12,24 @@ from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt
 
 from core.config import MoESpec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig
 from core.hookspecs import hookimpl
 from plugins.deepseek import STACKED_EXPERTS
-from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
+from plugins.mistral import WEIGHT_MAP as MISTRAL_WEIGHT_MAP
+from plugins.mistral import MistralConfig
 
 
-class MixtralConfig(DecoderConfig):
+class MixtralConfig(MistralConfig):
     """Defaults are transformers' MixtralConfig's; hub configs spell every key out."""
 
     model_type: Literal["mixtral"] = "mixtral"
     rms_norm_eps: PositiveFloat = 1e-5
     max_position_embeddings: PositiveInt = 4096 * 32
     default_rope_theta = 1e6  # transformers' default when rope_theta is absent
-    # differs from llama3: intermediate_size is each expert's width; every layer is MoE
+    # differs from mistral: intermediate_size is each expert's width; every layer is MoE
     num_local_experts: PositiveInt = Field(
         8, validation_alias=AliasChoices("num_local_experts", "num_experts")
     )
     num_experts_per_tok: PositiveInt = 2
-
-    def default_layer_kinds(self) -> list[str]:
-        # differs from llama3: sliding_window (null: none) slides every layer
-        slides = self.sliding_window is not None
-        return ["sliding_attention" if slides else "full_attention"] * self.num_hidden_layers
 
     def moe_spec(self) -> MoESpec:
         e, k = self.num_local_experts, self.num_experts_per_tok
@@ -58,8 +53,8 @@ class MixtralConfig(DecoderConfig):
 
 _L = "model.layers.{}"
 WEIGHT_MAP = {
-    **LLAMA3_WEIGHT_MAP,
-    # differs from llama3: the hub's Mixtral checkpoints keep the MoE under block_sparse_moe,
+    **MISTRAL_WEIGHT_MAP,
+    # differs from mistral: the hub's Mixtral checkpoints keep the MoE under block_sparse_moe,
     # one expert per w1 (gate), w3 (up), w2 (down)
     f"{_L}.block_sparse_moe.gate": f"{_L}.mlp.gate",
     f"{_L}.block_sparse_moe.experts.{{}}.w1": (f"{_L}.mlp.experts.gate_up_proj", "{}.gate"),

@@ -35,10 +35,11 @@ class Qwen3MoeConfig(Qwen3Config):
     decoder_sparse_step: PositiveInt = 1
     mlp_only_layers: list[NonNegativeInt] | None = None
 
-    def default_layer_kinds(self) -> list[str]:
-        # differs from qwen3: use_sliding_window slides every layer (max_window_layers unused)
-        slides = self.use_sliding_window and self.sliding_window is not None
-        return ["sliding_attention" if slides else "full_attention"] * self.num_hidden_layers
+    def layer_windows(self) -> list[int | None]:
+        # differs from qwen3: use_sliding_window slides every layer (transformers' Qwen3-MoE
+        # reads neither max_window_layers nor layer_types)
+        window = self.sliding_window if self.use_sliding_window else None
+        return [window] * self.num_hidden_layers
 
     def moe_layers(self) -> tuple[int, ...]:
         n, dense = self.num_hidden_layers, set(self.mlp_only_layers or ())

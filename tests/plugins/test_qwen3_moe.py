@@ -113,7 +113,7 @@ def test_ragged_batch_at_per_row_positions(qwen3_moe):
 
 
 @torch.no_grad()
-def test_sliding_window_on_every_layer_matches_transformers(tmp_path):
+def test_sliding_window_matches_transformers(tmp_path):
     """use_sliding_window slides every layer in transformers' Qwen3-MoE, max_window_layers
     notwithstanding (Qwen3's dense model would slide only layers >= it): window 5, prefill
     8x the window, decode past it, greedy from a prompt 3x it, a ragged batch straddling it."""
