@@ -6,6 +6,36 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+// sum_i a[i] * b[i] in 16 lane-wise partial sums, then added pairwise.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline float dot16(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    float total = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+#else
+static inline float dot16(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    for (; i < n; i++) acc[0] += a[i] * b[i];
+    return acc[0];
+}
+#endif
+
+// o[i] += e * v[i] (o and v do not overlap: the compiler vectorizes it)
+static inline void axpy(float *restrict o, float e, const float *restrict v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) o[i] += e * v[i];
+}
+
 // out = w * (h * (1 / sqrt(mean(h^2) + eps))) per row of `dim`, h = x, or x + res when res is
 // given (h is then also written to h_out: the block's new residual).
 void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
@@ -15,13 +45,8 @@ void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w
         float *o = out + r * dim, *h = res ? h_out + r * dim : (float *)xr;
         if (res)
             for (int64_t i = 0; i < dim; i++) h[i] = xr[i] + res[r * dim + i];
-        float acc[16] = {0};  // 16 partial sums: vectorizable without reassociating a chain
-        int64_t i = 0;
-        for (; i + 16 <= dim; i += 16)
-            for (int j = 0; j < 16; j++) acc[j] += h[i + j] * h[i + j];
-        float ss = 0;
-        for (int j = 0; j < 16; j++) ss += acc[j];
-        for (; i < dim; i++) ss += h[i] * h[i];
+        float ss = dot16(h, h, dim);
+        int64_t i;
         float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         for (i = 0; i < dim; i++) o[i] = w[i] * (h[i] * inv);
     }
@@ -77,12 +102,7 @@ void zoo_decode_attention(const float *q, int64_t qsb, int64_t qsh, const float 
             const int64_t lo = all || window <= 0 || at - window + 1 < 0 ? 0 : at - window + 1;
             for (int64_t s = lo; s < hi; s++) {
                 const float *kr = kb + s * kss;
-                float acc[16] = {0}, dot = 0;
-                int64_t i = 0;
-                for (; i + 16 <= D; i += 16)
-                    for (int j = 0; j < 16; j++) acc[j] += qr[i + j] * kr[i + j];
-                for (int j = 0; j < 16; j++) dot += acc[j];
-                for (; i < D; i++) dot += qr[i] * kr[i];
+                float dot = dot16(qr, kr, D);
                 float score = dot * scale;
                 if (cap > 0) score = tanhf(score / cap) * cap;
                 p[s - lo] = score;
@@ -91,9 +111,9 @@ void zoo_decode_attention(const float *q, int64_t qsb, int64_t qsh, const float 
             float total = sinks ? expf(sinks[h] - top) : 0.0f;
             for (int64_t d = 0; d < Dv; d++) o[d] = 0;
             for (int64_t s = lo; s < hi; s++) {
-                const float e = expf(p[s - lo] - top), *vr = vb + s * vss;
+                const float e = expf(p[s - lo] - top);
                 total += e;
-                for (int64_t d = 0; d < Dv; d++) o[d] += e * vr[d];
+                axpy(o, e, vb + s * vss, Dv);
             }
             const float inv = total > 0 ? 1.0f / total : 0.0f;
             for (int64_t d = 0; d < Dv; d++) o[d] *= inv;

@@ -77,6 +77,13 @@ static void row_factors(const qweight_t *w, const void *small, int64_t kind,
     }
 }
 
+// Row n's fp16 factors where the kernel can read them as stored (one level, fp16), else NULL.
+static inline const uint16_t *direct_fp16(const qweight_t *w, const void *p, int64_t kind,
+                                          const uint16_t *big, int64_t n, int64_t G) {
+    (void)w;
+    return p && kind == 1 && !big ? (const uint16_t *)p + n * G : NULL;
+}
+
 // The inner loops in SIMD intrinsics: AVX-512 (16 lanes), AVX2 + FMA (8 lanes), or plain C.
 // Each loads W codes (8-bit, or 4-bit pairs: low nibble, high nibble), widens them to floats and
 // multiplies them by x in fused multiply-adds.
@@ -207,48 +214,70 @@ static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float
 // Codes go 64 bytes (4 groups, one per 128-bit lane) at a time; unpacking the low and the high
 // nibbles with 0x43 within each lane gives four registers of 32 bf16 in which lane L holds
 // group L's columns 8r..8r+7 (r = 0..3); x is permuted once per call to the same order.
+// A row of x as that loop reads it (see prepare_bf16):
+typedef struct {
+    uint16_t *xp;
+    float *xs4, *cx4;
+} bf16_row;
+
 #if defined(__AVX512BF16__)
 #define BF16_CODES 1
 #define CHUNK 128  // columns per 64 bytes of codes
 #define BH(v) ((__m512bh)(v))
 #define MAX_BF16_ROWS 8
 
-// x (K) -> xp: bf16(x) in the register order above, zero-padded to whole chunks; xs: the
-// group sums of bf16(x) (what the codes' offset, the 128 and the minimum multiply).
-static void prepare_bf16(const float *x, int64_t K, uint16_t *xp, float *xs) {
+// A row of x for the bf16 loop: xp, bf16(x) in the register order above, zero-padded
+// to whole chunks; per chunk, 16 lanes of a quarter of each group's sum of bf16(x) (lane 4L + i
+// holds group L's: the lanes of a group add up to its sum), times 1 (xs4, for the minimum) and
+// times the offset plus 128 (cx4, taken away from the dot products lane by lane).
+static void prepare_bf16(const float *x, int64_t K, float offset, bf16_row r) {
     const int64_t chunks = (K + CHUNK - 1) / CHUNK;
-    memset(xp, 0, chunks * CHUNK * sizeof(uint16_t));
-    for (int64_t k = 0; k < K; k++) {
-        int64_t c = k / CHUNK, g = (k % CHUNK) / 32, r = (k % 32) / 8, j = k % 8;
-        uint32_t bits;
-        memcpy(&bits, x + k, 4);
-        bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even (x finite)
-        xp[c * CHUNK + r * 32 + g * 8 + j] = (uint16_t)(bits >> 16);
-    }
+    memset(r.xp, 0, chunks * CHUNK * sizeof(uint16_t));
+    memset(r.xs4, 0, chunks * 16 * sizeof(float));
     for (int64_t g = 0; g < K / 32; g++) {
-        float t = 0;
+        const int64_t c = g / 4, lane = g % 4;
+        float sum = 0;
         for (int64_t j = 0; j < 32; j++) {
-            int64_t k = g * 32 + j, at = (k / CHUNK) * CHUNK + (j / 8) * 32 + (g % 4) * 8 + j % 8;
-            uint32_t bits = (uint32_t)xp[at] << 16;
+            uint32_t bits;
+            memcpy(&bits, x + g * 32 + j, 4);
+            bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even (x finite)
+            uint16_t h = (uint16_t)(bits >> 16);
+            r.xp[c * CHUNK + (j / 8) * 32 + lane * 8 + j % 8] = h;
+            bits = (uint32_t)h << 16;
             float v;
             memcpy(&v, &bits, 4);
-            t += v;
+            sum += v;
         }
-        xs[g] = t;
+        for (int i = 0; i < 4; i++) r.xs4[c * 16 + lane * 4 + i] = sum * 0.25f;  // exact
     }
+    for (int64_t i = 0; i < chunks * 16; i++) r.cx4[i] = offset * r.xs4[i];
 }
 
-// out[r] = sum_g s_g * sum_j (128 + q_j) bf16(x_rj) for row n of W and the M <= 8 rows of x
-// (xp holds them one after another, `stride` apart); s is padded with zeros to whole chunks.
-// A chunk's codes are unpacked once and serve every row of x.
-static void row_dot_bf16(const qweight_t *w, int64_t n, const uint16_t *xp, int64_t stride,
-                         int64_t M, const float *s, float *out) {
+// out[r] = sum_g s_g * (sum_j (128 + q_j) bf16(x_rj) - (offset + 128) xs_rg) + m_g xs_rg for
+// row n of W and the M <= 8 rows of x, in one vector accumulator per row of x (a single
+// horizontal sum each). s and m hold the row's group factors, padded with zeros to whole
+// chunks. A chunk's codes are unpacked once and serve every row of x.
+// Four groups' factors (chunk ch), fp16 read straight from the weight (h) or fp32 from a
+// buffer (f), masked past the row's G groups.
+static inline __m512 factors4(const uint16_t *h, const float *f, int64_t ch, int64_t G) {
+    const int64_t left = G - 4 * ch;
+    const __mmask8 mask = left >= 4 ? 0xF : (__mmask8)((1u << left) - 1);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m128 v = h ? _mm_cvtph_ps(_mm_maskz_loadu_epi16(mask, h + 4 * ch))
+                 : _mm_maskz_loadu_ps(mask, f + 4 * ch);
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(v));
+}
+
+static inline __attribute__((always_inline)) void row_dot_bf16(
+    const qweight_t *w, int64_t n, const bf16_row *xr, int64_t M, const uint16_t *sh,
+    const float *s, const uint16_t *mh, const float *m, float *out) {
+    const int64_t G = w->K / 32;
     const int64_t K = w->K, full = K / CHUNK, chunks = (K + CHUNK - 1) / CHUNK;
     const uint8_t *c = (const uint8_t *)w->codes + n * (K / 2);
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x43);
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const int64_t rest = (K % CHUNK) / 2;  // bytes of codes in a last, partial chunk
     const __mmask64 tail = rest ? (__mmask64)-1 >> (64 - rest) : 0;
+    const int mins = mh || m;
     __m512 acc[MAX_BF16_ROWS];
     for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t ch = 0; ch < chunks; ch++) {
@@ -257,14 +286,17 @@ static void row_dot_bf16(const qweight_t *w, int64_t n, const uint16_t *xp, int6
         __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
         __m512bh w0 = BH(_mm512_unpacklo_epi8(lo, top)), w1 = BH(_mm512_unpackhi_epi8(lo, top));
         __m512bh w2 = BH(_mm512_unpacklo_epi8(hi, top)), w3 = BH(_mm512_unpackhi_epi8(hi, top));
-        __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * ch)));
+        __m512 sv = factors4(sh, s, ch, G), mv = mins ? factors4(mh, m, ch, G) : _mm512_setzero_ps();
         for (int64_t r = 0; r < M; r++) {
-            const uint16_t *xc = xp + r * stride + ch * CHUNK;
-            __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, BH(_mm512_loadu_si512(xc)));
-            part = _mm512_dpbf16_ps(part, w1, BH(_mm512_loadu_si512(xc + 32)));
-            part = _mm512_dpbf16_ps(part, w2, BH(_mm512_loadu_si512(xc + 64)));
-            part = _mm512_dpbf16_ps(part, w3, BH(_mm512_loadu_si512(xc + 96)));
+            const uint16_t *xc = xr[r].xp + ch * CHUNK;
+            // two independent chains of two, then the offset's share taken away lane by lane
+            __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, BH(_mm512_loadu_si512(xc)));
+            __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w2, BH(_mm512_loadu_si512(xc + 64)));
+            p0 = _mm512_dpbf16_ps(p0, w1, BH(_mm512_loadu_si512(xc + 32)));
+            p1 = _mm512_dpbf16_ps(p1, w3, BH(_mm512_loadu_si512(xc + 96)));
+            __m512 part = _mm512_sub_ps(_mm512_add_ps(p0, p1), _mm512_loadu_ps(xr[r].cx4 + 16 * ch));
             acc[r] = _mm512_fmadd_ps(part, sv, acc[r]);
+            if (mins) acc[r] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xr[r].xs4 + 16 * ch), acc[r]);
         }
     }
     for (int64_t r = 0; r < M; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -285,16 +317,21 @@ static void row_dot_bf16(const qweight_t *w, int64_t n, const uint16_t *xp, int6
 void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
     const int64_t K = w->K, gs = w->gs, G = K / gs;
     const int bf16 = BF16_CODES && w->bits == 4 && gs == 32 && M <= MAX_BF16_ROWS;
-    const int64_t stride = (K + CHUNK - 1) / CHUNK * CHUNK;  // x's row in whole chunks
+    const int64_t chunks = (K + CHUNK - 1) / CHUNK;
     if (w->N * K * M < PARALLEL_WORK) threads = 1;
-    float *xs = NULL;  // per row of x and group: the sum of x's values (offset, minimum terms)
-    uint16_t *xp = NULL;
-    if (bf16) {
-        xs = (float *)malloc(M * G * sizeof(float));
-        xp = (uint16_t *)malloc(M * stride * sizeof(uint16_t));
+    float *xs = NULL;  // per group: the sum of x's values (offset and minimum terms)
+    bf16_row xr[MAX_BF16_ROWS];
+    if (bf16) {  // one buffer: each row of x's bf16 values and group sums
+        const int64_t each = chunks * (CHUNK * sizeof(uint16_t) + 32 * sizeof(float));
+        char *buf = (char *)malloc(M * each);
+        for (int64_t r = 0; r < M; r++) {
+            xr[r].xp = (uint16_t *)(buf + r * each);
+            xr[r].xs4 = (float *)(xr[r].xp + chunks * CHUNK);
+            xr[r].cx4 = xr[r].xs4 + chunks * 16;
 #if BF16_CODES
-        for (int64_t r = 0; r < M; r++) prepare_bf16(x + r * K, K, xp + r * stride, xs + r * G);
+            prepare_bf16(x + r * K, K, (float)(w->offset + 128), xr[r]);
 #endif
+        }
     } else if (M == 1) {
         xs = (float *)malloc(G * sizeof(float));
         for (int64_t g = 0; g < G; g++) {
@@ -305,23 +342,29 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
     }
 #pragma omp parallel num_threads(threads)
     {
-        float *s = (float *)calloc(stride / gs + 1, sizeof(float));  // zeros past G: see bf16
-        float *m = (float *)malloc(G * sizeof(float)), dots[MAX_BF16_ROWS];
-        float *row = M > 1 && !bf16 ? (float *)malloc(K * sizeof(float)) : NULL;
+        float *s = (float *)malloc(G * sizeof(float)), *m = (float *)malloc(G * sizeof(float));
+        float *row = M > 1 && !bf16 ? (float *)malloc(K * sizeof(float)) : NULL, dots[MAX_BF16_ROWS];
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < w->N; n++) {
-            row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
-            if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
             if (bf16) {
 #if BF16_CODES
-                row_dot_bf16(w, n, xp, stride, M, s, dots);
+                // fp16 factors are read in the loop; others (two-level, fp32) go through s, m
+                const uint16_t *sh = direct_fp16(w, w->scales, w->scale_kind, w->d, n, G);
+                const uint16_t *mh = direct_fp16(w, w->mins, w->min_kind, w->dmin, n, G);
+                if (!sh) row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
+                if (w->mins && !mh) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
+                const float *mf = w->mins && !mh ? m : NULL;
+                if (M == 1)  // the common case, with its row count known to the compiler
+                    row_dot_bf16(w, n, xr, 1, sh, s, mh, mf, dots);
+                else
+                    row_dot_bf16(w, n, xr, M, sh, s, mh, mf, dots);
 #endif
-                for (int64_t r = 0; r < M; r++) {
-                    const float *xsr = xs + r * G;
-                    float t = dots[r] - (float)(w->offset + 128) * dot(s, xsr, G);
-                    y[r * w->N + n] = w->mins ? t + dot(m, xsr, G) : t;
-                }
-            } else if (M == 1) {
+                for (int64_t r = 0; r < M; r++) y[r * w->N + n] = dots[r];
+                continue;
+            }
+            row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
+            if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
+            if (M == 1) {
                 y[n] = row_dot(w, n, x, xs, s, m);
             } else {
                 dequantize_row(w, n, s, m, row);
@@ -333,7 +376,7 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
         free(row);
     }
     free(xs);
-    free(xp);
+    if (bf16) free(xr[0].xp);
 }
 
 // Whether 4-bit codes multiply bf16-rounded x (this build has AVX512-BF16): tests pick their
