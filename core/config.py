@@ -65,6 +65,21 @@ class YarnRope(DefaultRope):
     truncate: bool = True  # round the correction range outward to whole dims
 
 
+@dataclass(frozen=True, kw_only=True)
+class LongRope(DefaultRope):
+    """LongRoPE (Phi-3's 128k models, Phi-3.5, Phi-4-mini): inv_freq_i = 1 / (factor_i *
+    theta ** (2i / dim)), with `short_factor` while a sequence stays within
+    original_max_position_embeddings and `long_factor` once it passes it. As in transformers, a
+    forward picks one set for all its tokens by its last position (per row here), so keys cached
+    by an earlier, shorter call keep the short set. cos and sin are multiplied by
+    `attention_factor` (sqrt(1 + ln(factor) / ln(original)) unless the config gives it)."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float = 1.0
+
+
 RopeSpec = DefaultRope  # every kind is a DefaultRope subclass
 
 

@@ -24,6 +24,7 @@ from core.config import (
     GQASpec,
     LinearRope,
     Llama3Rope,
+    LongRope,
     MoESpec,
     RMSNormSpec,
     RopeSpec,
@@ -74,6 +75,14 @@ class _Yarn(_Params):
     mscale_all_dim: float | None = None
     attention_factor: PositiveFloat | None = None  # None: derived from factor and the mscales
     truncate: bool = True
+
+
+class _LongRope(_Params):
+    short_factor: list[PositiveFloat]
+    long_factor: list[PositiveFloat]
+    original_max_position_embeddings: PositiveInt
+    factor: PositiveFloat | None = None  # None: max_position_embeddings / original
+    attention_factor: PositiveFloat | None = None  # None: derived from factor
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -138,6 +147,35 @@ def _yarn(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
     )
 
 
+def _longrope(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+    # transformers: a top-level original_max_position_embeddings (Phi-3 keeps it there) wins
+    # over the one in the rope parameters; absent both, max_position_embeddings
+    top = getattr(cfg, "original_max_position_embeddings", None)
+    p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
+    if top is not None:
+        p["original_max_position_embeddings"] = top
+    q = _LongRope(**p)
+    for name in ("short_factor", "long_factor"):
+        if len(getattr(q, name)) != dim // 2:
+            raise ConfigError(
+                f"rope_scaling: field '{name}' has {len(getattr(q, name))} values; the rope "
+                f"turns {dim} dims per head, so it needs {dim // 2} (one per frequency)"
+            )
+    old = q.original_max_position_embeddings
+    factor = q.factor if q.factor is not None else cfg.max_position_embeddings / old
+    attention_factor = q.attention_factor  # the same expressions as transformers
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+    return LongRope(
+        theta=theta,
+        dim=dim,
+        short_factor=tuple(q.short_factor),
+        long_factor=tuple(q.long_factor),
+        original_max_position_embeddings=old,
+        attention_factor=float(attention_factor),
+    )
+
+
 # rope kind -> builder(params, theta, rotary_dim, dto). Plugins extend this table for new kinds.
 ROPE_KINDS: dict[str, Callable[[dict, float, int, Any], RopeSpec]] = {
     "default": _default,
@@ -145,6 +183,7 @@ ROPE_KINDS: dict[str, Callable[[dict, float, int, Any], RopeSpec]] = {
     "dynamic": _dynamic,
     "llama3": _llama3,
     "yarn": _yarn,
+    "longrope": _longrope,
 }
 
 

@@ -138,7 +138,7 @@ class CausalLM(nn.Module):
         elif end is None:
             end = start_pos + t
         x = self.model.embed_tokens(input_ids)
-        tables = [rotary(start_pos, t, end) for rotary in self.rotaries]
+        tables = [rotary(start_pos, t, end, lengths) for rotary in self.rotaries]
         for i, layer in enumerate(self.model.layers):
             j = self.rope_of_layer[i]
             cos, sin = (None, None) if j is None else tables[j]

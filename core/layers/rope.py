@@ -11,7 +11,15 @@ import math
 import torch
 from torch import nn
 
-from core.config import DefaultRope, DynamicRope, LinearRope, Llama3Rope, RopeSpec, YarnRope
+from core.config import (
+    DefaultRope,
+    DynamicRope,
+    LinearRope,
+    Llama3Rope,
+    LongRope,
+    RopeSpec,
+    YarnRope,
+)
 
 
 def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
@@ -19,7 +27,8 @@ def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def inv_freq(spec: RopeSpec, seq_len: int | None = None) -> torch.Tensor:
-    """(dim/2,) fp32 inverse frequencies. `seq_len` matters only to dynamic NTK scaling."""
+    """(dim/2,) fp32 inverse frequencies. `seq_len` matters only to dynamic NTK scaling and
+    to LongRoPE (its long factors past original_max_position_embeddings)."""
     if isinstance(spec, LinearRope):
         return _base_inv_freq(spec.theta, spec.dim) / spec.factor
     if isinstance(spec, DynamicRope):
@@ -35,6 +44,11 @@ def inv_freq(spec: RopeSpec, seq_len: int | None = None) -> torch.Tensor:
         return _llama3_inv_freq(spec)
     if isinstance(spec, YarnRope):
         return _yarn_inv_freq(spec)
+    if isinstance(spec, LongRope):  # transformers' _compute_longrope_parameters' expression
+        long = seq_len is not None and seq_len > spec.original_max_position_embeddings
+        ext = torch.tensor(spec.long_factor if long else spec.short_factor, dtype=torch.float32)
+        shape = torch.arange(0, spec.dim, 2, dtype=torch.int64).float() / spec.dim
+        return 1.0 / (ext * spec.theta**shape)
     if type(spec) is DefaultRope:
         return _base_inv_freq(spec.theta, spec.dim)
     raise TypeError(f"no inverse frequencies for rope spec {type(spec).__name__}")
@@ -75,8 +89,9 @@ def _yarn_inv_freq(spec: YarnRope) -> torch.Tensor:
 
 
 def attention_factor(spec: RopeSpec) -> float:
-    """The factor cos and sin are multiplied by (YaRN's temperature); 1 for the other kinds."""
-    return spec.attention_factor if isinstance(spec, YarnRope) else 1.0
+    """The factor cos and sin are multiplied by (YaRN's and LongRoPE's temperature); 1 for the
+    other kinds."""
+    return spec.attention_factor if isinstance(spec, YarnRope | LongRope) else 1.0
 
 
 def cos_sin(inv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,24 +100,39 @@ def cos_sin(inv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, t
     return freqs.cos(), freqs.sin()
 
 
+def _table(spec: RopeSpec, max_seq_len: int, seq_len: int | None = None):
+    cos, sin = cos_sin(inv_freq(spec, seq_len), torch.arange(max_seq_len))
+    if attention_factor(spec) != 1.0:  # fp32 product, as transformers scales its table
+        cos, sin = cos * attention_factor(spec), sin * attention_factor(spec)
+    return cos, sin
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin table for positions [0, max_seq_len); slices it per forward."""
+    """Holds the cos/sin table for positions [0, max_seq_len); slices it per forward.
+    LongRoPE holds a second table, of its long factors (`cos_long`, `sin_long`)."""
 
     def __init__(self, spec: RopeSpec, max_seq_len: int, device: torch.device | str):
         super().__init__()
         self.spec = spec
-        cos, sin = cos_sin(inv_freq(spec), torch.arange(max_seq_len))
-        if attention_factor(spec) != 1.0:  # fp32 product, as transformers scales its table
-            cos, sin = cos * attention_factor(spec), sin * attention_factor(spec)
+        cos, sin = _table(spec, max_seq_len)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
+        if isinstance(spec, LongRope):
+            cos, sin = _table(spec, max_seq_len, spec.original_max_position_embeddings + 1)
+            self.register_buffer("cos_long", cos.to(device), persistent=False)
+            self.register_buffer("sin_long", sin.to(device), persistent=False)
 
     def forward(
-        self, start_pos: int | torch.Tensor, length: int, end: int
+        self,
+        start_pos: int | torch.Tensor,
+        length: int,
+        end: int,
+        lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions start_pos .. start_pos+length-1: (1, length, dim/2) for an int
         start_pos, (B, length, dim/2) for per-row (B,) positions. `end` is the largest position
-        + 1 in the batch."""
+        + 1 in the batch; `lengths`, (B,) real tokens per right-padded row, matters only to
+        LongRoPE (which picks its table by each row's last real position)."""
         spec = self.spec
         per_row = isinstance(start_pos, torch.Tensor)
         if isinstance(spec, DynamicRope) and end > spec.max_position_embeddings:
@@ -112,8 +142,26 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos_sin(inv_freq(spec, end), pos.flatten())
             shape = (-1, length, cos.shape[-1])
             return cos.to(self.cos.device).view(shape), sin.to(self.sin.device).view(shape)
+        if isinstance(spec, LongRope):
+            return self._longrope(start_pos, length, lengths)
         if per_row:
             pos = start_pos[:, None] + torch.arange(length, device=start_pos.device)
             return self.cos[pos], self.sin[pos]
         stop = start_pos + length
         return self.cos[None, start_pos:stop], self.sin[None, start_pos:stop]
+
+    def _longrope(self, start_pos, length: int, lengths: torch.Tensor | None):
+        """The short or the long table, by the last real position of the call (per row), as
+        transformers picks for a sequence alone: long once max(position) + 1 > original."""
+        old = self.spec.original_max_position_embeddings
+        if not isinstance(start_pos, torch.Tensor) and lengths is None:
+            stop = start_pos + length
+            cos, sin = (self.cos_long, self.sin_long) if stop > old else (self.cos, self.sin)
+            return cos[None, start_pos:stop], sin[None, start_pos:stop]
+        dev = self.cos.device
+        start = torch.as_tensor(start_pos, device=dev).reshape(-1)  # (B,) or (1,)
+        pos = start[:, None] + torch.arange(length, device=dev)  # (B or 1, T)
+        stop = start + (lengths.to(dev) if lengths is not None else length)
+        long = (stop > old)[:, None, None]  # (B, 1, 1): no host sync
+        cos = torch.where(long, self.cos_long[pos], self.cos[pos])
+        return cos, torch.where(long, self.sin_long[pos], self.sin[pos])
