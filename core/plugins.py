@@ -54,6 +54,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen3",
     "plugins.mistral",
     "plugins.smollm3",
+    "plugins.phi3",
     "plugins.deepseek",
     "plugins.mixtral",
     "plugins.qwen3_moe",
