@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from core import load_model
 from core.bench import _sync
+from core.quantize import weight_formats
 
 
 def timed_ms(fn, device: torch.device, repeat: int) -> list[float]:
@@ -79,7 +80,7 @@ def main() -> None:
     tokens = torch.tensor([1], device=dev)
     positions = torch.tensor([args.position], device=dev)
     end = args.position + 1
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.net.parameters())
+    weight_bytes = sum(nbytes for _, nbytes in weight_formats(model.net).values())
 
     with torch.inference_mode():
         step = lambda: model.step(tokens, positions, end)  # noqa: E731
@@ -98,7 +99,7 @@ def main() -> None:
             ids = tokens[:, None]
             seq = model.net.kv_cache.max_seq_len
             f_locals = {"self": model.net, "input_ids": ids, "start_pos": positions,
-                        "end": bucket(end, seq), "logits_at": None}  # fmt: skip
+                        "end": bucket(end, seq), "logits_at": None, "lengths": None}  # fmt: skip
             guard = guard_check_ms(model.net, f_locals)
     gbps = read_gbps(dev)
 
