@@ -252,6 +252,7 @@ class RuntimeConfig:
     moe: MoESpec | None = None  # None: a dense model
     embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)
     mtp_layers: int = 0  # checkpoint layers past num_layers (multi-token prediction): not loaded
+    logits_scale: float = 1.0  # the LM head's logits are multiplied by this (Granite: 1/scaling)
     # one attention spec per layer (any kind: a hybrid model mixes them); () = `attention` on
     # every layer, filled in here
     attention_layers: tuple[Any, ...] = ()

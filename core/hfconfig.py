@@ -356,6 +356,10 @@ class DecoderConfig(BaseModel):
         """The routed-experts MLP and the layers it replaces the dense MLP on; None: dense."""
         return None
 
+    def logits_scale(self) -> float:
+        """What the LM head's logits are multiplied by (1: as they come)."""
+        return 1.0
+
     def mtp_layers(self) -> int:
         """Extra checkpoint layers past num_hidden_layers that the model does not run."""
         return 0
@@ -393,4 +397,5 @@ class DecoderConfig(BaseModel):
             moe=self.moe_spec(),
             embedding=self.embedding_spec(),
             mtp_layers=self.mtp_layers(),
+            logits_scale=self.logits_scale(),
         )

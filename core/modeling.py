@@ -145,4 +145,6 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos, end, lengths)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        scale = self.config.logits_scale
+        return logits if scale == 1.0 else logits * scale

@@ -231,8 +231,8 @@ def test_plugins_resolve_in_a_spawned_process(tmp_path, monkeypatch):
         rows = pool.apply(describe_plugins)
     archs = {a for row in rows for a in row["registers"].get("architectures", [])}
     assert {"llama", "qwen2", "deepseek_v2", "spawned"} <= archs
-    missing = {"phi3", "gemma"} - archs
+    missing = {"granite", "gemma"} - archs
     assert not missing, (
-        f"{missing}: install the example packages: pip install -e examples/zoo-phi3 "
+        f"{missing}: install the example packages: pip install -e examples/zoo-granite "
         "-e examples/zoo-gemma"
     )

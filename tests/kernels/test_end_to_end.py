@@ -6,9 +6,9 @@ TRITON_INTERPRET=1, which kernel_harness sets) and still match transformers (fp3
   Llama 3.2 and 3.1 specs), through prefill, decode steps, greedy generation and greedy
   generation of a ragged batch.
 - Every architecture: the plugin parity suites (tests/plugins/test_*.py: Llama, Qwen2, Qwen3,
-  Mistral, SmolLM3,
+  Mistral, SmolLM3, Phi-3,
   DeepSeek V2 / V2-Lite / V3, Mixtral, Qwen3-MoE) and the example plugins' suites
-  (examples/*/tests: Phi-3, Gemma) re-run in a subprocess with ZOO_KERNELS=triton on the CPU
+  (examples/*/tests: Granite, Gemma) re-run in a subprocess with ZOO_KERNELS=triton on the CPU
   interpreter, keeping their prefill, decode, greedy and ragged-batch checks (`SUITES`: each
   named test must pass). A new architecture joins by adding its suite there, its tests named
   as the others'.
@@ -55,10 +55,16 @@ SUITES = {
     "tests/plugins/test_qwen3.py": PARITY_TESTS,  # q/k norm, sliding windows (ring buffers)
     "tests/plugins/test_mistral.py": PARITY_TESTS,  # a window on every layer
     "tests/plugins/test_smollm3.py": PARITY_TESTS,  # NoPE layers
+    # a window on every layer; longrope across its original length, partial rotary
+    "tests/plugins/test_phi3.py": [
+        *PARITY_TESTS,
+        "test_longrope_decode_crosses_the_original_length",
+        "test_longrope_greedy_across_the_original_length",
+    ],
     "tests/plugins/test_deepseek.py": PARITY_TESTS,
     "tests/plugins/test_mixtral.py": [*PARITY_TESTS, "test_sliding_window_matches_transformers"],
     "tests/plugins/test_qwen3_moe.py": [*PARITY_TESTS, "test_sliding_window_matches_transformers"],
-    "examples/zoo-phi3/tests/test_zoo_phi3.py": EXAMPLE_TESTS,
+    "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-gemma/tests/test_zoo_gemma.py": EXAMPLE_TESTS,
 }
 

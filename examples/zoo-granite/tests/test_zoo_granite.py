@@ -1,4 +1,4 @@
-"""zoo-phi3 against transformers' Phi3ForCausalLM on tiny random checkpoints (fp32).
+"""zoo-granite against transformers' GraniteForCausalLM on tiny random checkpoints (fp32).
 
 Self-contained: needs only zoo, transformers and this package installed (its entry point is how
 Zoo finds it).
@@ -17,9 +17,10 @@ from core.plugins import registry
 
 TOL = 1e-4  # max |error| / max |reference logit|, fp32: the bar every Zoo architecture meets
 
-# GQA (4 q heads, 2 kv heads), rope on half of each head (Phi-4-mini turns 0.75), untied head
-PHI3 = dict(
-    model_type="phi3",
+# Granite-3.x-style: GQA (4 q heads, 2 kv heads), untied head, every multiplier away from 1
+# (the 2B release: embedding 12, residual 0.22, attention 0.015625, logits 8)
+GRANITE = dict(
+    model_type="granite",
     vocab_size=96,
     hidden_size=64,
     intermediate_size=80,
@@ -27,24 +28,19 @@ PHI3 = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=128,
-    original_max_position_embeddings=128,
-    partial_rotary_factor=0.5,
     rope_theta=10000.0,
     rms_norm_eps=1e-5,
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.0625,
+    logits_scaling=8.0,
     tie_word_embeddings=False,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
 )
-# full rotary, multi-head attention, tied embeddings, and a window that never slides (the 128k
-# checkpoints carry sliding_window=262144)
-PHI3_TIED = dict(
-    PHI3,
-    num_key_value_heads=4,
-    partial_rotary_factor=1.0,
-    tie_word_embeddings=True,
-    sliding_window=1024,
-)
+# multi-head attention and tied embeddings (Granite 3.x ties them)
+GRANITE_TIED = dict(GRANITE, num_key_value_heads=4, tie_word_embeddings=True)
 
 
 def make_checkpoint(root, spec: dict, seed: int = 0):
@@ -65,7 +61,6 @@ def make_checkpoint(root, spec: dict, seed: int = 0):
     params = cfg.pop("rope_parameters")
     cfg.update(rope_theta=params["rope_theta"], rope_scaling=None, torch_dtype="bfloat16")
     cfg.pop("dtype", None)
-    cfg["partial_rotary_factor"] = params.get("partial_rotary_factor", 1.0)
     (root / "config.json").write_text(json.dumps(cfg))
     return root, model
 
@@ -76,16 +71,16 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def token_ids(b: int, t: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(
-        4, PHI3["vocab_size"], (b, t), generator=torch.Generator().manual_seed(seed)
+        4, GRANITE["vocab_size"], (b, t), generator=torch.Generator().manual_seed(seed)
     )
 
 
 def test_registered_through_the_entry_point():
-    arch = registry().architectures["phi3"]
-    assert arch.plugin == "zoo-phi3:phi3" and arch.config.__module__ == "zoo_phi3"
+    arch = registry().architectures["granite"]
+    assert arch.plugin == "zoo-granite:granite" and arch.config.__module__ == "zoo_granite"
 
 
-@pytest.mark.parametrize("spec", [PHI3, PHI3_TIED], ids=["partial-rotary-gqa", "tied-mha"])
+@pytest.mark.parametrize("spec", [GRANITE, GRANITE_TIED], ids=["gqa", "tied-mha"])
 @torch.no_grad()
 def test_matches_transformers(tmp_path, spec):
     root, ref = make_checkpoint(tmp_path, spec)
@@ -117,7 +112,7 @@ def test_ragged_batch_matches_transformers(tmp_path):
     """Prompts of unequal length in one batch (right-padded prefill, decode steps at per-row
     positions): each row's logits, then its greedy tokens and their logprobs, are
     transformers' for that row alone."""
-    root, ref = make_checkpoint(tmp_path, PHI3)
+    root, ref = make_checkpoint(tmp_path, GRANITE)
     m = load_model(root, device="cpu", dtype=torch.float32, max_seq_len=32, max_batch_size=2)
     rows = [token_ids(1, 12, seed=10)[0], token_ids(1, 12, seed=11)[0]]
     lengths = [5, 9]
@@ -149,17 +144,17 @@ def test_ragged_batch_matches_transformers(tmp_path):
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 4}}, ["'su'", "longrope"]),
-        ({"rope_scaling": {"rope_type": "longrope"}}, ["'longrope'", "default rope only"]),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ["'linear'", "Phi-3"]),
-        ({"sliding_window": 32}, ["sliding_window", "32", "max_position_embeddings"]),
-        ({"partial_rotary_factor": 0.1}, ["partial_rotary_factor", "even"]),
+        ({"residual_multiplier": 0}, ["residual_multiplier"]),
+        ({"logits_scaling": -1.0}, ["logits_scaling"]),
+        ({"hidden_size": None}, ["hidden_size"]),
+        ({"rope_scaling": {"rope_type": "mrope"}}, ["rope_scaling.rope_type", "'mrope'"]),
     ],
 )
-def test_unsupported_configs_are_refused(tmp_path, change, words):
-    root, _ = make_checkpoint(tmp_path, PHI3)
+def test_bad_configs_name_the_field(tmp_path, change, words):
+    root, _ = make_checkpoint(tmp_path, GRANITE)
     cfg = json.loads((root / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps({**cfg, **change}))
+    cfg = {k: v for k, v in {**cfg, **change}.items() if v is not None}
+    (root / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as err:
         load_model(root, device="cpu")
     assert all(w in str(err.value) for w in words), str(err.value)
