@@ -7,7 +7,7 @@ match no spec. Loading is lazy (on the first call to `registry()`), happens once
 
 Entry-point plugins can be chosen with two environment variables, read when plugins load:
 `ZOO_PLUGINS` (comma-separated allow-list; empty: none) and `ZOO_DISABLE_PLUGINS` (deny-list,
-which wins). Each name matches a distribution (`zoo-phi3`, any case, `-`/`_`/`.` alike), an
+which wins). Each name matches a distribution (`zoo-granite`, any case, `-`/`_`/`.` alike), an
 entry point's name, or the plugin's full name `dist:entry-point`. Built-ins always load.
 A plugin that fails to import, or whose hook raises, is skipped with a warning.
 """
