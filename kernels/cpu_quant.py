@@ -160,20 +160,22 @@ def _traceable(x: torch.Tensor, w: QuantWeight) -> bool:
     )
 
 
-# (format, in_features, the tensors' addresses) -> their C view: built once per weight, since
-# decode calls each weight once per token and the struct costs as much as a small product
-_descs: dict[tuple, ctypes.Structure] = {}
-
-
 def _desc(fmt, in_features: int, tensors) -> ctypes.Structure:
-    codes, scales, mins = tensors[:3]  # the key holds all that describe() reads
-    key = (fmt.name, in_features, codes.shape[0], scales.dtype, mins is not None and mins.dtype,
-           *(t.data_ptr() if t is not None else 0 for t in tensors))  # fmt: skip
-    desc = _descs.get(key)
-    if desc is None:
-        if len(_descs) > 4096:  # weights freed and their addresses reused: start afresh
-            _descs.clear()
-        desc = _descs[key] = describe(fmt, in_features, *tensors)
+    """The C view of a weight's tensors, kept on its codes tensor (a compiled step passes the
+    module's own buffers each call) and rebuilt when any of the five tensors is another object
+    than the view was built from: decode calls each weight once per token, and building the
+    struct costs as much as a small product."""
+    codes = tensors[0]
+    cached = getattr(codes, "_zoo_c_view", None)
+    if (
+        cached is not None
+        and cached[:2] == (in_features, fmt.name)
+        and all(a is b for a, b in zip(cached[2], tensors[1:], strict=True))
+    ):
+        return cached[3]
+    desc = describe(fmt, in_features, *tensors)
+    # the other tensors are held by reference so their addresses cannot be reused meanwhile
+    codes._zoo_c_view = (in_features, fmt.name, tensors[1:], desc)
     return desc
 
 
