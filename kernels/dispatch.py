@@ -195,7 +195,10 @@ def _resolve(op: str, mode: str, x: torch.Tensor) -> Callable:
 def pick(op: str, x: torch.Tensor) -> Callable:
     """The implementation of `op` for inputs like x under the current ZOO_KERNELS policy."""
     mode = os.environ.get(ENV) or "auto"
-    key = (op, mode, x.device, x.dtype, os.environ.get("TRITON_INTERPRET"))
+    if mode == "auto" and not x.is_cuda:  # the interpreter flag cannot change this choice
+        key = (op, mode, x.device.type, x.dtype)
+    else:
+        key = (op, mode, x.device, x.dtype, os.environ.get("TRITON_INTERPRET"))
     fn = _chosen.get(key)
     if fn is None:
         fn = _chosen[key] = _resolve(op, mode, x)
