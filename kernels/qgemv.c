@@ -216,8 +216,8 @@ static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float
 // group L's columns 8r..8r+7 (r = 0..3); x is permuted once per call to the same order.
 // A row of x as that loop reads it (see prepare_bf16):
 typedef struct {
-    uint16_t *xp;
-    float *xs4, *cx4;
+    uint16_t *xp;  // bf16(x) in the registers' order, zero-padded to whole chunks
+    float *xs;     // each group's sum of bf16(x), zero-padded to a multiple of 16 groups
 } bf16_row;
 
 #if defined(__AVX512BF16__)
@@ -226,77 +226,88 @@ typedef struct {
 #define BH(v) ((__m512bh)(v))
 #define MAX_BF16_ROWS 8
 
-// A row of x for the bf16 loop: xp, bf16(x) in the register order above, zero-padded
-// to whole chunks; per chunk, 16 lanes of a quarter of each group's sum of bf16(x) (lane 4L + i
-// holds group L's: the lanes of a group add up to its sum), times 1 (xs4, for the minimum) and
-// times the offset plus 128 (cx4, taken away from the dot products lane by lane).
-static void prepare_bf16(const float *x, int64_t K, float offset, bf16_row r) {
-    const int64_t chunks = (K + CHUNK - 1) / CHUNK;
-    memset(r.xp, 0, chunks * CHUNK * sizeof(uint16_t));
-    memset(r.xs4, 0, chunks * 16 * sizeof(float));
-    for (int64_t g = 0; g < K / 32; g++) {
-        const int64_t c = g / 4, lane = g % 4;
-        float sum = 0;
-        for (int64_t j = 0; j < 32; j++) {
-            uint32_t bits;
-            memcpy(&bits, x + g * 32 + j, 4);
-            bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even (x finite)
-            uint16_t h = (uint16_t)(bits >> 16);
-            r.xp[c * CHUNK + (j / 8) * 32 + lane * 8 + j % 8] = h;
-            bits = (uint32_t)h << 16;
-            float v;
-            memcpy(&v, &bits, 4);
-            sum += v;
+// x (K, a multiple of 32) -> r: per chunk, the four groups' bf16 values (a group is one
+// register of 32: blocks of 8 columns) transposed so that register j holds block j of each
+// group; the group sums come from the same rounded values (a dot product with ones).
+static void prepare_bf16(const float *x, int64_t K, bf16_row r) {
+    const int64_t G = K / 32, chunks = (K + CHUNK - 1) / CHUNK;
+    const __m512bh ones = BH(_mm512_set1_epi16(0x3F80));
+    memset(r.xs, 0, (G + 16) * sizeof(float));
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512i g[4];
+        for (int l = 0; l < 4; l++) {
+            const int64_t at = (4 * c + l) * 32;
+            if (4 * c + l < G) {  // vcvtne2ps2bf16: round to nearest even, high half first
+                g[l] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + at + 16),
+                                                     _mm512_loadu_ps(x + at));
+                r.xs[4 * c + l] = _mm512_reduce_add_ps(
+                    _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(g[l]), ones));
+            } else {
+                g[l] = _mm512_setzero_si512();
+            }
         }
-        for (int i = 0; i < 4; i++) r.xs4[c * 16 + lane * 4 + i] = sum * 0.25f;  // exact
+        // 4 x 4 transpose of 128-bit blocks: out j = (g0.j, g1.j, g2.j, g3.j)
+        __m512i t0 = _mm512_shuffle_i64x2(g[0], g[1], 0x44), t1 = _mm512_shuffle_i64x2(g[0], g[1], 0xEE);
+        __m512i t2 = _mm512_shuffle_i64x2(g[2], g[3], 0x44), t3 = _mm512_shuffle_i64x2(g[2], g[3], 0xEE);
+        uint16_t *out = r.xp + c * CHUNK;
+        _mm512_storeu_si512(out, _mm512_shuffle_i64x2(t0, t2, 0x88));
+        _mm512_storeu_si512(out + 32, _mm512_shuffle_i64x2(t0, t2, 0xDD));
+        _mm512_storeu_si512(out + 64, _mm512_shuffle_i64x2(t1, t3, 0x88));
+        _mm512_storeu_si512(out + 96, _mm512_shuffle_i64x2(t1, t3, 0xDD));
     }
-    for (int64_t i = 0; i < chunks * 16; i++) r.cx4[i] = offset * r.xs4[i];
+}
+
+// Sixteen groups' factors from g0 on, fp16 read straight from the weight (h) or fp32 from a
+// buffer (f), zero past the row's G groups.
+static inline __m512 factors16(const uint16_t *h, const float *f, int64_t g0, int64_t G) {
+    const int64_t left = G - g0;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    return h ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, h + g0))
+             : _mm512_maskz_loadu_ps(mask, f + g0);
 }
 
 // out[r] = sum_g s_g * (sum_j (128 + q_j) bf16(x_rj) - (offset + 128) xs_rg) + m_g xs_rg for
 // row n of W and the M <= 8 rows of x, in one vector accumulator per row of x (a single
-// horizontal sum each). s and m hold the row's group factors, padded with zeros to whole
-// chunks. A chunk's codes are unpacked once and serve every row of x.
-// Four groups' factors (chunk ch), fp16 read straight from the weight (h) or fp32 from a
-// buffer (f), masked past the row's G groups.
-static inline __m512 factors4(const uint16_t *h, const float *f, int64_t ch, int64_t G) {
-    const int64_t left = G - 4 * ch;
-    const __mmask8 mask = left >= 4 ? 0xF : (__mmask8)((1u << left) - 1);
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m128 v = h ? _mm_cvtph_ps(_mm_maskz_loadu_epi16(mask, h + 4 * ch))
-                 : _mm_maskz_loadu_ps(mask, f + 4 * ch);
-    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(v));
-}
-
+// horizontal sum each). The factors come 16 groups at a time: a chunk's four spread over its
+// lanes by one permute, and the offset and minimum terms as one multiply-add per 16 groups.
+// A chunk's codes are unpacked once and serve every row of x.
 static inline __attribute__((always_inline)) void row_dot_bf16(
     const qweight_t *w, int64_t n, const bf16_row *xr, int64_t M, const uint16_t *sh,
     const float *s, const uint16_t *mh, const float *m, float *out) {
-    const int64_t G = w->K / 32;
-    const int64_t K = w->K, full = K / CHUNK, chunks = (K + CHUNK - 1) / CHUNK;
+    const int64_t K = w->K, G = K / 32, full = K / CHUNK, chunks = (K + CHUNK - 1) / CHUNK;
     const uint8_t *c = (const uint8_t *)w->codes + n * (K / 2);
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x43);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512 shift = _mm512_set1_ps(-(float)(w->offset + 128));
     const int64_t rest = (K % CHUNK) / 2;  // bytes of codes in a last, partial chunk
     const __mmask64 tail = rest ? (__mmask64)-1 >> (64 - rest) : 0;
     const int mins = mh || m;
-    __m512 acc[MAX_BF16_ROWS];
+    __m512 acc[MAX_BF16_ROWS], sblock = _mm512_setzero_ps();
     for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t ch = 0; ch < chunks; ch++) {
+        if (ch % 4 == 0) {  // the next 16 groups: their offset and minimum terms
+            sblock = factors16(sh, s, 4 * ch, G);
+            __m512 mblock = mins ? factors16(mh, m, 4 * ch, G) : _mm512_setzero_ps();
+            for (int64_t r = 0; r < M; r++) {
+                __m512 xs = _mm512_loadu_ps(xr[r].xs + 4 * ch);
+                acc[r] = _mm512_fmadd_ps(sblock, _mm512_mul_ps(xs, shift), acc[r]);
+                if (mins) acc[r] = _mm512_fmadd_ps(mblock, xs, acc[r]);
+            }
+        }
         __m512i b = ch < full ? _mm512_loadu_si512(c + 64 * ch)
                               : _mm512_maskz_loadu_epi8(tail, c + 64 * ch);
         __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
         __m512bh w0 = BH(_mm512_unpacklo_epi8(lo, top)), w1 = BH(_mm512_unpackhi_epi8(lo, top));
         __m512bh w2 = BH(_mm512_unpacklo_epi8(hi, top)), w3 = BH(_mm512_unpackhi_epi8(hi, top));
-        __m512 sv = factors4(sh, s, ch, G), mv = mins ? factors4(mh, m, ch, G) : _mm512_setzero_ps();
+        __m512i idx = _mm512_add_epi32(spread, _mm512_set1_epi32(4 * (int)(ch % 4)));
+        __m512 sv = _mm512_permutexvar_ps(idx, sblock);
         for (int64_t r = 0; r < M; r++) {
             const uint16_t *xc = xr[r].xp + ch * CHUNK;
-            // two independent chains of two, then the offset's share taken away lane by lane
             __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, BH(_mm512_loadu_si512(xc)));
             __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w2, BH(_mm512_loadu_si512(xc + 64)));
             p0 = _mm512_dpbf16_ps(p0, w1, BH(_mm512_loadu_si512(xc + 32)));
             p1 = _mm512_dpbf16_ps(p1, w3, BH(_mm512_loadu_si512(xc + 96)));
-            __m512 part = _mm512_sub_ps(_mm512_add_ps(p0, p1), _mm512_loadu_ps(xr[r].cx4 + 16 * ch));
-            acc[r] = _mm512_fmadd_ps(part, sv, acc[r]);
-            if (mins) acc[r] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xr[r].xs4 + 16 * ch), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), sv, acc[r]);
         }
     }
     for (int64_t r = 0; r < M; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -322,14 +333,13 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
     float *xs = NULL;  // per group: the sum of x's values (offset and minimum terms)
     bf16_row xr[MAX_BF16_ROWS];
     if (bf16) {  // one buffer: each row of x's bf16 values and group sums
-        const int64_t each = chunks * (CHUNK * sizeof(uint16_t) + 32 * sizeof(float));
+        const int64_t each = chunks * CHUNK * sizeof(uint16_t) + (G + 16) * sizeof(float);
         char *buf = (char *)malloc(M * each);
         for (int64_t r = 0; r < M; r++) {
             xr[r].xp = (uint16_t *)(buf + r * each);
-            xr[r].xs4 = (float *)(xr[r].xp + chunks * CHUNK);
-            xr[r].cx4 = xr[r].xs4 + chunks * 16;
+            xr[r].xs = (float *)(xr[r].xp + chunks * CHUNK);
 #if BF16_CODES
-            prepare_bf16(x + r * K, K, (float)(w->offset + 128), xr[r]);
+            prepare_bf16(x + r * K, K, xr[r]);
 #endif
         }
     } else if (M == 1) {
