@@ -76,7 +76,9 @@ def split_pays(dtype: torch.dtype) -> bool:
     `dtype`: timed once per machine, (dtype, thread count) and torch version (~30 ms), and
     remembered in the cache folder (`~/.cache/zoo/cpu_split.json`), so that every process on a
     machine takes the same path: a verdict timed afresh in each process could differ with the
-    load of the moment, and with it a process's speed. `ZOO_CPU_SPLIT=0|1` decides instead.
+    load of the moment, and with it a process's speed. Only a decisive verdict is remembered
+    (the split at most 0.8x, or over 1x, F.linear's time); an undecided probe is timed again
+    by the next process. `ZOO_CPU_SPLIT=0|1` decides instead.
     Decode steps call it when they are built, so no request pays for it (and a compiled
     step's graph bakes the verdict in)."""
     blocks = threads()
@@ -98,7 +100,11 @@ def split_pays(dtype: torch.dtype) -> bool:
             with torch.inference_mode():
                 plain, split = _medians_s(lambda: F.linear(x, w), lambda: _split(x, w, blocks))
             _split_pays[key] = split < PROBE_MARGIN * plain
-            _remember(key, _split_pays[key])
+            if _split_pays[key] or split > plain:  # decisive either way: kept for the machine
+                _remember(key, _split_pays[key])
+            # in between (what a probe timed beside other busy processes tends to show: the
+            # split needs both threads at once), this process does without and the next one
+            # times it again, instead of a verdict of a loaded moment standing for good
     return _split_pays[key]
 
 
