@@ -97,9 +97,14 @@ class EmbeddingSpec:
 
 @dataclass(frozen=True)
 class RMSNormSpec:
-    """x / sqrt(mean(x^2) + eps) * weight, accumulated in fp32."""
+    """x / sqrt(mean(x^2) + eps) * (offset + weight), accumulated in fp32.
+
+    offset 0: Llama's rounding (normalise in fp32, cast back, then scale). offset 1: Gemma's
+    weight stored as a difference from 1, the whole product in fp32 and cast back at the end.
+    """
 
     eps: float
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,11 +192,12 @@ AttentionSpec = GQASpec | MLASpec
 
 @dataclass(frozen=True)
 class DenseMLPSpec:
-    """down(act(gate(x)) * up(x)); act is "silu" (SwiGLU)."""
+    """down(act(gate(x)) * up(x)); act is "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU with
+    the tanh approximation, Gemma)."""
 
     intermediate_size: int
     bias: bool = False
-    act: str = "silu"
+    act: Literal["silu", "gelu_tanh"] = "silu"
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,10 @@ class RuntimeConfig:
     embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)
     mtp_layers: int = 0  # checkpoint layers past num_layers (multi-token prediction): not loaded
     logits_scale: float = 1.0  # the LM head's logits are multiplied by this (Granite: 1/scaling)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2); None: off
+    # a norm on each sub-block's output before its residual add, besides the pre-norms
+    # (Gemma 2 / 3's sandwich: parameters attn_out_layernorm, post_feedforward_layernorm)
+    post_norms: bool = False
     # one attention spec per layer (any kind: a hybrid model mixes them); () = `attention` on
     # every layer, filled in here
     attention_layers: tuple[Any, ...] = ()

@@ -360,6 +360,14 @@ class DecoderConfig(BaseModel):
         """What the LM head's logits are multiplied by (1: as they come)."""
         return 1.0
 
+    def final_softcap(self) -> float | None:
+        """The soft-cap on the LM head's logits (None: none)."""
+        return None
+
+    def post_norms(self) -> bool:
+        """Whether each sub-block's output is normed before its residual add."""
+        return False
+
     def mtp_layers(self) -> int:
         """Extra checkpoint layers past num_hidden_layers that the model does not run."""
         return 0
@@ -398,4 +406,6 @@ class DecoderConfig(BaseModel):
             embedding=self.embedding_spec(),
             mtp_layers=self.mtp_layers(),
             logits_scale=self.logits_scale(),
+            final_softcap=self.final_softcap(),
+            post_norms=self.post_norms(),
         )

@@ -28,7 +28,9 @@ def build(spec: Any, *args: Any) -> nn.Module:
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). With `post_norms` each
+    sub-block's output is normed too before its residual add (Gemma 2 / 3):
+    h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))."""
 
     def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
@@ -39,6 +41,10 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
         mlp = cfg.layer_mlp(index)
         self.mlp = build(mlp, h, mlp)
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:  # the hub's post_attention_layernorm / post_feedforward_layernorm
+            self.attn_out_layernorm = build(cfg.norm, h, cfg.norm)
+            self.post_feedforward_layernorm = build(cfg.norm, h, cfg.norm)
 
     def forward(
         self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos, end: int, lengths=None
@@ -46,8 +52,10 @@ class DecoderBlock(nn.Module):
         """`cache`: this layer's cache tensors, as its attention kind lays them out;
         `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T; `lengths`:
         None, or (B,) real tokens per row of a right-padded prefill."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end, lengths)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end, lengths)
+        h = x + (self.attn_out_layernorm(a) if self.post_norms else a)
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + (self.post_feedforward_layernorm(m) if self.post_norms else m)
 
 
 class IgnoredNames:
@@ -146,5 +154,7 @@ class CausalLM(nn.Module):
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
         logits = self.lm_head(self.model.norm(x))
-        scale = self.config.logits_scale
-        return logits if scale == 1.0 else logits * scale
+        scale, cap = self.config.logits_scale, self.config.final_softcap
+        if scale != 1.0:
+            logits = logits * scale
+        return logits if cap is None else cap * torch.tanh(logits / cap)

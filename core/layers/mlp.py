@@ -1,6 +1,8 @@
-"""The gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one matmul."""
+"""The gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is SiLU
+(SwiGLU) or GELU with the tanh approximation (GeGLU)."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -14,6 +16,11 @@ class GatedMLP(nn.Module):
         i = spec.intermediate_size
         self.gate_up_proj = FusedLinear(hidden, {"gate": i, "up": i}, bias=spec.bias)
         self.down_proj = Linear(i, hidden, bias=spec.bias)
+        self.act = spec.act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.swiglu(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # (..., 2I): [gate | up]
+        if self.act == "silu":
+            return self.down_proj(kernels.swiglu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # GeGLU: no kernel of its own yet
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -1,4 +1,4 @@
-"""RMSNorm with fp32 accumulation."""
+"""RMSNorm with fp32 accumulation; Gemma's (offset + weight) form in fp32 throughout."""
 
 import torch
 from torch import nn
@@ -10,8 +10,13 @@ from core.config import RMSNormSpec
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, spec: RMSNormSpec):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = spec.eps
+        self.weight = nn.Parameter(torch.ones(dim) - spec.offset)  # identity at init
+        self.eps, self.offset = spec.eps, spec.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        if not self.offset:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        # Gemma: (offset + w) and the product in fp32, cast back once (the kernel's rounding
+        # casts before scaling); in fp32 the two agree
+        w = self.weight.float() + self.offset
+        return kernels.rms_norm(x.float(), w, self.eps).to(x.dtype)
