@@ -201,6 +201,16 @@ class DenseMLPSpec:
 
 
 @dataclass(frozen=True)
+class GLUSpec:
+    """gpt-oss's clamped SwiGLU: gate_up's rows alternate gate, up (2j, 2j + 1); gate is
+    clamped to at most `limit`, up to [-limit, limit]; out = (up + 1) * gate * sigmoid(alpha *
+    gate) (transformers' GptOssExperts._apply_gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
 class MoESpec:
     """Routed SwiGLU experts (+ optional always-on shared experts) on the listed layers.
 
@@ -225,6 +235,11 @@ class MoESpec:
     routed_scaling_factor: float = 1.0
     shared_bias: bool = False  # the shared experts' linear layers carry a bias
     act: str = "silu"
+    # gpt-oss: a bias on the router and on each routed expert's gate_up / down projections
+    bias: bool = False
+    # the routed experts' activation: None is SwiGLU, silu(gate) * up over [gate | up] rows;
+    # a GLUSpec is gpt-oss's clamped SwiGLU over interleaved (gate, up) rows
+    glu: GLUSpec | None = None
 
     @property
     def shared(self) -> DenseMLPSpec:

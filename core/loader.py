@@ -131,7 +131,7 @@ def plan_load(
             unexpected.append(name)
             continue
         index = () if shard is None else shards[shard]
-        want, got = tuple(p[index].shape), ckpt.shape(name)
+        want, got = tuple(_part(p, index).shape), ckpt.shape(name)
         if want != got:
             wrong.append(f"{name}: {list(got)} but the model needs {list(want)}")
             continue
@@ -141,10 +141,13 @@ def plan_load(
         plan.append((name, target, index))
     missing = []
     for pname, p in params.items():
-        need = set(getattr(p, "shards", None) or [None])
+        shards = getattr(p, "shards", None) or {None: ()}
+        need = {s for s, index in shards.items() if not callable(index)}
+        whole = {None} | {s for s, index in shards.items() if callable(index)}
         have = filled.get(pname, set())
-        # a fused parameter may also be stored whole (shard None), e.g. Phi-3's qkv_proj
-        if have != need and have != {None}:
+        # a fused parameter may also be stored whole (shard None), e.g. Phi-3's qkv_proj, or
+        # whole through a view shard (stacked experts stored transposed)
+        if have != need and not (len(have) == 1 and have <= whole):
             missing += [checkpoint_name(pname, s, weight_map) for s in sorted(need - have, key=str)]
     problems = [
         _listing(kind, items)
@@ -195,8 +198,14 @@ def load_weights(
         for n, p in net.named_parameters()
     )  # fmt: skip
     for name, target, index in _progress(plan, progress):
-        state[target][index].copy_(ckpt.read(name))
+        _part(state[target], index).copy_(ckpt.read(name))
     net.load_state_dict(state, strict=True, assign=True)
+
+
+def _part(p: torch.Tensor, index) -> torch.Tensor:
+    """The part of p a shard names: p[index], or index(p) for a view shard (a callable that
+    returns a view of the whole parameter, e.g. its transpose)."""
+    return index(p) if callable(index) else p[index]
 
 
 def _progress(plan: list, enabled: bool, desc: str = "loading weights") -> Iterator:

@@ -171,22 +171,41 @@ def mla_attention(
     return torch.einsum("bhts,bsr->bhtr", probs, latent.float()).to(q_lat.dtype)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: gate_up (..., 2I) holds interleaved (gate, up) pairs; gate is
+    clamped to <= limit, up to [-limit, limit]; (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: sum_k w[n,k] * expert[ids[n,k]](x[n]).
 
     x (N, H); topk_ids (N, K) int; topk_weights (N, K); gate_up (E, 2I, H) stacked [gate | up];
-    down (E, H, I). Returns (N, H) in x's dtype. Loops over the experts that received tokens.
+    down (E, H, I). Optional per-expert biases gate_up_bias (E, 2I), down_bias (E, H); `clamp`
+    = (alpha, limit) makes the activation `clamped_swiglu` over interleaved (gate, up) rows
+    (gpt-oss). Returns (N, H) in x's dtype. Loops over the experts that received tokens.
     """
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = swiglu(x[token] @ gate_up[e].T) @ down[e].T
+        h = x[token] @ gate_up[e].T
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e]
+        h = swiglu(h) if clamp is None else clamped_swiglu(h, *clamp)
+        h = h @ down[e].T
+        if down_bias is not None:
+            h = h + down_bias[e]
         out.index_add_(0, token, h * topk_weights[token, slot, None].to(x.dtype))
     return out
 

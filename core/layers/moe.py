@@ -1,7 +1,8 @@
 """Mixture of experts: a router, stacked routed experts, and optional shared experts.
 
-One layer for every MoE architecture (DeepSeek V2/V3, Mixtral, Qwen3-MoE); they differ only in
-their `MoESpec` (scoring, top-k method, renormalisation, shared experts).
+One layer for every MoE architecture (DeepSeek V2/V3, Mixtral, Qwen3-MoE, gpt-oss); they differ
+only in their `MoESpec` (scoring, top-k method, renormalisation, shared experts, biases, the
+activation).
 
 Hub checkpoints store each expert separately (`mlp.experts.7.gate_proj.weight`); the core keeps
 them stacked, `experts.gate_up_proj.weight` (E, 2I, H) and `experts.down_proj.weight` (E, H, I),
@@ -55,25 +56,32 @@ class Router(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
+        if spec.bias:  # gpt-oss: logits = x @ W.T + b
+            self.bias = nn.Parameter(torch.empty(spec.num_experts))
         if spec.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts))
             self.e_score_correction_bias.keep_fp32 = True  # small differences decide routing
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        b = getattr(self, "bias", None)
+        logits = F.linear(x.float(), self.weight.float(), None if b is None else b.float())
         bias = getattr(self, "e_score_correction_bias", None)
         return route(logits, self.spec, None if bias is None else bias.float())
 
 
 class StackedLinear(nn.Module):
     """E linear maps in one (E, out, in) weight. Shard "e" is expert e's whole matrix; with
-    named parts (gate, up), shard "e.gate" is its rows of that part."""
+    named parts (gate, up), shard "e.gate" is its rows of that part. Shard "T" is the whole
+    weight stored transposed, (E, in, out) (gpt-oss's checkpoints). With `bias`, an (E, out)
+    bias, filled whole."""
 
-    def __init__(self, num: int, in_features: int, out: int | dict[str, int]):
+    def __init__(self, num: int, in_features: int, out: int | dict[str, int], bias=False):
         super().__init__()
         parts = out if isinstance(out, dict) else None
         rows = sum(parts.values()) if parts else out
         self.weight = nn.Parameter(torch.empty(num, rows, in_features))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num, rows))
         shards = {}
         for e in range(num):
             if parts is None:
@@ -83,18 +91,32 @@ class StackedLinear(nn.Module):
             for name, size in parts.items():
                 shards[f"{e}.{name}"] = (e, slice(offset, offset + size))
                 offset += size
+        shards["T"] = _transposed  # a view: the loader writes through it
         self.weight.shards = shards
 
 
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(-1, -2)
+
+
 class Experts(nn.Module):
+    """The routed experts; gate_up's rows are [gate | up], or interleaved (gate, up) pairs
+    when `spec.glu` is set (gpt-oss keeps them so, and its activation reads them so)."""
+
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
-        i = spec.intermediate_size
-        self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i})
-        self.down_proj = StackedLinear(spec.num_experts, i, hidden)
+        i, b = spec.intermediate_size, spec.bias
+        self.glu = spec.glu
+        self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i}, b)
+        self.down_proj = StackedLinear(spec.num_experts, i, hidden, b)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return kernels.moe_experts(x, ids, weights, self.gate_up_proj.weight, self.down_proj.weight)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.glu is None and not hasattr(gate_up, "bias"):
+            return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight)
+        clamp = None if self.glu is None else (self.glu.alpha, self.glu.limit)
+        biases = (getattr(gate_up, "bias", None), getattr(down, "bias", None))
+        return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight, *biases, clamp)
 
 
 class MoE(nn.Module):

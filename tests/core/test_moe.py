@@ -136,9 +136,11 @@ def test_stacked_expert_shards_cover_each_expert_once():
     moe = MoE(12, spec(num_experts=3, intermediate_size=5))
     gate_up, down = moe.experts.gate_up_proj.weight, moe.experts.down_proj.weight
     assert tuple(gate_up.shape) == (3, 10, 12) and tuple(down.shape) == (3, 12, 5)
-    assert set(gate_up.shards) == {f"{e}.{p}" for e in range(3) for p in ("gate", "up")}
+    parts = {f"{e}.{p}" for e in range(3) for p in ("gate", "up")}
+    assert set(gate_up.shards) == parts | {"T"}  # "T": the whole weight, stored transposed
     assert gate_up[gate_up.shards["2.up"]].shape == (5, 12)
-    assert set(down.shards) == {"0", "1", "2"} and down[down.shards["1"]].shape == (12, 5)
+    assert gate_up.shards["T"](gate_up).shape == (3, 12, 10)
+    assert set(down.shards) == {"0", "1", "2", "T"} and down[down.shards["1"]].shape == (12, 5)
     assert not hasattr(moe, "shared_experts")  # num_shared_experts=0
 
 
