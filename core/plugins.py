@@ -57,6 +57,7 @@ BUILTIN_PLUGINS = (
     "plugins.phi3",
     "plugins.deepseek",
     "plugins.mixtral",
+    "plugins.gpt_oss",
     "plugins.qwen3_moe",
     "plugins.safetensors",
     "plugins.gguf",

@@ -14,6 +14,7 @@ from typing import Any
 from core.checkpoint import read_json
 from core.errors import CheckpointError
 from core.hookspecs import hookimpl
+from plugins import safetensors_mxfp4 as mxfp4
 from plugins.safetensors_fp8 import SCALE_SUFFIX, BlockFP8
 
 INDEX = "model.safetensors.index.json"
@@ -111,12 +112,20 @@ class SafetensorsCheckpoint:
                 f"{path / INDEX} names {len(absent)} tensor(s) no shard holds: "
                 f"{', '.join(absent[:5])}; the index and the shards do not match, re-download them"
             )
+        self._mxfp4 = False  # MXFP4 blocks + scales (gpt-oss): see plugins/safetensors_mxfp4.py
         self._fp8 = self._fp8_scheme()
 
     def _fp8_scheme(self) -> BlockFP8 | None:
-        """config.json's fp8 scheme, its tensors checked against it (None: no quantization)."""
+        """config.json's fp8 scheme, its tensors checked against it (None: no quantization,
+        or MXFP4, which sets `_mxfp4`)."""
         f = self.path / "config.json"
-        fp8 = BlockFP8.from_config(read_json(f), f) if f.is_file() else None
+        config = read_json(f) if f.is_file() else {}
+        qc = config.get("quantization_config") if isinstance(config, dict) else None
+        if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+            mxfp4.check({name: entry for name, (_, _, entry) in self._where.items()}, self.path)
+            self._mxfp4 = True
+            return None
+        fp8 = BlockFP8.from_config(config, f) if f.is_file() else None
         if fp8 is not None:
             fp8.check({name: entry for name, (_, _, entry) in self._where.items()}, self.path)
         return fp8
@@ -162,15 +171,22 @@ class SafetensorsCheckpoint:
         return read_json(f) if f.is_file() else {}
 
     def tensor_names(self) -> list[str]:
+        if self._mxfp4:  # the scales are read with their blocks
+            return [n for n in self._where if not n.endswith(mxfp4.SCALES)]
         if self._fp8 is None:
             return list(self._where)
         return [n for n in self._where if not n.endswith(SCALE_SUFFIX)]  # read with their weight
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in self._where[name][2]["shape"])
+        """The tensor's shape as `read` returns it (MXFP4 blocks: dequantized)."""
+        stored = tuple(int(d) for d in self._where[name][2]["shape"])
+        return mxfp4.shape(stored) if self._mxfp4 and name.endswith(mxfp4.BLOCKS) else stored
 
     def read(self, name: str):
         """The tensor in its stored dtype; an fp8 weight dequantized by its block scales, fp32."""
+        if self._mxfp4 and name.endswith(mxfp4.BLOCKS):
+            scales = self._read(name.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES)
+            return mxfp4.dequantize(self._read(name), scales)
         t = self._read(name)
         if self._fp8 is not None and name + SCALE_SUFFIX in self._where:
             return self._fp8.dequantize(t, self._read(name + SCALE_SUFFIX))
@@ -189,7 +205,8 @@ class SafetensorsCheckpoint:
             fh.seek(start + begin)
             if fh.readinto(memoryview(buf.numpy())) != end - begin:
                 raise CheckpointError(f"{f}: truncated while reading {name!r}; download it again")
-        return buf.view(getattr(torch, dtype)).reshape(self.shape(name))
+        stored = tuple(int(d) for d in entry["shape"])
+        return buf.view(getattr(torch, dtype)).reshape(stored)
 
     def close(self) -> None:
         self._where.clear()

@@ -1,0 +1,88 @@
+"""MXFP4 expert weights in a safetensors checkpoint, as openai/gpt-oss ships them.
+
+config.json declares them with `"quantization_config": {"quant_method": "mxfp4", ...}`; each
+quantized `X` is stored as `X_blocks` (..., G, 16) uint8, two fp4 (e2m1) codes a byte, low
+nibble first, and `X_scales` (..., G) uint8, one e8m0 exponent (biased by 127) per 32 values:
+
+    w[..., 32 g + 2 j + h] = FP4[nibble h of blocks[..., g, j]] * 2 ** (scales[..., g] - 127)
+
+The reader hides the `_scales` tensors and returns each `X_blocks` dequantized to fp32,
+(..., G * 32), by the same lookup table and ldexp as transformers'
+`convert_moe_packed_tensors` (bit-exact), less its final gpt-oss transpose: the weight map says
+where the (E, out, in) result goes. Weights are not kept 4-bit yet: MXFP4 has no QFormat in
+kernels/qweight.py, so a gpt-oss-20b's experts take 4x their stored bytes in bf16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCKS, SCALES = "_blocks", "_scales"
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def check(header: dict[str, dict], source: Path) -> None:
+    """Every `X_blocks` is U8 (..., G, 16) with a U8 `X_scales` (..., G), and every scale has
+    its blocks; one `CheckpointError` lists all the tensors at fault."""
+    problems = []
+    for name, entry in header.items():
+        if name.endswith(SCALES):
+            blocks = header.get(name.removesuffix(SCALES) + BLOCKS)
+            if blocks is None:
+                problems.append(f"{name!r} scales no {BLOCKS} tensor")
+            elif entry["dtype"] != "U8" or list(entry["shape"]) != list(blocks["shape"][:-1]):
+                problems.append(
+                    f"{name!r} is {entry['dtype']} {list(entry['shape'])}, not U8 of its blocks' "
+                    f"shape less the last dim ({list(blocks['shape'][:-1])})"
+                )
+        elif name.endswith(BLOCKS):
+            shape = list(entry["shape"])
+            if entry["dtype"] != "U8" or len(shape) < 2 or shape[-1] != 16:
+                problems.append(f"{name!r} is {entry['dtype']} {shape}, not U8 (..., G, 16)")
+            elif name.removesuffix(BLOCKS) + SCALES not in header:
+                problems.append(f"{name!r} has no {name.removesuffix(BLOCKS) + SCALES!r}")
+    if problems:
+        raise CheckpointError(
+            f"{source}: {len(problems)} MXFP4 tensor(s) do not fit quantization_config "
+            f"(quant_method mxfp4): {'; '.join(problems[:8])}"
+        )
+
+
+def shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dequantized shape of (..., G, 16) blocks: (..., G * 32)."""
+    return (*blocks_shape[:-2], blocks_shape[-2] * 32)
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(..., G, 16) uint8 codes and (..., G) uint8 e8m0 scales -> fp32 (..., G * 32)."""
+    import torch
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    out = torch.empty((*blocks.shape[:-1], 32), dtype=torch.float32)
+    out[..., 0::2] = lut[(blocks & 0x0F).int()]
+    out[..., 1::2] = lut[(blocks >> 4).int()]
+    torch.ldexp(out, (scales.int() - 127)[..., None], out=out)
+    return out.flatten(-2)

@@ -1,0 +1,200 @@
+"""gpt-oss parity against transformers on tiny random checkpoints (fp32).
+
+Window 6 on the even layers (shorter than the test sequences), full attention on the odd ones,
+non-zero sinks scaled up, q/k/v/o biases, YaRN with truncate false, router and expert biases,
+a clamp limit that bites (1.5: most gate/up values pass it), the interleaved gate_up tensor
+stored as transformers saves it ((E, H, 2I)), and an MXFP4 checkpoint (blocks + e8m0 scales,
+as released) checked against transformers' own MXFP4 dequantization.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_checkpoint
+from parity import (
+    check_batch_of_two,
+    check_decode,
+    check_greedy,
+    check_prefill,
+    check_ragged_batch,
+    ids,
+    rel_err,
+)
+from safetensors.torch import load_file, save_file
+
+from core import ConfigError, load_model
+from plugins.gpt_oss import GptOssConfig
+
+GPT_OSS = dict(
+    model_type="gpt_oss",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=6,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    swiglu_limit=1.5,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+        truncate=False, original_max_position_embeddings=32,
+    ),
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)  # fmt: skip
+VOCAB = GPT_OSS["vocab_size"]
+
+
+def make_gpt_oss(root, spec: dict = GPT_OSS):
+    root, ref = make_checkpoint(root, spec)
+    with torch.no_grad():  # sinks large enough to move the softmax visibly
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.mul_(10)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)  # (E, H, 2I)
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    return root, ref
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    root, ref = make_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+    return load_model(root, max_seq_len=64, max_batch_size=2), ref
+
+
+def test_prefill_logits_match(gpt_oss):
+    m, ref = gpt_oss
+    check_prefill(m, ref, ids(VOCAB, 2, 40))
+
+
+def test_decode_steps_match_full_sequence(gpt_oss):
+    m, ref = gpt_oss
+    check_decode(m, ref, ids(VOCAB, 1, 20), prefill=13)
+
+
+def test_greedy_tokens_identical(gpt_oss):
+    m, ref = gpt_oss
+    check_greedy(m, ref, ids(VOCAB, 1, 15, seed=3))
+
+
+def test_batch_of_two_equals_each_alone(gpt_oss):
+    m, ref = gpt_oss
+    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
+
+
+def test_ragged_batch_at_per_row_positions(gpt_oss):
+    m, ref = gpt_oss
+    check_ragged_batch(m, ref, VOCAB, lengths=(4, 16), steps=3, new=8)
+
+
+def test_runtime_config_follows_the_hub_keys(gpt_oss):
+    m, _ = gpt_oss
+    cfg = m.config
+    assert [a.window for a in cfg.attention_layers] == [6, None, 6]
+    assert all(a.sinks and a.qkv_bias and a.o_bias for a in cfg.attention_layers)
+    assert cfg.rope.truncate is False and cfg.rope.factor == 4.0
+    assert cfg.moe.bias and cfg.moe.glu.limit == 1.5 and cfg.moe.glu.alpha == 1.702
+
+
+def test_defaults_are_transformers(tmp_path):
+    """No layer_types / rope keys: even layers slide by 128, YaRN 32x from 4096, untruncated."""
+    from transformers import GptOssConfig as HF
+
+    hf = HF()
+    raw = dict(model_type="gpt_oss", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+               num_hidden_layers=4, num_attention_heads=hf.num_attention_heads,
+               intermediate_size=hf.intermediate_size)  # fmt: skip
+    cfg = GptOssConfig.from_dict(raw).to_runtime()
+    windows = [a.window for a in cfg.attention_layers]
+    assert windows == [hf.sliding_window, None, hf.sliding_window, None]
+    assert (cfg.rope.theta, cfg.rope.factor, cfg.rope.truncate) == (150000.0, 32.0, False)
+    assert cfg.rope.original_max_position_embeddings == 4096
+    assert cfg.attention.head_dim == hf.head_dim and cfg.attention.num_kv_heads == 8
+    assert (cfg.moe.num_experts, cfg.moe.top_k) == (hf.num_local_experts, hf.num_experts_per_tok)
+    assert (cfg.moe.glu.alpha, cfg.moe.glu.limit) == (hf.swiglu_alpha, hf.swiglu_limit)
+
+
+def test_bad_config_names_the_field():
+    raw = dict(GPT_OSS)
+    del raw["hidden_size"]
+    with pytest.raises(ConfigError, match="hidden_size"):
+        GptOssConfig.from_dict(raw)
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        GptOssConfig.from_dict(dict(GPT_OSS, num_experts_per_tok=5)).to_runtime()
+    with pytest.raises(ConfigError, match="swiglu_limit"):
+        GptOssConfig.from_dict(dict(GPT_OSS, swiglu_limit=-1))
+
+
+# --- MXFP4 ---------------------------------------------------------------------------------
+def _pack(rng: torch.Generator, shape: tuple[int, ...]):
+    """Random MXFP4 blocks (..., G, 16) uint8 and e8m0 scales (..., G) uint8 for an
+    (..., G * 32) weight; exponents 2^-3 .. 2^0 keep the model's activations moderate."""
+    *lead, cols = shape
+    blocks = torch.randint(0, 256, (*lead, cols // 32, 16), generator=rng, dtype=torch.uint8)
+    scales = torch.randint(124, 128, (*lead, cols // 32), generator=rng, dtype=torch.uint8)
+    return blocks, scales
+
+
+@torch.no_grad()
+def test_mxfp4_checkpoint_matches_transformers_dequantized(tmp_path):
+    """Experts stored as the released checkpoints store them: `_blocks` + `_scales` in the
+    (E, out, in) orientation, quantization_config {quant_method: mxfp4}. The reference model
+    takes transformers' own dequantization of the same bytes (convert_moe_packed_tensors)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    spec = dict(GPT_OSS, hidden_size=64, intermediate_size=32)
+    root, ref = make_gpt_oss(tmp_path, spec)
+    state = load_file(root / "model.safetensors")
+    rng = torch.Generator().manual_seed(5)
+    for i, layer in enumerate(ref.model.layers):
+        ex, key = layer.mlp.experts, f"model.layers.{i}.mlp.experts"
+        for name, shape in (("gate_up_proj", (4, 64, 64)), ("down_proj", (4, 64, 32))):
+            blocks, scales = _pack(rng, shape)  # (E, out, in / 32, 16)
+            getattr(ex, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            del state[f"{key}.{name}"]
+            state[f"{key}.{name}_blocks"], state[f"{key}.{name}_scales"] = blocks, scales
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (root / "config.json").write_text(json.dumps(cfg))
+    m = load_model(root, max_seq_len=64, max_batch_size=2)
+    want = ref.model.layers[1].mlp.experts.gate_up_proj.transpose(1, 2)
+    assert torch.equal(m.net.model.layers[1].mlp.experts.gate_up_proj.weight, want)
+    check_prefill(m, ref, ids(VOCAB, 2, 40))
+    check_greedy(m, ref, ids(VOCAB, 1, 15, seed=3))
+    # and the dequantized weights matter: a zeroed expert block moves the logits
+    w = m.net.model.layers[0].mlp.experts.down_proj.weight
+    saved = w.clone()
+    w.zero_()
+    m.reset()
+    x = ids(VOCAB, 1, 12)
+    assert rel_err(m.forward(x), ref(x).logits) > 1e-3
+    w.copy_(saved)
+
+
+def test_registry_shape_is_gpt_oss_20b():
+    """registry.yaml's `gpt-oss-20b` shape builds (on the meta device) the published 20.9B
+    model (OpenAI's model card: 21B parameters, 3.6B active)."""
+    from core.hub import named_models
+    from core.modeling import CausalLM
+
+    entry = named_models()["gpt-oss-20b"]
+    assert entry["repo"] == "openai/gpt-oss-20b"
+    cfg = GptOssConfig.from_dict(entry["shape"]).to_runtime()
+    assert [a.window for a in cfg.attention_layers[:2]] == [128, None]
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "20.9B"
