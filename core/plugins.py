@@ -55,6 +55,7 @@ BUILTIN_PLUGINS = (
     "plugins.mistral",
     "plugins.smollm3",
     "plugins.phi3",
+    "plugins.gemma",
     "plugins.deepseek",
     "plugins.mixtral",
     "plugins.gpt_oss",

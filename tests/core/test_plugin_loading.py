@@ -201,7 +201,7 @@ print(json.dumps({"calls": len(zoo_once.CALLS), "models": sorted(named_models())
     assert "already loaded as plugin 'zoo-once:first'" in got["skipped"]["zoo-once:second"]
 
 
-HEAVY = ("torch", "kernels", "triton", "core.modeling", "core.layers", "zoo_gemma.layers")
+HEAVY = ("torch", "kernels", "triton", "core.modeling", "core.layers", "zoo_stablelm.layers")
 
 
 def test_listing_imports_no_torch_and_no_kernels(tmp_path):
@@ -231,8 +231,8 @@ def test_plugins_resolve_in_a_spawned_process(tmp_path, monkeypatch):
         rows = pool.apply(describe_plugins)
     archs = {a for row in rows for a in row["registers"].get("architectures", [])}
     assert {"llama", "qwen2", "deepseek_v2", "spawned"} <= archs
-    missing = {"granite", "gemma"} - archs
+    missing = {"granite", "stablelm"} - archs
     assert not missing, (
         f"{missing}: install the example packages: pip install -e examples/zoo-granite "
-        "-e examples/zoo-gemma"
+        "-e examples/zoo-stablelm"
     )

@@ -1,4 +1,4 @@
-"""zoo-gemma against transformers' GemmaForCausalLM on tiny random checkpoints (fp32).
+"""zoo-stablelm against transformers' StableLmForCausalLM on tiny random checkpoints (fp32).
 
 Self-contained: needs only zoo, transformers and this package installed (its entry point is how
 Zoo finds it).
@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from zoo_gemma.config import GeGLUSpec, GemmaRMSNormSpec
-from zoo_gemma.layers import GeGLU, GemmaRMSNorm
+from zoo_stablelm.config import LayerNormSpec
+from zoo_stablelm.layers import LayerNorm
 
 from core import ConfigError, load_model
 from core.catalog import named_models
@@ -20,39 +20,45 @@ from core.plugins import registry
 
 TOL = 1e-4  # max |error| / max |reference logit|, fp32: the bar every Zoo architecture meets
 
-# gemma-2b's shape in miniature: one kv head, head_dim (16) != hidden / heads (12), tied head
-GEMMA = dict(
-    model_type="gemma",
+# stablelm-2-1_6b's shape in miniature: multi-head attention, q/k/v biases, rope on a quarter
+# of each head (4 of 16 dims), untied head
+STABLELM = dict(
+    model_type="stablelm",
     vocab_size=96,
-    hidden_size=48,
+    hidden_size=64,
     intermediate_size=80,
     num_hidden_layers=2,
     num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=16,
+    num_key_value_heads=4,
     max_position_embeddings=128,
-    rms_norm_eps=1e-6,
+    layer_norm_eps=1e-5,
     rope_theta=10000.0,
-    hidden_act="gelu_pytorch_tanh",
-    tie_word_embeddings=True,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=1,
+    partial_rotary_factor=0.25,
+    use_qkv_bias=True,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
 )
-# gemma-7b's: multi-head attention; untied here to cover a separate head
-GEMMA_MHA = dict(GEMMA, num_key_value_heads=4, tie_word_embeddings=False)
+# GQA, no biases, half the head rotated, tied head
+STABLELM_GQA = dict(
+    STABLELM,
+    num_key_value_heads=2,
+    use_qkv_bias=False,
+    partial_rotary_factor=0.5,
+    tie_word_embeddings=True,
+)
 
 
 def make_checkpoint(root, spec: dict, seed: int = 0):
     """A transformers model from `spec`, weights scaled up so a wrong op shows, saved with a
-    config.json in the key style of the released Gemma repos."""
+    config.json in the key style of the released StableLM 2 repos (transformers 4 keys)."""
     config = AutoConfig.for_model(**spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # Gemma stores w for (1 + w): keep it away from 0 too
+            if "norm" in name:  # LayerNorm weight and bias away from 1 and 0
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
@@ -60,13 +66,11 @@ def make_checkpoint(root, spec: dict, seed: int = 0):
     cfg = json.loads((root / "config.json").read_text())
     params = cfg.pop("rope_parameters")
     cfg.pop("dtype", None)
-    # the released configs: legacy hidden_act "gelu" plus hidden_activation, transformers 4 keys
     cfg.update(
         rope_theta=params["rope_theta"],
+        partial_rotary_factor=params["partial_rotary_factor"],
         rope_scaling=None,
         torch_dtype="bfloat16",
-        hidden_act="gelu",
-        hidden_activation="gelu_pytorch_tanh",
     )
     (root / "config.json").write_text(json.dumps(cfg))
     return root, model
@@ -78,45 +82,36 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def token_ids(b: int, t: int, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, GEMMA["vocab_size"], (b, t), generator=gen)
+    return torch.randint(3, STABLELM["vocab_size"], (b, t), generator=gen)
 
 
 def test_registered_through_the_entry_point():
     reg = registry()
-    assert reg.architectures["gemma"].plugin == "zoo-gemma:gemma"
-    assert reg.layers[GemmaRMSNormSpec].plugin == "zoo-gemma:gemma"
-    assert reg.layers[GeGLUSpec].module == "zoo_gemma.layers:GeGLU"
-    assert named_models()["gemma-2b-it"]["repo"] == "google/gemma-2b-it"  # zoo_register_models
+    assert reg.architectures["stablelm"].plugin == "zoo-stablelm:stablelm"
+    assert reg.layers[LayerNormSpec].plugin == "zoo-stablelm:stablelm"
+    assert reg.layers[LayerNormSpec].module == "zoo_stablelm.layers:LayerNorm"
+    assert named_models()["stablelm2-1.6b-chat"]["repo"] == "stabilityai/stablelm-2-1_6b-chat"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
-def test_layers_match_the_transformers_modules(dtype):
-    from transformers.models.gemma import modeling_gemma as tf
-
-    ref_norm = tf.GemmaRMSNorm(24, eps=1e-6).to(dtype)
-    ref_norm.weight.copy_(torch.rand(24) - 0.5)
-    norm = GemmaRMSNorm(24, GemmaRMSNormSpec(1e-6)).to(dtype)
-    norm.weight.copy_(ref_norm.weight)
+def test_layer_matches_the_transformers_module(dtype):
+    ref = torch.nn.LayerNorm(24, eps=1e-5).to(dtype)
+    ref.weight.copy_(torch.rand(24) + 0.5)
+    ref.bias.copy_(torch.rand(24) - 0.5)
+    norm = LayerNorm(24, LayerNormSpec(1e-5)).to(dtype)
+    norm.load_state_dict(ref.state_dict())
     x = torch.randn(5, 7, 24).to(dtype)  # odd shapes
-    assert torch.equal(norm(x), ref_norm(x))
-
-    config = AutoConfig.for_model("gemma", hidden_size=24, intermediate_size=40)
-    ref_mlp = tf.GemmaMLP(config).to(dtype)
-    mlp = GeGLU(24, GeGLUSpec(40)).to(dtype)
-    gate_up = torch.cat([ref_mlp.gate_proj.weight, ref_mlp.up_proj.weight])
-    mlp.gate_up_proj.weight.copy_(gate_up)
-    mlp.down_proj.weight.copy_(ref_mlp.down_proj.weight)
-    torch.testing.assert_close(mlp(x), ref_mlp(x))  # fused vs two matmuls: rounding only
+    assert torch.equal(norm(x), ref(x))
 
 
-@pytest.mark.parametrize("spec", [GEMMA, GEMMA_MHA], ids=["mqa-tied", "mha-untied"])
+@pytest.mark.parametrize("spec", [STABLELM, STABLELM_GQA], ids=["mha-bias", "gqa-tied"])
 @torch.no_grad()
 def test_matches_transformers(tmp_path, spec):
     root, ref = make_checkpoint(tmp_path, spec)
     m = load_model(root, device="cpu", dtype=torch.float32, max_seq_len=64, max_batch_size=2)
-    assert type(m.net.model.norm).__name__ == "GemmaRMSNorm"  # the plugin's own layers
-    assert type(m.net.model.layers[0].mlp).__name__ == "GeGLU"
+    assert type(m.net.model.norm).__name__ == "LayerNorm"  # the plugin's own layer
+    assert m.config.rope.dim == int(16 * spec["partial_rotary_factor"])
     x = token_ids(2, 14)
     want = ref(x).logits
     # prefill
@@ -144,7 +139,7 @@ def test_ragged_batch_matches_transformers(tmp_path):
     """Prompts of unequal length in one batch (right-padded prefill, decode steps at per-row
     positions): each row's logits, then its greedy tokens and their logprobs, are
     transformers' for that row alone."""
-    root, ref = make_checkpoint(tmp_path, GEMMA)
+    root, ref = make_checkpoint(tmp_path, STABLELM)
     m = load_model(root, device="cpu", dtype=torch.float32, max_seq_len=32, max_batch_size=2)
     rows = [token_ids(1, 12, seed=10)[0], token_ids(1, 12, seed=11)[0]]
     lengths = [5, 9]
@@ -173,23 +168,19 @@ def test_ragged_batch_matches_transformers(tmp_path):
         assert (lps - want).abs().max() <= 2 * TOL * logits.abs().max(), (lps, want)
 
 
-@torch.no_grad()
-def test_embedding_scale_is_rounded_to_the_model_dtype(tmp_path):
-    root, ref = make_checkpoint(tmp_path, GEMMA)
-    m = load_model(root, device="cpu", dtype=torch.bfloat16, max_seq_len=16)
-    x = token_ids(1, 8)
-    # transformers 5: embedding(ids) * embed_scale.to(weight dtype), scale = sqrt(hidden_size)
-    want = ref.to(torch.bfloat16).model.embed_tokens(x)
-    got = m.net.model.embed_tokens(x)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    raw = m.net.model.embed_tokens.weight[x].float()
-    unrounded = (raw * GEMMA["hidden_size"] ** 0.5).to(torch.bfloat16)  # sqrt(48) kept in fp32
-    assert not torch.equal(got, unrounded)
-
-
-def test_unknown_activation_is_refused(tmp_path):
-    root, _ = make_checkpoint(tmp_path, GEMMA)
+@pytest.mark.parametrize("field", ["qk_layernorm", "use_parallel_residual"])
+def test_unsupported_variants_are_refused(tmp_path, field):
+    root, _ = make_checkpoint(tmp_path, STABLELM)
     cfg = json.loads((root / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps({**cfg, "hidden_act": "relu"}))
-    with pytest.raises(ConfigError, match="hidden_act"):
+    (root / "config.json").write_text(json.dumps({**cfg, field: True}))
+    with pytest.raises(ConfigError, match=field):
+        load_model(root, device="cpu")
+
+
+def test_missing_key_is_named(tmp_path):
+    root, _ = make_checkpoint(tmp_path, STABLELM)
+    cfg = json.loads((root / "config.json").read_text())
+    del cfg["intermediate_size"]
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="intermediate_size"):
         load_model(root, device="cpu")

@@ -1,48 +1,58 @@
-"""Gemma's config.json -> Zoo's RuntimeConfig, as a delta of Llama 3. No torch here."""
+"""StableLM 2's config.json -> Zoo's RuntimeConfig, as a delta of Llama 3. No torch here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Annotated, Literal
 
-from pydantic import PositiveInt
+from pydantic import Field, PositiveFloat
 
-from core.config import EmbeddingSpec
+from core.config import GQASpec
+from core.errors import ConfigError
 from core.hfconfig import DecoderConfig
 
 
-# --- the layer kinds Gemma adds (their modules are in zoo_gemma/layers.py) -------------------
+# --- the layer kind StableLM adds (its module is in zoo_stablelm/layers.py) -------------------
 @dataclass(frozen=True)
-class GemmaRMSNormSpec:
-    """x / sqrt(mean(x^2) + eps) * (1 + weight), all in fp32, then cast back."""
+class LayerNormSpec:
+    """(x - mean(x)) / sqrt(var(x) + eps) * weight + bias: a LayerNorm, not an RMSNorm."""
 
     eps: float
 
 
-@dataclass(frozen=True)
-class GeGLUSpec:
-    """down(gelu_tanh(gate(x)) * up(x)), no biases."""
+class StableLmConfig(DecoderConfig):
+    """Defaults are transformers' StableLmConfig's."""
 
-    intermediate_size: int
+    model_type: Literal["stablelm"] = "stablelm"
+    # differs from llama3: LayerNorm (with a bias) everywhere, its own eps key
+    layer_norm_eps: PositiveFloat = 1e-5
+    # differs from llama3: rope turns only the first quarter of each head by default
+    partial_rotary_factor: Annotated[float, Field(gt=0, le=1)] = 0.25
+    use_qkv_bias: bool = False  # differs from llama3: q/k/v biases, o_proj none
+    # the StableLM variants Zoo's pre-norm block cannot run are refused by name
+    qk_layernorm: bool = False
+    use_parallel_residual: bool = False
 
+    def norm_spec(self) -> LayerNormSpec:
+        return LayerNormSpec(self.layer_norm_eps)
 
-class GemmaConfig(DecoderConfig):
-    """Defaults are transformers' GemmaConfig's."""
+    def attention_spec(self) -> GQASpec:
+        for name in ("qk_layernorm", "use_parallel_residual"):
+            if getattr(self, name):
+                raise ConfigError(
+                    f"config.json: field '{name}' is true, which zoo-stablelm does not run "
+                    "(StableLM 2 1.6B / Zephyr leave it false)"
+                )
+        return replace(super().attention_spec(), qkv_bias=self.use_qkv_bias, o_bias=False)
 
-    model_type: Literal["gemma"] = "gemma"
-    # differs from llama3: gelu with the tanh approximation; transformers reads the released
-    # configs' legacy "gelu" as tanh too, and `hidden_activation` (older key) the same way
-    hidden_act: Literal["gelu", "gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
-    hidden_activation: Literal["gelu", "gelu_pytorch_tanh"] | None = None
-    head_dim: PositiveInt = 256  # differs from llama3: explicit, not hidden / heads
-    tie_word_embeddings: bool = True
-
-    def norm_spec(self) -> GemmaRMSNormSpec:
-        return GemmaRMSNormSpec(self.rms_norm_eps)  # differs from llama3: scales by (1 + w)
-
-    def mlp_spec(self) -> GeGLUSpec:
-        return GeGLUSpec(self.intermediate_size)  # differs from llama3: GeGLU, not SwiGLU
-
-    def embedding_spec(self) -> EmbeddingSpec:
-        # differs from llama3: embeddings times sqrt(hidden_size), rounded to the model dtype
-        return EmbeddingSpec(scale=self.hidden_size**0.5)
+    def rope_dim(self) -> int:
+        # transformers 5 may move the factor into rope_parameters
+        _, params = self.rope_params()
+        factor = params.get("partial_rotary_factor") or self.partial_rotary_factor
+        dim = int(self.resolved_head_dim() * factor)
+        if dim < 2 or dim % 2:
+            raise ConfigError(
+                f"config.json: field 'partial_rotary_factor' ({factor}) gives {dim} rotary dims "
+                "per head; it needs an even number of at least 2"
+            )
+        return dim

@@ -1,33 +1,34 @@
-"""zoo-gemma's hooks: Gemma's layer kinds, the architecture, and a named model."""
+"""zoo-stablelm's hooks: StableLM's layer kind, the architecture, and a named model."""
 
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
-from zoo_gemma.config import GeGLUSpec, GemmaConfig, GemmaRMSNormSpec
+from zoo_stablelm.config import LayerNormSpec, StableLmConfig
 
-# differs from llama3: nothing; the checkpoint names are Llama's (q/k/v and gate/up fused)
+# differs from llama3: nothing; the checkpoint names are Llama's (q/k/v and gate/up fused), the
+# norms' biases reach the LayerNorm's `bias` by the same names
 WEIGHT_MAP = dict(LLAMA3_WEIGHT_MAP)
 
 
 @hookimpl
 def zoo_register_layers(registry):
-    # strings: torch is imported only when a model is built, never by `zoo plugins`
-    registry.add_layer(GemmaRMSNormSpec, "zoo_gemma.layers:GemmaRMSNorm")
-    registry.add_layer(GeGLUSpec, "zoo_gemma.layers:GeGLU")
+    # a string: torch is imported only when a model is built, never by `zoo plugins`
+    registry.add_layer(LayerNormSpec, "zoo_stablelm.layers:LayerNorm")
 
 
 @hookimpl
 def zoo_register_architectures(registry):
-    registry.add_architecture("gemma", GemmaConfig, WEIGHT_MAP)
+    registry.add_architecture("stablelm", StableLmConfig, WEIGHT_MAP)
 
 
 @hookimpl
 def zoo_register_models(registry):
     registry.add_model(
-        "gemma-2b-it",
-        repo="google/gemma-2b-it",  # gated: accept the license on the hub, then set HF_TOKEN
+        "stablelm2-1.6b-chat",
+        repo="stabilityai/stablelm-2-1_6b-chat",
         revision="main",
-        architecture="gemma",
+        architecture="stablelm",
         dtype="bfloat16",
-        params="2.51B",
-        notes="Gemma 2B instruct (gated repo: needs a hub token); from the zoo-gemma plugin",
+        params="1.64B",
+        notes="StableLM 2 1.6B chat (LayerNorm, rope on a quarter of each head, q/k/v biases); "
+        "from the zoo-stablelm plugin",
     )
