@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.cpu_quant import library
+from kernels.cpu_quant import _built, library
 
 OPS = (
     "rms_norm",
@@ -95,12 +95,27 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """reference.attention for one query per row (decode) with a window, soft-cap or sinks, in
-    one call (the reference builds a mask, or runs its matmul-and-softmax path). Plain decode
-    stays on SDPA: its batched products beat this one-key-at-a-time loop at short contexts
-    (16 vs 22 us at 100 tokens, SmolLM2's heads) and tie at 1000; prefill stays on it too."""
-    features = window is not None or softcap is not None or sinks is not None
-    lib = _lib(q, k, v) if q.shape[2] == 1 and features else None
+    """reference.attention, one query per row (decode) as one C call: eager with a window,
+    soft-cap or sinks (the reference builds a mask, or runs its matmul-and-softmax path; plain,
+    SDPA's batched products beat this one-key-at-a-time loop at short contexts, 16 against 22
+    us at 100 tokens with SmolLM2's heads), and always inside a compiled decode step, through
+    the custom op `zoo::decode_attention`: there the reference multiplies the whole cache
+    bucket (256 slots or more), the C loop only each row's own positions. Prefill stays on the
+    reference."""
+    if q.shape[2] == 1 and q.dtype == torch.float32 and q.device.type == "cpu":
+        if torch.compiler.is_compiling():
+            if isinstance(start_pos, torch.Tensor) and (_built or [None])[0] is not None:
+                return _decode_attention_op(q, k, v, start_pos, scale, window, softcap, sinks)
+        elif window is not None or softcap is not None or sinks is not None:
+            out = _decode(q, k, v, start_pos, scale, window, softcap, sinks)
+            if out is not None:
+                return out
+    return reference.attention(q, k, v, start_pos, scale, window, softcap, sinks)
+
+
+def _decode(q, k, v, start_pos, scale, window, softcap, sinks) -> torch.Tensor | None:
+    """The C decode attention, or None where these inputs do not fit it."""
+    lib = _lib(q, k, v)
     per_row = isinstance(start_pos, torch.Tensor)
     ok = (
         lib is not None
@@ -109,7 +124,7 @@ def attention(
         and (not per_row or start_pos.device.type == "cpu")
     )
     if not ok:
-        return reference.attention(q, k, v, start_pos, scale, window, softcap, sinks)
+        return None
     b, hq, _, d = q.shape
     hk, s, dv = k.shape[1], k.shape[2], v.shape[-1]
     out = q.new_empty(b, hq, 1, dv)
@@ -124,3 +139,26 @@ def attention(
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+@torch.library.custom_op("zoo::decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One-query attention for a compiled step (the C call; the reference where it cannot)."""
+    out = _decode(q, k, v, start_pos, scale, window, softcap, sinks)
+    if out is None:
+        out = reference.attention(q, k, v, start_pos, scale, window, softcap, sinks).contiguous()
+    return out
+
+
+@_decode_attention_op.register_fake
+def _(q, k, v, start_pos, scale, window, softcap, sinks):
+    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])

@@ -76,3 +76,21 @@ def test_decode_attention(window, softcap, sinks, per_row):
     got = cpu_ops.attention(*args)
     # the same softmax, its sums in another order (docs/kernels.md's attention row)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_decode_attention_inside_a_compiled_step(monkeypatch):
+    """A compiled decode step (per-row positions, a cache bucket longer than any row) reaches
+    the C loop through zoo::decode_attention, with the reference's result."""
+    calls = []
+    real = cpu_ops._decode
+    monkeypatch.setattr(cpu_ops, "_decode", lambda *a: calls.append(1) or real(*a))
+    b, hq, hk, d = 2, 4, 2, 16
+    q = randn(b, hq, 1, d)
+    k, v = randn(b, hk, 32, d, seed=1), randn(b, hk, 32, d, seed=2)  # a bucket of 32 slots
+    start = torch.tensor([5, 12])
+    step = torch.compile(lambda *a: cpu_ops.attention(*a, d**-0.5), fullgraph=True)
+    got = step(q, k, v, start)
+    torch.testing.assert_close(
+        got, reference.attention(q, k, v, start, d**-0.5), atol=2e-6, rtol=1e-5
+    )
+    assert calls  # the op ran the C loop, not the reference's bucket-wide matmuls
