@@ -83,3 +83,19 @@ def test_chunked_prefill_longer_than_the_window(mistral):
     m.reset()
     got = [m.forward(x[:, :5], 0), m.forward(x[:, 5:14], 5), m.forward(x[:, 14:], 14)]
     assert rel_err(torch.cat(got, dim=1), ref(x).logits) < TOL
+
+
+def test_compiled_greedy_past_the_window(tmp_path):
+    """The compiled decode step on sliding layers (their ring caches, per-row positions, the
+    cache bucket longer than the ring): a ragged batch of two generates past the window, prompts
+    2-3x its length, the tokens transformers generates for each row."""
+    root, ref = make_checkpoint(tmp_path, MISTRAL_V01)
+    m = load_model(root, max_seq_len=64, max_batch_size=2, compile=True)
+    m.eos_token_ids = set()
+    prompts = [ids(VOCAB, 1, n, seed=n)[0].tolist() for n in (13, 18)]
+    got = m.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    assert m.step.compiled is not None
+    for prompt, res in zip(prompts, got, strict=True):
+        kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want = ref.generate(torch.tensor([prompt]), **kw)
+        assert res.token_ids == want[0, len(prompt) :].tolist()
