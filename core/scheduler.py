@@ -21,6 +21,7 @@ import torch
 from core.generation import GenerationResult, TokenLogprob
 from core.model import Model
 from core.sampling import SamplingParams
+from core.server_metrics import RequestClock, ServerMetrics
 
 log = logging.getLogger("zoo.server")
 GATHER_S = 0.005  # once a request waits, how long others may take to join its wave
@@ -44,6 +45,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # set by the handler (client gone); read by the token loop
+    clock: RequestClock | None = None  # set by Scheduler.submit (for /metrics)
 
     def emit(self, kind: str, value: Any = None) -> None:
         """From the scheduler thread: ("token", TokenLogprob) | ("text", str) |
@@ -57,8 +59,9 @@ class Job:
 class Scheduler:
     """The thread that owns the model and runs queued jobs in waves of up to max_batch_size."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, metrics: ServerMetrics | None = None):
         self.model = model
+        self.metrics = metrics or ServerMetrics("")
         self.max_batch_size = model.max_batch_size
         self.waiting: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.running: list[Job] = []
@@ -74,6 +77,7 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     def submit(self, job: Job) -> None:
+        job.clock = self.metrics.submitted()
         self.waiting.put(job)
 
     def _next_wave(self) -> list[Job] | None:
@@ -87,9 +91,11 @@ class Scheduler:
                 break
         if wave[-1] is None:
             for job in wave[:-1]:
+                self.metrics.dequeued(job.clock, running=False)
                 job.emit("error", ShuttingDown("the server is shutting down"))
             return None
         for job in wave:
+            self.metrics.dequeued(job.clock, running=not job.cancelled)
             if job.cancelled:
                 job.emit("error", Cancelled("the client went away before its request ran"))
         return [job for job in wave if not job.cancelled]
@@ -101,6 +107,7 @@ class Scheduler:
 
     def _run(self, wave: list[Job]) -> None:
         def on_token(row: int, token: int, logprob: TokenLogprob | None) -> None:
+            self.metrics.token(wave[row].clock)
             if logprob is not None and wave[row].stream:
                 wave[row].emit("token", logprob)
 
@@ -123,6 +130,7 @@ class Scheduler:
                     if wave[row].stream:
                         wave[row].emit("text", piece)
             for job, result in zip(wave, results, strict=True):
+                self.metrics.finished(job.clock, result)
                 job.emit("done", result)
             n = sum(len(r.token_ids) for r in results)
             log.debug(
@@ -131,6 +139,7 @@ class Scheduler:
         except Exception as err:  # answer every row of the batch, keep serving
             log.exception("zoo: a batch of %d requests failed", len(wave))
             for job in wave:
+                self.metrics.finished(job.clock, None)
                 job.emit("error", err)
         finally:
             self.running = []

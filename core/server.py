@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -28,6 +28,7 @@ from core.generation import GenerationResult, TokenLogprob
 from core.model import Model
 from core.sampling import SamplingParams
 from core.scheduler import Job, Scheduler
+from core.server_metrics import CONTENT_TYPE, ServerMetrics
 from core.server_schemas import (
     ApiError,
     ChatRequest,
@@ -140,7 +141,8 @@ def _encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
 
 def create_app(model: Model, name: str, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `model` as `name`; batches hold up to model.max_batch_size."""
-    scheduler = Scheduler(model)
+    metrics = ServerMetrics(name)
+    scheduler = Scheduler(model, metrics)
     tok = model.tokenizer
     created = int(time.time())
 
@@ -151,7 +153,7 @@ def create_app(model: Model, name: str, *, api_key: str | None = None) -> FastAP
         scheduler.stop()
 
     app = FastAPI(title="zoo", lifespan=lifespan)
-    app.state.scheduler = scheduler
+    app.state.scheduler, app.state.metrics = scheduler, metrics
     if api_key:
         app.add_middleware(_Auth, key=api_key)
 
@@ -182,13 +184,15 @@ def create_app(model: Model, name: str, *, api_key: str | None = None) -> FastAP
         """Context length and sampling values checked -> a Job. `names` maps SamplingParams
         fields to the request's (for errors)."""
         room = model.max_seq_len - len(ids)
+        # as vLLM: a max_tokens past the room is refused, not clipped (no max_tokens: the room)
         if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = f" + {names['max_new_tokens']} ({max_tokens})" if max_tokens is not None else ""
+            asked = f" + {names['max_new_tokens']} ({max_tokens})" if room >= 1 else ""
+            left = f": {room} tokens are left for the answer" if room >= 1 else ""
             raise ApiError(
                 400,
                 f"prompt ({len(ids)} tokens){asked} exceeds the context length "
-                f"({model.max_seq_len} tokens); shorten the prompt, ask for fewer tokens, or "
-                "restart zoo serve with a larger --max-seq-len",
+                f"({model.max_seq_len} tokens){left}; shorten the prompt, ask for fewer tokens, "
+                "or restart zoo serve with a larger --max-seq-len",
                 param=names["max_new_tokens"] if room >= 1 else None,
                 code="context_length_exceeded",
             )
@@ -221,6 +225,10 @@ def create_app(model: Model, name: str, *, api_key: str | None = None) -> FastAP
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
