@@ -23,6 +23,16 @@ from core.plugins import WeightMap
 log = logging.getLogger("zoo")
 
 
+def strip_prefix(name: str, weight_map: WeightMap) -> str | None:
+    """Apply the weight map's prefix rules: a key `"a.b.*"` renames every tensor under `a.b.`
+    to its value's prefix (`"model.*"`), or skips them all when its value is None (a
+    multimodal checkpoint's vision tower). Names under no rule come back unchanged."""
+    for key, target in weight_map.items():
+        if key.endswith(".*") and name.startswith(key[:-1]):
+            return None if target is None else target[:-1] + name[len(key) - 1 :]
+    return name
+
+
 def map_name(name: str, weight_map: WeightMap) -> tuple[str, str | None] | None:
     """Checkpoint tensor name -> (core parameter name, shard or None); None skips the tensor.
 
@@ -77,7 +87,7 @@ def checkpoint_name(param: str, shard: str | None, weight_map: WeightMap) -> str
     `model.layers.2.self_attn.k_proj.weight`: the name a user finds in their file."""
     module, _, leaf = param.rpartition(".")
     for key, target in weight_map.items():
-        if target is None:
+        if target is None or key.endswith(".*"):
             continue
         want_shard = None
         if isinstance(target, tuple):
@@ -121,7 +131,8 @@ def plan_load(
     plan, filled = [], defaultdict(set)
     unexpected, wrong, duplicate = [], [], []
     for name in ckpt.tensor_names():
-        mapped = None if name in ignore else map_name(name, weight_map)
+        local = strip_prefix(name, weight_map)  # None: under a skipped prefix
+        mapped = None if local is None or local in ignore else map_name(local, weight_map)
         if mapped is None:
             continue
         target, shard = mapped

@@ -18,7 +18,9 @@ from typing import Any
 from core.errors import CheckpointError, ConfigError, PluginError
 
 # checkpoint module path (integers as "{}") -> core module path, or (core path, shard name),
-# or None to skip the tensor. Anything not listed maps to itself.
+# or None to skip the tensor. Anything not listed maps to itself. A key ending in ".*" is a
+# prefix rule, applied first: "model.language_model.*": "model.*" renames everything under it,
+# "model.vision_tower.*": None skips it all (core.loader.strip_prefix).
 WeightMap = Mapping[str, "str | tuple[str, str] | None"]
 
 

@@ -1,5 +1,6 @@
 """The Gemma family: Gemma (`gemma`), Gemma 2 (`gemma2`) and Gemma 3's text model
-(`gemma3_text`), each a delta of the one before, Gemma a delta of Llama 3.
+(`gemma3_text`, and a multimodal `gemma3` config's `text_config`), each a delta of the one
+before, Gemma a delta of Llama 3.
 
 All three share the checkpoint names of Llama plus Gemma 2's sandwich norms, and three core
 kinds Llama does not use: the (1 + w) RMSNorm computed in fp32 (`RMSNormSpec(offset=1)`), the
@@ -137,6 +138,26 @@ class Gemma3TextConfig(Gemma2Config):
         )
 
 
+class Gemma3Config(Gemma3TextConfig):
+    """A multimodal Gemma 3 (`gemma3`, 4B and up): its `text_config` is the text model Zoo runs;
+    the vision tower and projector are skipped at load (GEMMA3_WEIGHT_MAP)."""
+
+    model_type: Literal["gemma3"] = "gemma3"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> Gemma3Config:
+        text = raw.get("text_config") if isinstance(raw, dict) else None
+        if not isinstance(text, dict):
+            raise ConfigError(
+                f"{source}: field 'text_config' is missing or not an object; a gemma3 config "
+                "describes its text model there"
+            )
+        # the top level's dtype and tying win (transformers reads them there); ids fill gaps
+        top = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in raw}
+        gaps = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
+        return super().from_dict({**gaps, **text, **top, "model_type": "gemma3"}, source)
+
+
 # differs from llama3: Gemma 2's norm after attention is stored as post_attention_layernorm,
 # the name the core gives the norm before the MLP (Gemma's pre_feedforward_layernorm)
 WEIGHT_MAP = dict(LLAMA3_WEIGHT_MAP)
@@ -146,9 +167,23 @@ GEMMA2_WEIGHT_MAP = {
     "model.layers.{}.pre_feedforward_layernorm": "model.layers.{}.post_attention_layernorm",
 }
 
+# a gemma3 checkpoint's text model under the hub's names (language_model.model.*) or
+# transformers 5's (model.language_model.*); the vision tower and projector are not run
+GEMMA3_WEIGHT_MAP = {
+    **GEMMA2_WEIGHT_MAP,
+    "language_model.model.*": "model.*",
+    "language_model.lm_head.*": "lm_head.*",
+    "model.language_model.*": "model.*",
+    "vision_tower.*": None,
+    "multi_modal_projector.*": None,
+    "model.vision_tower.*": None,
+    "model.multi_modal_projector.*": None,
+}
+
 
 @hookimpl
 def zoo_register_architectures(registry):
     registry.add_architecture("gemma", GemmaConfig, WEIGHT_MAP)
     registry.add_architecture("gemma2", Gemma2Config, GEMMA2_WEIGHT_MAP)
     registry.add_architecture("gemma3_text", Gemma3TextConfig, GEMMA2_WEIGHT_MAP)
+    registry.add_architecture("gemma3", Gemma3Config, GEMMA3_WEIGHT_MAP)

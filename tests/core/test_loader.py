@@ -11,7 +11,7 @@ from conftest import LLAMA31, LLAMA32
 from safetensors.torch import load_file, save_file
 
 from core import CheckpointError, ConfigError, load_model
-from core.loader import map_name
+from core.loader import map_name, strip_prefix
 from plugins.llama3 import WEIGHT_MAP
 
 
@@ -169,3 +169,13 @@ def test_unknown_model_type_lists_supported_and_suggests(checkpoint):
     msg = str(exc.value)
     assert "'lama'" in msg and "supported: " in msg and "Did you mean 'llama'" in msg
     assert "zoo plugins" in msg
+
+
+def test_prefix_rules_rename_or_skip_a_subtree():
+    wm = {"language_model.model.*": "model.*", "vision_tower.*": None}
+    assert strip_prefix("language_model.model.layers.3.mlp.up_proj.weight", wm) == (
+        "model.layers.3.mlp.up_proj.weight"
+    )
+    assert strip_prefix("vision_tower.encoder.layers.0.fc1.weight", wm) is None
+    assert strip_prefix("vision_towers.x.weight", wm) == "vision_towers.x.weight"  # whole parts
+    assert strip_prefix("model.norm.weight", wm) == "model.norm.weight"
