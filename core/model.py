@@ -195,13 +195,20 @@ class Model:
                 break
         return results if batch else results[0]
 
-    def stream(self, prompt: Prompt, **params: Any) -> TextStream:
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        on_token: Callable[[int, int, TokenLogprob | None], None] | None = None,
+        **params: Any,
+    ) -> TextStream:
         """Text pieces as they are generated; together they equal `generate(...).text`.
 
         The returned iterator's `.result` holds the `GenerationResult` once it is exhausted.
+        `on_token(row, token id, logprob)` sees each token before the text it makes is yielded.
         """
         with torch.inference_mode():
-            return TextStream(self.token_loop(*self._start([prompt], params)))
+            return TextStream(self.token_loop(*self._start([prompt], params), on_token=on_token))
 
 
 class TextStream(Iterator[str]):
