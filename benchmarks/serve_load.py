@@ -65,7 +65,10 @@ async def one(client: openai.AsyncOpenAI, model: str, ids: list[int], max_tokens
         )
         async for chunk in stream:
             now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].text:
+            # a text chunk, or the last one of an answer whose bytes never made a whole
+            # character (a token can be part of one): its first token came then
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice and (choice.text or (choice.finish_reason and last is None)):
                 if last is None:
                     out.ttft = now - t0
                 else:
@@ -76,7 +79,7 @@ async def one(client: openai.AsyncOpenAI, model: str, ids: list[int], max_tokens
                 out.prompt_tokens = chunk.usage.prompt_tokens
         out.latency = time.perf_counter() - t0
         out.ok = last is not None and out.output_len > 0
-        out.error = "" if out.ok else "no text or no usage in the stream"
+        out.error = "" if out.ok else "no finish_reason or no usage in the stream"
     except Exception as err:  # a failed request is counted, the run goes on
         out.error = f"{type(err).__name__}: {err}"
     return out
