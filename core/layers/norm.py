@@ -10,8 +10,10 @@ from core.config import RMSNormSpec
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, spec: RMSNormSpec):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim) - spec.offset)  # identity at init
-        self.eps, self.offset = spec.eps, spec.offset
+        # a plugin's own norm spec subclassing this module may know only eps (no offset)
+        offset = getattr(spec, "offset", 0.0)
+        self.weight = nn.Parameter(torch.ones(dim) - offset)  # identity at init
+        self.eps, self.offset = spec.eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.offset:
