@@ -5,6 +5,8 @@ Each takes a loaded Zoo model and the transformers model the checkpoint was save
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 TOL = 1e-4  # max |error| / max |reference logit|, fp32
@@ -109,3 +111,36 @@ def check_generated(ref, prompts: list[list[int]], results) -> None:
         want = logits.log_softmax(-1).gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
         got = torch.tensor([lp.logprob for lp in res.logprobs])
         assert (got - want).abs().max() <= 2 * TOL * logits.abs().max(), (got, want)
+
+
+class ParitySuite:
+    """The five checks above as tests: a module subclasses it (`class TestParity(ParitySuite)`),
+    sets `vocab` and the sizes that differ, and gives a `model` fixture returning (Zoo model,
+    transformers reference, ...). The names are what tests/kernels/test_end_to_end.py selects
+    to run each suite through the Triton kernels."""
+
+    vocab: int
+    prefill_len = 20  # tokens of the batch-of-two prefill
+    decode = (16, 10)  # (sequence, prefill): decoded one token at a time after the prefill
+    greedy_len, greedy_new = 7, 12  # prompt tokens, generated tokens
+    ragged: ClassVar[dict] = {}  # check_ragged_batch's lengths / steps / new
+
+    def test_prefill_logits_match(self, model):
+        m, ref = model[:2]
+        check_prefill(m, ref, ids(self.vocab, 2, self.prefill_len))
+
+    def test_decode_steps_match_full_sequence(self, model):
+        m, ref = model[:2]
+        check_decode(m, ref, ids(self.vocab, 1, self.decode[0]), prefill=self.decode[1])
+
+    def test_greedy_tokens_identical(self, model):
+        m, ref = model[:2]
+        check_greedy(m, ref, ids(self.vocab, 1, self.greedy_len, seed=3), n=self.greedy_new)
+
+    def test_batch_of_two_equals_each_alone(self, model):
+        m, ref = model[:2]
+        check_batch_of_two(m, ids(self.vocab, 2, 13), ref)
+
+    def test_ragged_batch_at_per_row_positions(self, model):
+        m, ref = model[:2]
+        check_ragged_batch(m, ref, self.vocab, **self.ragged)

@@ -17,11 +17,9 @@ import pytest
 import torch
 from conftest import hub_style, randomize
 from parity import (
-    check_batch_of_two,
-    check_decode,
+    ParitySuite,
     check_greedy,
     check_prefill,
-    check_ragged_batch,
     ids,
     rel_err,
 )
@@ -204,29 +202,15 @@ def deepseek(request, tmp_path_factory):
     return load_model(root, max_seq_len=64, max_batch_size=2), ref
 
 
-def test_prefill_logits_match(deepseek):
-    m, ref = deepseek
-    check_prefill(m, ref, ids(VOCAB, 2, 40))  # past original_max_position_embeddings
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
+    prefill_len = 40  # past original_max_position_embeddings
 
-def test_decode_steps_match_full_sequence(deepseek):
-    m, ref = deepseek
-    check_decode(m, ref, ids(VOCAB, 1, 16), prefill=10)
-
-
-def test_greedy_tokens_identical(deepseek):
-    m, ref = deepseek
-    check_greedy(m, ref, ids(VOCAB, 1, 7, seed=3))
-
-
-def test_batch_of_two_equals_each_alone(deepseek):
-    m, ref = deepseek
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(deepseek):
-    m, ref = deepseek
-    check_ragged_batch(m, ref, VOCAB)
+    @pytest.fixture
+    def model(self, deepseek):
+        return deepseek
 
 
 def test_cache_holds_the_latent_not_full_kv(deepseek):

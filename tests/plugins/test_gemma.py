@@ -8,16 +8,13 @@ beside a linearly scaled global theta, q/k norms), in the hub's key style and in
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 import torch
 from conftest import make_checkpoint
 from parity import (
-    check_batch_of_two,
-    check_decode,
-    check_greedy,
-    check_prefill,
-    check_ragged_batch,
+    ParitySuite,
     ids,
 )
 
@@ -121,29 +118,18 @@ def gemma(request, tmp_path_factory):
     return m, ref, request.param
 
 
-def test_prefill_logits_match(gemma):
-    m, ref, _ = gemma
-    check_prefill(m, ref, ids(VOCAB, 2, 20))  # 4x the window
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
+    prefill_len = 20  # 4x the window
+    decode = (24, 13)  # decode well past the window
+    greedy_len = 9  # generation past the window
+    ragged: ClassVar[dict] = dict(lengths=(4, 11), steps=3, new=6)
 
-def test_decode_steps_match_full_sequence(gemma):
-    m, ref, _ = gemma
-    check_decode(m, ref, ids(VOCAB, 1, 24), prefill=13)  # decode well past the window
-
-
-def test_greedy_tokens_identical(gemma):
-    m, ref, _ = gemma
-    check_greedy(m, ref, ids(VOCAB, 1, 9, seed=3), n=12)  # generation past the window
-
-
-def test_batch_of_two_equals_each_alone(gemma):
-    m, ref, _ = gemma
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(gemma):
-    m, ref, _ = gemma
-    check_ragged_batch(m, ref, VOCAB, lengths=(4, 11), steps=3, new=6)
+    @pytest.fixture
+    def model(self, gemma):
+        return gemma
 
 
 def test_layer_specs_read_as_transformers(gemma):

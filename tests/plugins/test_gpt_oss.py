@@ -10,16 +10,15 @@ as released) checked against transformers' own MXFP4 dequantization.
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 import torch
 from conftest import make_checkpoint
 from parity import (
-    check_batch_of_two,
-    check_decode,
+    ParitySuite,
     check_greedy,
     check_prefill,
-    check_ragged_batch,
     ids,
     rel_err,
 )
@@ -72,29 +71,18 @@ def gpt_oss(tmp_path_factory):
     return load_model(root, max_seq_len=64, max_batch_size=2), ref
 
 
-def test_prefill_logits_match(gpt_oss):
-    m, ref = gpt_oss
-    check_prefill(m, ref, ids(VOCAB, 2, 40))
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
+    prefill_len = 40
+    decode = (20, 13)
+    greedy_len = 15
+    ragged: ClassVar[dict] = dict(lengths=(4, 16), steps=3, new=8)
 
-def test_decode_steps_match_full_sequence(gpt_oss):
-    m, ref = gpt_oss
-    check_decode(m, ref, ids(VOCAB, 1, 20), prefill=13)
-
-
-def test_greedy_tokens_identical(gpt_oss):
-    m, ref = gpt_oss
-    check_greedy(m, ref, ids(VOCAB, 1, 15, seed=3))
-
-
-def test_batch_of_two_equals_each_alone(gpt_oss):
-    m, ref = gpt_oss
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(gpt_oss):
-    m, ref = gpt_oss
-    check_ragged_batch(m, ref, VOCAB, lengths=(4, 16), steps=3, new=8)
+    @pytest.fixture
+    def model(self, gpt_oss):
+        return gpt_oss
 
 
 def test_runtime_config_follows_the_hub_keys(gpt_oss):

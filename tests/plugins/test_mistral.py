@@ -3,16 +3,14 @@ sliding window (shorter than the test sequences, on every layer) and v0.3's none
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from conftest import make_checkpoint
 from parity import (
     TOL,
-    check_batch_of_two,
-    check_decode,
-    check_greedy,
-    check_prefill,
-    check_ragged_batch,
+    ParitySuite,
     ids,
     rel_err,
 )
@@ -50,29 +48,17 @@ def mistral(request, tmp_path_factory):
     return m, ref
 
 
-def test_prefill_logits_match(mistral):
-    m, ref = mistral
-    check_prefill(m, ref, ids(VOCAB, 2, 20))
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
+    decode = (24, 18)  # a prompt 3x the window, then past
+    greedy_len = 18
+    ragged: ClassVar[dict] = dict(lengths=(4, 15), steps=3, new=8)
 
-def test_decode_steps_match_full_sequence(mistral):
-    m, ref = mistral
-    check_decode(m, ref, ids(VOCAB, 1, 24), prefill=18)  # a prompt 3x the window, then past
-
-
-def test_greedy_tokens_identical(mistral):
-    m, ref = mistral
-    check_greedy(m, ref, ids(VOCAB, 1, 18, seed=3))
-
-
-def test_batch_of_two_equals_each_alone(mistral):
-    m, ref = mistral
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(mistral):
-    m, ref = mistral
-    check_ragged_batch(m, ref, VOCAB, lengths=(4, 15), steps=3, new=8)
+    @pytest.fixture
+    def model(self, mistral):
+        return mistral
 
 
 def test_chunked_prefill_longer_than_the_window(mistral):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import make_checkpoint
 from parity import (
-    check_batch_of_two,
+    ParitySuite,
     check_decode,
     check_greedy,
     check_prefill,
@@ -79,29 +79,15 @@ def mixtral(request, tmp_path_factory):
     return load_model(root, max_seq_len=64, max_batch_size=2), ref
 
 
-def test_prefill_logits_match(mixtral):
-    m, ref = mixtral
-    check_prefill(m, ref, ids(VOCAB, 2, 40))
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
+    prefill_len = 40
 
-def test_decode_steps_match_full_sequence(mixtral):
-    m, ref = mixtral
-    check_decode(m, ref, ids(VOCAB, 1, 16), prefill=10)
-
-
-def test_greedy_tokens_identical(mixtral):
-    m, ref = mixtral
-    check_greedy(m, ref, ids(VOCAB, 1, 7, seed=3))
-
-
-def test_batch_of_two_equals_each_alone(mixtral):
-    m, ref = mixtral
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(mixtral):
-    m, ref = mixtral
-    check_ragged_batch(m, ref, VOCAB)
+    @pytest.fixture
+    def model(self, mixtral):
+        return mixtral
 
 
 @torch.no_grad()

@@ -4,15 +4,13 @@ sequences on the layers from max_window_layers on."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from conftest import make_checkpoint
 from parity import (
-    check_batch_of_two,
-    check_decode,
-    check_greedy,
-    check_prefill,
-    check_ragged_batch,
+    ParitySuite,
     ids,
     rel_err,
 )
@@ -55,29 +53,18 @@ def qwen3(request, tmp_path_factory):
     return load_model(root, max_seq_len=64, max_batch_size=2), ref
 
 
-def test_prefill_logits_match(qwen3):
-    m, ref = qwen3
-    check_prefill(m, ref, ids(VOCAB, 2, 23))  # 23 > 4x the window
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
+    prefill_len = 23  # 23 > 4x the window
+    decode = (20, 13)  # decode past the window
+    greedy_len = 15  # a prompt 3x the window
+    ragged: ClassVar[dict] = dict(lengths=(4, 16), steps=3, new=8)
 
-def test_decode_steps_match_full_sequence(qwen3):
-    m, ref = qwen3
-    check_decode(m, ref, ids(VOCAB, 1, 20), prefill=13)  # decode past the window
-
-
-def test_greedy_tokens_identical(qwen3):
-    m, ref = qwen3
-    check_greedy(m, ref, ids(VOCAB, 1, 15, seed=3))  # a prompt 3x the window
-
-
-def test_batch_of_two_equals_each_alone(qwen3):
-    m, ref = qwen3
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(qwen3):
-    m, ref = qwen3
-    check_ragged_batch(m, ref, VOCAB, lengths=(4, 16), steps=3, new=8)
+    @pytest.fixture
+    def model(self, qwen3):
+        return qwen3
 
 
 def test_config_reads_qk_norm_head_dim_and_windows():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_checkpoint
 from parity import (
-    check_batch_of_two,
+    ParitySuite,
     check_decode,
     check_greedy,
     check_prefill,
@@ -87,29 +87,15 @@ def qwen3_moe(request, tmp_path_factory):
     return load_model(root, max_seq_len=64, max_batch_size=2), ref
 
 
-def test_prefill_logits_match(qwen3_moe):
-    m, ref = qwen3_moe
-    check_prefill(m, ref, ids(VOCAB, 2, 40))
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
+    prefill_len = 40
 
-def test_decode_steps_match_full_sequence(qwen3_moe):
-    m, ref = qwen3_moe
-    check_decode(m, ref, ids(VOCAB, 1, 16), prefill=10)
-
-
-def test_greedy_tokens_identical(qwen3_moe):
-    m, ref = qwen3_moe
-    check_greedy(m, ref, ids(VOCAB, 1, 7, seed=3))
-
-
-def test_batch_of_two_equals_each_alone(qwen3_moe):
-    m, ref = qwen3_moe
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(qwen3_moe):
-    m, ref = qwen3_moe
-    check_ragged_batch(m, ref, VOCAB)
+    @pytest.fixture
+    def model(self, qwen3_moe):
+        return qwen3_moe
 
 
 @torch.no_grad()

@@ -7,11 +7,7 @@ import pytest
 import torch
 from conftest import make_checkpoint
 from parity import (
-    check_batch_of_two,
-    check_decode,
-    check_greedy,
-    check_prefill,
-    check_ragged_batch,
+    ParitySuite,
     ids,
     rel_err,
 )
@@ -51,29 +47,14 @@ def smollm3(request, tmp_path_factory):
     return m, ref
 
 
-def test_prefill_logits_match(smollm3):
-    m, ref = smollm3
-    check_prefill(m, ref, ids(VOCAB, 2, 20))
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
 
+    vocab = VOCAB
 
-def test_decode_steps_match_full_sequence(smollm3):
-    m, ref = smollm3
-    check_decode(m, ref, ids(VOCAB, 1, 16), prefill=10)
-
-
-def test_greedy_tokens_identical(smollm3):
-    m, ref = smollm3
-    check_greedy(m, ref, ids(VOCAB, 1, 7, seed=3))
-
-
-def test_batch_of_two_equals_each_alone(smollm3):
-    m, ref = smollm3
-    check_batch_of_two(m, ids(VOCAB, 2, 13), ref)
-
-
-def test_ragged_batch_at_per_row_positions(smollm3):
-    m, ref = smollm3
-    check_ragged_batch(m, ref, VOCAB)
+    @pytest.fixture
+    def model(self, smollm3):
+        return smollm3
 
 
 def test_nope_layers_matter(smollm3):
