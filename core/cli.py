@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     sock = listen(args.host, args.port)
     model = _load(args, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
-    serve(model, args.model, sock, api_key=args.api_key)
+    serve(model, args.model, sock, api_key=args.api_key, max_queue=args.max_queue)
 
 
 def _download(args: argparse.Namespace) -> None:
@@ -373,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-seq-len", type=int, default=None, help="context per request (KV cache length)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="requests that may wait for a row; more get 503 with Retry-After (default: no bound)",
     )
     serve.add_argument(
         "--api-key",

@@ -31,6 +31,10 @@ class ShuttingDown(Exception):
     """Handed to requests still queued when the server stops."""
 
 
+class QueueFull(Exception):
+    """A request that found `max_queue` requests already waiting (the server answers 503)."""
+
+
 class Cancelled(Exception):
     """Handed to a request cancelled while it waited in the queue (it never runs)."""
 
@@ -59,11 +63,16 @@ class Job:
 class Scheduler:
     """The thread that owns the model and runs queued jobs in waves of up to max_batch_size."""
 
-    def __init__(self, model: Model, metrics: ServerMetrics | None = None):
+    def __init__(
+        self, model: Model, metrics: ServerMetrics | None = None, max_queue: int | None = None
+    ):
         self.model = model
         self.metrics = metrics or ServerMetrics("")
         self.max_batch_size = model.max_batch_size
+        self.max_queue = max_queue  # None: unbounded
         self.waiting: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.queued = 0  # jobs submitted and not yet taken into a wave
+        self._count = threading.Lock()
         self.running: list[Job] = []
         self._thread = threading.Thread(target=self._serve, name="zoo-scheduler", daemon=True)
 
@@ -77,6 +86,11 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     def submit(self, job: Job) -> None:
+        """Queue `job` (FIFO); QueueFull when max_queue jobs already wait."""
+        with self._count:
+            if self.max_queue is not None and self.queued >= self.max_queue:
+                raise QueueFull(f"{self.queued} requests are already waiting (--max-queue)")
+            self.queued += 1
         job.clock = self.metrics.submitted()
         self.waiting.put(job)
 
@@ -89,6 +103,8 @@ class Scheduler:
                 wave.append(self.waiting.get(timeout=max(deadline - time.monotonic(), 0)))
             except queue.Empty:
                 break
+        with self._count:
+            self.queued -= len(wave) - (wave[-1] is None)
         if wave[-1] is None:
             for job in wave[:-1]:
                 self.metrics.dequeued(job.clock, running=False)

@@ -27,7 +27,7 @@ from core.errors import RequestError, ZooError
 from core.generation import GenerationResult, TokenLogprob
 from core.model import Model
 from core.sampling import SamplingParams
-from core.scheduler import Job, Scheduler
+from core.scheduler import Job, QueueFull, Scheduler
 from core.server_metrics import CONTENT_TYPE, ServerMetrics
 from core.server_schemas import (
     ApiError,
@@ -42,6 +42,8 @@ from core.server_schemas import (
     model_list,
     validation_error,
 )
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)
 
 
 class _Auth:
@@ -139,10 +141,13 @@ def _encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
         raise ApiError(400, str(err), param=param) from None
 
 
-def create_app(model: Model, name: str, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `model` as `name`; batches hold up to model.max_batch_size."""
+def create_app(
+    model: Model, name: str, *, api_key: str | None = None, max_queue: int | None = None
+) -> FastAPI:
+    """The FastAPI app serving `model` as `name`; batches hold up to model.max_batch_size, and
+    at most `max_queue` requests wait (more: 503 with Retry-After)."""
     metrics = ServerMetrics(name)
-    scheduler = Scheduler(model, metrics)
+    scheduler = Scheduler(model, metrics, max_queue)
     tok = model.tokenizer
     created = int(time.time())
 
@@ -213,7 +218,11 @@ def create_app(model: Model, name: str, *, api_key: str | None = None) -> FastAP
         return Job(ids, params, stream=req.stream, loop=asyncio.get_running_loop())
 
     async def respond(job: Job, req, request: Request, reply: Reply, fmt: Callable):
-        scheduler.submit(job)
+        try:
+            scheduler.submit(job)
+        except QueueFull as err:
+            body = error_body(ApiError(503, f"the server is busy: {err}; retry shortly"))
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             reply.include_usage = usage
@@ -289,7 +298,14 @@ def listen(host: str, port: int) -> socket.socket:
         ) from None
 
 
-def serve(model: Model, name: str, sock: socket.socket, *, api_key: str | None = None) -> None:
+def serve(
+    model: Model,
+    name: str,
+    sock: socket.socket,
+    *,
+    api_key: str | None = None,
+    max_queue: int | None = None,
+) -> None:
     """Serve `model` as `name` on a socket from `listen` until Ctrl-C."""
     import uvicorn
 
@@ -299,6 +315,6 @@ def serve(model: Model, name: str, sock: socket.socket, *, api_key: str | None =
         f"{model.max_batch_size}, context {model.max_seq_len} tokens)",
         flush=True,
     )
-    app = create_app(model, name, api_key=api_key)
+    app = create_app(model, name, api_key=api_key, max_queue=max_queue)
     with suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after a clean stop
         uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])

@@ -110,3 +110,50 @@ def test_metrics_count_every_request_and_token(server, folder):  # noqa: F811
     assert after["vllm:time_to_first_token_seconds_sum"] > 0
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["vllm:num_preemptions_total"] == 0
+
+
+# --- the bounded queue (--max-queue) ---------------------------------------------------------
+def test_a_full_queue_is_503_with_retry_after(folder):  # noqa: F811
+    """max_queue=0: no request may wait, so every one is turned away at once (the counting
+    itself is the next test's)."""
+    import http.client
+
+    srv = Server(create_app(load_model(folder, max_seq_len=CONTEXT), "tiny", max_queue=0))
+    try:
+        conn = http.client.HTTPConnection(srv.url.removeprefix("http://"), timeout=30)
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+        conn.close()
+        assert resp.status == 503 and resp.getheader("Retry-After") == "1"
+        assert "already waiting" in err["message"] and "--max-queue" in err["message"]
+        assert srv.raw("GET", "/health", key=None) == (200, {"status": "ok"})
+    finally:
+        srv.close()
+
+
+def test_the_queue_counts_what_waits_and_frees_what_a_wave_takes():
+    """FIFO with a bound: the second of max_queue=1 is refused while the first waits; once a
+    wave has taken the first, the next one is let in."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from core.sampling import SamplingParams
+    from core.scheduler import Job, QueueFull, Scheduler
+
+    sched = Scheduler(SimpleNamespace(max_batch_size=2), max_queue=1)
+    loop = asyncio.new_event_loop()
+    job = lambda: Job([1, 2], SamplingParams(), stream=False, loop=loop)  # noqa: E731
+    try:
+        first = job()
+        sched.submit(first)
+        with pytest.raises(QueueFull, match="1 requests are already waiting"):
+            sched.submit(job())
+        assert sched._next_wave() == [first]  # the wave takes it (the thread's own call)
+        sched.submit(job())  # room again
+        assert sched.queued == 1
+    finally:
+        loop.close()
