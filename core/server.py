@@ -33,7 +33,9 @@ from core.server_schemas import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Reply,
+    TokenizeRequest,
     as_api_error,
     chat_logprobs,
     completion_logprobs,
@@ -243,13 +245,10 @@ def create_app(
     async def models():
         return model_list(name, model.max_seq_len, created)
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
-        check(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    def template_messages(given) -> list[dict]:
+        """Chat messages as the template takes them (content parts joined: text only)."""
         messages = []
-        for m in req.messages:
+        for m in given:
             msg = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
                 if any(part.type != "text" for part in m.content):
@@ -258,6 +257,42 @@ def create_app(
             messages.append(msg)
         if tok is None:
             raise RequestError(f"{model.path} has no tokenizer; use /v1/completions with ids")
+        return messages
+
+    def check_name(given: str | None) -> None:
+        if given is not None and given != name:
+            message = f"the model '{given}' does not exist; this server has '{name}'"
+            raise ApiError(404, message, param="model", code="model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's: the ids a completion (prompt) or chat (messages) request would run."""
+        check_name(req.model)
+        if req.messages is not None:
+            messages = template_messages(req.messages)
+            render = lambda: tok.apply_chat_template(messages, req.add_generation_prompt)  # noqa: E731
+            ids = _encoded(render, "messages")
+        elif tok is None:
+            raise RequestError(f"{model.path} has no tokenizer to encode a prompt with")
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": model.max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        """vLLM's: the text of token ids, special tokens kept."""
+        check_name(req.model)
+        ids = _encoded(lambda: model.encode_prompt(req.tokens), "tokens")  # checks the vocab
+        if tok is None:
+            raise RequestError(f"{model.path} has no tokenizer to decode with")
+        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        check(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        messages = template_messages(req.messages)
         # the template writes the special tokens; encode_prompt checks the ids against the vocab
         ids = _encoded(lambda: model.encode_prompt(tok.apply_chat_template(messages)), "messages")
         newer = req.max_completion_tokens is not None  # max_tokens' newer name wins

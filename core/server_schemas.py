@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.errors import ZooError
 from core.generation import GenerationResult, TokenLogprob
@@ -74,6 +74,30 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text `prompt` (special tokens added by default) or chat `messages`
+    (rendered by the model's template, which writes its own special tokens)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt
+    add_generation_prompt: bool = True  # for messages
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids -> their text (special tokens kept)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class CompletionRequest(_Request):
