@@ -85,6 +85,18 @@ class _LongRope(_Params):
     attention_factor: PositiveFloat | None = None  # None: derived from factor
 
 
+def routed_top_k(k: int, experts: int, experts_field: str) -> int:
+    """num_experts_per_tok, checked against the layer's expert count (`experts_field` names the
+    config key that holds it): a ConfigError naming both where a token would need more."""
+    if k > experts:
+        raise ConfigError(
+            f"config.json: field 'num_experts_per_tok' ({k}) exceeds {experts_field} "
+            f"({experts}): a token cannot be routed to more experts than the layer has; set it "
+            f"between 1 and {experts}"
+        )
+    return k
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature for a context stretched `scale` times (DeepSeek's form)."""
     if scale <= 1:

@@ -19,8 +19,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt
 
 from core.config import GLUSpec, GQASpec, MoESpec
-from core.errors import ConfigError
-from core.hfconfig import DecoderConfig
+from core.hfconfig import DecoderConfig, routed_top_k
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
@@ -69,15 +68,9 @@ class GptOssConfig(DecoderConfig):
 
     def moe_spec(self) -> MoESpec:
         e, k = self.num_local_experts, self.num_experts_per_tok
-        if k > e:
-            raise ConfigError(
-                f"config.json: field 'num_experts_per_tok' ({k}) exceeds num_local_experts "
-                f"({e}): a token cannot be routed to more experts than the layer has; set it "
-                f"between 1 and {e}"
-            )
         return MoESpec(
             num_experts=e,
-            top_k=k,
+            top_k=routed_top_k(k, e, "num_local_experts"),
             intermediate_size=self.intermediate_size,
             num_shared_experts=0,
             layers=tuple(range(self.num_hidden_layers)),

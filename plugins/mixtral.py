@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt
 
 from core.config import MoESpec
-from core.errors import ConfigError
+from core.hfconfig import routed_top_k
 from core.hookspecs import hookimpl
 from plugins.deepseek import STACKED_EXPERTS
 from plugins.mistral import WEIGHT_MAP as MISTRAL_WEIGHT_MAP
@@ -33,15 +33,9 @@ class MixtralConfig(MistralConfig):
 
     def moe_spec(self) -> MoESpec:
         e, k = self.num_local_experts, self.num_experts_per_tok
-        if k > e:
-            raise ConfigError(
-                f"config.json: field 'num_experts_per_tok' ({k}) exceeds num_local_experts "
-                f"({e}): a token cannot be routed to more experts than the layer has; set it "
-                f"between 1 and {e}"
-            )
         return MoESpec(
             num_experts=e,
-            top_k=k,
+            top_k=routed_top_k(k, e, "num_local_experts"),
             intermediate_size=self.intermediate_size,
             num_shared_experts=0,
             layers=tuple(range(self.num_hidden_layers)),

@@ -13,6 +13,7 @@ from pydantic import AliasChoices, Field, NonNegativeInt, PositiveInt
 
 from core.config import MoESpec
 from core.errors import ConfigError
+from core.hfconfig import routed_top_k
 from core.hookspecs import hookimpl
 from plugins.deepseek import ROUTED_EXPERTS
 from plugins.qwen3 import WEIGHT_MAP as QWEN3_WEIGHT_MAP
@@ -57,15 +58,9 @@ class Qwen3MoeConfig(Qwen3Config):
         e, k = self.num_experts, self.num_experts_per_tok
         if e == 0 or not layers:
             return None  # every MLP dense, as transformers builds it
-        if k > e:
-            raise ConfigError(
-                f"config.json: field 'num_experts_per_tok' ({k}) exceeds num_experts ({e}): a "
-                f"token cannot be routed to more experts than the layer has; set it between 1 "
-                f"and {e}"
-            )
         return MoESpec(
             num_experts=e,
-            top_k=k,
+            top_k=routed_top_k(k, e, "num_experts"),
             intermediate_size=self.moe_intermediate_size,
             num_shared_experts=0,
             layers=layers,
