@@ -106,6 +106,17 @@ def make_checkpoint(
     return root, model
 
 
+def save_in_memory_names(root: Path, ref, drop: tuple[str, ...] = ()) -> dict:
+    """Rewrite root's model.safetensors with the transformers model's in-memory state dict
+    (transformers 5 holds routed experts stacked, `mlp.experts.gate_up_proj` / `down_proj`,
+    where save_pretrained writes the hub's per-expert names), less `drop`; returns it."""
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in ref.state_dict().items() if k not in drop}
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    return state
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     """Factory fixture: checkpoint(spec, **kw) -> (folder, reference model)."""

@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from conftest import hub_style, randomize
+from conftest import hub_style, randomize, save_in_memory_names
 from parity import (
     ParitySuite,
     check_greedy,
@@ -379,7 +379,5 @@ def test_stacked_experts_as_transformers_5_names_them(tmp_path):
     """A checkpoint written from transformers 5's own state dict: routed experts stacked in
     `mlp.experts.gate_up_proj` / `down_proj` (no `.weight` leaf) fill the core's whole."""
     root, ref = make_deepseek(tmp_path, "v2-lite")
-    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    assert "model.layers.1.mlp.experts.gate_up_proj" in save_in_memory_names(root, ref)
     check_prefill(load_model(root, max_seq_len=32), ref, ids(VOCAB, 1, 20))

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import make_checkpoint
+from conftest import make_checkpoint, save_in_memory_names
 from parity import (
     ParitySuite,
     check_greedy,
@@ -59,9 +59,8 @@ def make_gpt_oss(root, spec: dict = GPT_OSS):
     with torch.no_grad():  # sinks large enough to move the softmax visibly
         for layer in ref.model.layers:
             layer.self_attn.sinks.mul_(10)
-    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    state = save_in_memory_names(root, ref)  # the scaled sinks; experts as transformers holds them
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)  # (E, H, 2I)
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
     return root, ref
 
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_checkpoint
+from conftest import make_checkpoint, save_in_memory_names
 from parity import (
     ParitySuite,
     check_decode,
@@ -51,13 +51,6 @@ CASES = {"top2-hub": (MIXTRAL, "hub"), "top1-stacked": (TOP1, "stacked")}
 VOCAB = MIXTRAL["vocab_size"]
 
 
-def stacked_tensors(root, ref) -> None:
-    """Rewrite model.safetensors with transformers 5's own parameter names."""
-    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
-
-
 def make_mixtral(root, spec: dict, layout: str = "hub"):
     root, ref = make_checkpoint(root, spec)
     cfg = json.loads((root / "config.json").read_text())
@@ -66,8 +59,8 @@ def make_mixtral(root, spec: dict, layout: str = "hub"):
     (root / "config.json").write_text(json.dumps(cfg))
     names = load_file(root / "model.safetensors")
     assert any(".block_sparse_moe.experts.0.w1.weight" in k for k in names)
-    if layout == "stacked":
-        stacked_tensors(root, ref)
+    if layout == "stacked":  # transformers 5's own parameter names
+        assert "model.layers.0.mlp.experts.gate_up_proj" in save_in_memory_names(root, ref)
     return root, ref
 
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_checkpoint
+from conftest import make_checkpoint, save_in_memory_names
 from parity import (
     ParitySuite,
     check_decode,
@@ -71,11 +71,8 @@ def make_qwen3_moe(root, spec: dict, layout: str = "hub"):
     names = load_file(root / "model.safetensors")
     assert any(".mlp.experts.0.gate_proj.weight" in k for k in names)
     if layout == "stacked":  # transformers 5's own parameter names
-        state = {k: v.contiguous() for k, v in ref.state_dict().items()}
-        if spec["tie_word_embeddings"]:
-            del state["lm_head.weight"]
-        assert "model.layers.1.mlp.experts.gate_up_proj" in state
-        save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+        tied = ("lm_head.weight",) if spec["tie_word_embeddings"] else ()
+        assert "model.layers.1.mlp.experts.gate_up_proj" in save_in_memory_names(root, ref, tied)
     return root, ref
 
 
