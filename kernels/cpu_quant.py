@@ -250,14 +250,15 @@ def _(codes, scales, mins, d, dmin, fmt, in_features):
 
 
 def _eager_desc(w: QuantWeight) -> ctypes.Structure | None:
-    """w's C view for eager calls, kept on the weight (rebuilt when `.to()` or `_apply` gave it
-    new tensors); None where the C kernel cannot take it."""
+    """w's C view (`_desc`'s) for eager calls, referenced from the weight itself so that the
+    hot path checks one identity instead of five (rebuilt when `.to()` or `_apply` gave it new
+    tensors); None where the C kernel cannot take it."""
     cached = w.__dict__.get("_c_view")
     if cached is not None and cached[0] is w.codes:
         return cached[1]
     if library() is None or w.fmt.group_of(w.in_features) % 16 or w.codes.device.type != "cpu":
         return None
-    desc = ctypes.byref(describe(w.fmt, w.in_features, *_tensors(w)))
+    desc = ctypes.byref(_desc(w.fmt, w.in_features, _tensors(w)))  # the one view of w
     w.__dict__["_c_view"] = (w.codes, desc)
     return desc
 

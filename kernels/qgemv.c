@@ -78,9 +78,8 @@ static void row_factors(const qweight_t *w, const void *small, int64_t kind,
 }
 
 // Row n's fp16 factors where the kernel can read them as stored (one level, fp16), else NULL.
-static inline const uint16_t *direct_fp16(const qweight_t *w, const void *p, int64_t kind,
-                                          const uint16_t *big, int64_t n, int64_t G) {
-    (void)w;
+static inline const uint16_t *direct_fp16(const void *p, int64_t kind, const uint16_t *big,
+                                          int64_t n, int64_t G) {
     return p && kind == 1 && !big ? (const uint16_t *)p + n * G : NULL;
 }
 
@@ -359,8 +358,8 @@ void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int thre
             if (bf16) {
 #if BF16_CODES
                 // fp16 factors are read in the loop; others (two-level, fp32) go through s, m
-                const uint16_t *sh = direct_fp16(w, w->scales, w->scale_kind, w->d, n, G);
-                const uint16_t *mh = direct_fp16(w, w->mins, w->min_kind, w->dmin, n, G);
+                const uint16_t *sh = direct_fp16(w->scales, w->scale_kind, w->d, n, G);
+                const uint16_t *mh = direct_fp16(w->mins, w->min_kind, w->dmin, n, G);
                 if (!sh) row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
                 if (w->mins && !mh) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
                 const float *mf = w->mins && !mh ? m : NULL;
