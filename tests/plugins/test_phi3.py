@@ -87,6 +87,10 @@ def phi3_checkpoint(root, spec: dict):
     return root, ref
 
 
+# the tests that only the LongRoPE model has a crossing for: run on that case alone
+LONGROPE_ONLY = pytest.mark.parametrize("phi3", ["phi4-mini-longrope"], indirect=True)
+
+
 @pytest.fixture(scope="module", params=list(SPECS))
 def phi3(request, tmp_path_factory):
     root, ref = phi3_checkpoint(tmp_path_factory.mktemp(request.param), SPECS[request.param])
@@ -115,6 +119,7 @@ def test_greedy_tokens_identical(phi3):
     check_greedy(m, ref, ids(VOCAB, 1, 3, seed=4), n=12)  # longrope: within 16, short
 
 
+@LONGROPE_ONLY
 @torch.no_grad()
 def test_longrope_greedy_across_the_original_length(phi3):
     """A prompt of 10, then 12 greedy tokens crossing position 16: Zoo's tokens are those of
@@ -122,9 +127,7 @@ def test_longrope_greedy_across_the_original_length(phi3):
     factors once its position passes 16; earlier keys keep the short ones). transformers'
     `generate` differs: Phi3ForCausalLM.prepare_inputs_for_generation drops the cache at the
     crossing and re-encodes the whole sequence with the long factors, which Zoo does not do."""
-    m, ref, name = phi3
-    if name != "phi4-mini-longrope":
-        pytest.skip("longrope only")
+    m, ref, _ = phi3
     prompt = ids(VOCAB, 1, 10, seed=3)
     out = ref(prompt, use_cache=True)
     want, cache = [], out.past_key_values
@@ -148,13 +151,12 @@ def test_ragged_batch_at_per_row_positions(phi3):
     check_ragged_batch(m, ref, VOCAB, lengths=(4, 18), steps=3, new=8)
 
 
+@LONGROPE_ONLY
 @torch.no_grad()
 def test_longrope_decode_crosses_the_original_length(phi3):
     """Prefill 10 tokens, then one at a time to 24: each step equals transformers' step with its
     cache (the factor set switches at position 16 for the new token's q and k only)."""
-    m, ref, name = phi3
-    if name != "phi4-mini-longrope":
-        pytest.skip("longrope only")
+    m, ref, _ = phi3
     x = ids(VOCAB, 1, 24, seed=5)
     out = ref(x[:, :10], use_cache=True)
     want, cache = [out.logits], out.past_key_values
