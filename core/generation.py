@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.sampling import SamplingParams, next_tokens, penalizes, sampler_groups
+from core.structured import Constraint, Masks, make_constraint
 from core.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -31,15 +32,19 @@ class GenerationResult:
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int | None = None  # prompt tokens read from the server's prefix cache
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
         n = len(self.token_ids)
-        return {
+        out = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": n,
             "total_tokens": self.prompt_tokens + n,
         }
+        if self.cached_tokens is not None:  # as OpenAI's (and vLLM's) usage
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
 
 class _StopStrings:
@@ -73,8 +78,11 @@ class _StopStrings:
 class _Row:
     """One prompt's progress through the loop."""
 
-    def __init__(self, prompt: list[int], tok: Tokenizer | None, p: SamplingParams):
+    def __init__(
+        self, prompt: list[int], tok: Tokenizer | None, p: SamplingParams, c: Constraint | None
+    ):
         self.prompt_len = len(prompt)
+        self.constraint = c  # the grammar this row's answer follows, if any
         self.out: list[int] = []
         self.text: list[str] = []
         self.decoder = StreamDecoder(tok) if tok else None
@@ -90,8 +98,9 @@ class _Row:
             piece = self.decoder.flush() if self.decoder else ""
         else:
             piece = self.decoder.push(token) if self.decoder else ""
-            if len(self.out) >= max_new:
-                self.finish = "length"
+            done = self.constraint is not None and self.constraint.accept(token)
+            if done or len(self.out) >= max_new:  # (a complete grammar: only EOS may follow)
+                self.finish = "stop" if done else "length"
                 piece += self.decoder.flush() if self.decoder else ""
         out, hit = self.stops.feed(piece)
         if hit:
@@ -139,6 +148,17 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # from pageable memory the copy would synchronize the stream
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def _biases(ps: list[SamplingParams], vocab_size: int, device: torch.device):
+    """(B, V) logit_bias rows, or None when no row has one."""
+    if not any(p.logit_bias for p in ps):
+        return None
+    bias = torch.zeros(len(ps), vocab_size)
+    for row, p in enumerate(ps):
+        for token, b in p.logit_bias:
+            bias[row, token] = b
+    return bias.to(device)
 
 
 def _launch(
@@ -204,7 +224,21 @@ def run(
         seen.scatter_(1, ids, True)
         seen[:, 0] = torch.tensor([0 in x for x in prompts], device=device)  # undo padding's 0
         counts = torch.zeros(b, vocab_size, device=device)
-    rows = [_Row(x, tokenizer, p) for x, p in zip(prompts, ps, strict=True)]
+    constraints = [
+        make_constraint(p, tokenizer, vocab_size, stop) for p, stop in zip(ps, stops, strict=True)
+    ]
+    masks = Masks(constraints, vocab_size) if any(constraints) else None
+    bias = _biases(ps, vocab_size, device)
+    rows = [_Row(*args) for args in zip(prompts, [tokenizer] * b, ps, constraints, strict=True)]
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        """The next token of every row: logit_bias and grammar masks, then its sampler."""
+        if bias is not None:
+            logits = logits + bias
+        if masks is not None:
+            logits = masks.apply(logits, ended)
+        return next_tokens(logits, ps, groups, generators, counts, seen)
+
     top_n = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
 
     groups = sampler_groups(ps, device)
@@ -215,7 +249,7 @@ def run(
     t0 = time.perf_counter()
     # (B, V): the last prompt tokens; `lengths` keeps padding out of sliding layers' rings
     logits = forward(ids, 0, logits_at=lens - 1, lengths=lens)[:, 0].float()
-    tokens = next_tokens(logits, ps, groups, generators, counts, seen)
+    tokens = choose(logits)
     pos = lens - 1  # position of the token fed next, per row (B,) on the device ...
     pos_host = [len(x) - 1 for x in prompts]  # ... and on the host
     t_first = None
@@ -259,7 +293,7 @@ def run(
             launched = _launch(step, tokens, pos, active, pos_host, ended)
         pos, pos_host, logits = launched
         logits = logits.float()
-        tokens = next_tokens(logits, ps, groups, generators, counts, seen)
+        tokens = choose(logits)
     t_end = time.perf_counter()
 
     n_decode = sum(max(len(r.out) - 1, 0) for r in rows)  # tokens after each row's first

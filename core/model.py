@@ -127,6 +127,12 @@ class Model:
         self, prompts: list[Prompt], params: dict[str, Any]
     ) -> tuple[list[list[int]], SamplingParams]:
         p = SamplingParams.build(self.defaults, **params)
+        bad = [t for t, _ in p.logit_bias if t >= self.config.vocab_size]
+        if bad:
+            raise RequestError(
+                f"logit_bias token id(s) {bad[:5]} outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
         ids = [self.encode_prompt(x) for x in prompts]
         if len(ids) > self.max_batch_size:
             raise RequestError(
@@ -180,6 +186,8 @@ class Model:
         """Continue a prompt (str or token ids), or a list of them as one batch.
 
         params: see `core.sampling.SamplingParams`; defaults come from generation_config.json.
+        `json_schema={...}` (or `json_object=True`) constrains the answer to JSON that matches
+        the schema (any JSON object), as the OpenAI API's response_format does.
         A batch runs in one static-cache pass and returns one result per prompt.
         """
         batch = isinstance(prompt, list | tuple) and _ids(prompt) is None

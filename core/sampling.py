@@ -33,6 +33,37 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)  # top-n alternatives per generated token
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # structured output (core/structured.py): the answer is JSON matching this schema (a dict
+    # or its JSON text), or any JSON object
+    json_schema: str | None = None
+    json_object: bool = False
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # JSON's keys are strings: {"50256": -100}
+            try:
+                return tuple(sorted((int(k), b) for k, b in v.items()))
+            except (TypeError, ValueError):
+                raise ValueError("keys must be token ids") from None
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        bad = [(t, b) for t, b in v if t < 0 or not -100 <= b <= 100]
+        if bad:
+            raise ValueError(f"token ids must be >= 0 and biases in [-100, 100] (got {bad[:3]})")
+        return v
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema(cls, v: Any) -> Any:
+        from core.structured import schema_text
+
+        return None if v is None else schema_text(v)
 
     @field_validator("stop", mode="before")
     @classmethod
