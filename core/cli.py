@@ -79,13 +79,35 @@ def _answer(model, prompt, params: dict, chat: bool = True) -> str:
     return "".join(pieces)
 
 
+def _schema_file(path: str) -> str:
+    """--json-schema FILE: the schema's JSON text, checked before the model loads."""
+    from pathlib import Path
+
+    from core.errors import RequestError
+    from core.structured import schema_text
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RequestError(f"--json-schema: cannot read {path} ({err})") from None
+    try:
+        return schema_text(text)
+    except ValueError as err:
+        raise RequestError(f"--json-schema {path}: {err}; fix the schema") from None
+
+
 def _run(args: argparse.Namespace) -> None:
+    params = _sampling(args)
+    if args.json_schema:
+        params["json_schema"] = _schema_file(args.json_schema)
+    elif args.json:
+        params["json_object"] = True
     model = _load(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
     prompt = _prompt_ids(model, messages, args.prompt if args.raw else None)
-    _answer(model, prompt, _sampling(args), chat=not args.raw)
+    _answer(model, prompt, params, chat=not args.raw)
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -354,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     _compile_option(run)
     run.add_argument("--prompt", "-p", required=True)
     run.add_argument("--raw", action="store_true", help="send the prompt without chat template")
+    fmt = run.add_mutually_exclusive_group()
+    fmt.add_argument(
+        "--json-schema", metavar="FILE", help="answer with JSON that matches this JSON schema"
+    )
+    fmt.add_argument("--json", action="store_true", help="answer with a JSON object")
     _sampling_options(run)
     run.set_defaults(func=_run)
 
