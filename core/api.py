@@ -91,6 +91,7 @@ def load_model(
     compile: bool = False,
     dequantize: bool = False,
     quantize: str | None = None,
+    tp: int = 1,
 ) -> Model:
     """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
@@ -102,6 +103,8 @@ def load_model(
     dequantize: turn a GGUF file's quantized blocks into floats of `dtype` (by default they are
     kept as they are: docs/quantization.md). quantize: "int8" or "int4", quantize the float
     weights of any checkpoint at load (linear layers, LM head, embedding).
+    tp: split the model over `tp` ranks of a torch.distributed group, this process being one
+    (core/tp.py, docs/scaling.md); every rank calls load_model with the same arguments.
     """
     if quantize is not None:
         check_kind(quantize)  # before any download or read
@@ -114,6 +117,12 @@ def load_model(
         arch = reg.architecture(raw.get("model_type"), source=source)
         cfg = arch.config.from_dict(raw, source=source).to_runtime()
         dev, dt = _resolve_device_dtype(device, dtype, cfg.dtype)
+        sharding = None
+        if tp != 1:  # a rank's own part of the model and of the checkpoint
+            from core.tp import ShardedCheckpoint, local_config, parallelize, tensor_parallel
+
+            sharding, dev = tensor_parallel(cfg, tp, dev, source, compile, quantize)
+            ckpt = ShardedCheckpoint(ckpt, arch.weight_map, sharding)
         seq = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if seq < 1 or max_batch_size < 1:
             raise RequestError(
@@ -121,8 +130,10 @@ def load_model(
             )
         t0 = time.perf_counter()
         with torch.device("meta"):
-            net = CausalLM(cfg)
-        _check_fits(net, cfg, dt, dev, max_batch_size, seq)
+            net = CausalLM(cfg if sharding is None else local_config(cfg, tp))
+        if sharding is not None:
+            parallelize(net, sharding)
+        _check_fits(net, net.config, dt, dev, max_batch_size, seq)
         load_weights(
             net,
             ckpt,
@@ -131,7 +142,7 @@ def load_model(
             device=dev,
             ignore=net.ignored_checkpoint_names(),
             progress=True,
-            keep_quantized=not dequantize and quantize is None,
+            keep_quantized=not dequantize and quantize is None and sharding is None,
         )
         if quantize is not None:
             quantize_model(net, quantize)

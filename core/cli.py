@@ -18,10 +18,18 @@ PEERS = {
 }
 
 
+def _tp(args: argparse.Namespace) -> int:
+    """--tp, or the ranks torchrun started (`torchrun --nproc-per-node N -m core.cli ...`)."""
+    return getattr(args, "tp", None) or int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _load(args: argparse.Namespace, model: str | None = None, **kw):
+    """The model; under tensor parallelism only on rank 0: the other ranks replay its
+    forwards until it is done, then exit (core/distributed.py)."""
     from core import load_model
 
-    return load_model(
+    tp = _tp(args)
+    m = load_model(
         model or args.model,
         device=args.device,
         dtype=args.dtype,
@@ -30,8 +38,18 @@ def _load(args: argparse.Namespace, model: str | None = None, **kw):
         compile=getattr(args, "compile", False),
         dequantize=args.dequantize,
         quantize=args.quantize,
+        tp=tp,
         **kw,
     )
+    if tp > 1:
+        from core import distributed
+
+        if distributed.rank() != 0:
+            distributed.follow(m.net, m.device)
+            distributed.finish()
+            raise SystemExit(0)
+        distributed.lead(m.net, m.device)
+    return m
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -144,7 +162,7 @@ def _chat(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from core.server import listen, serve
 
-    sock = listen(args.host, args.port)
+    sock = listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     model = _load(args, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
     serve(model, args.model, sock, api_key=args.api_key, max_queue=args.max_queue)
 
@@ -321,6 +339,8 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
             path = str(bench.random_checkpoint(shape, tmp, device=args.device, dtype=args.dtype))
             shape = None
     t0 = time.perf_counter()
+    if shape and _tp(args) > 1:
+        raise RequestError("--random-weights runs in one process; drop --tp or --random-weights")
     if shape:
         model = bench.random_model(
             shape, device=args.device, dtype=args.dtype, compile=args.compile, **sizes
@@ -349,6 +369,14 @@ def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:
 
 
 def _compile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model over N ranks on this machine (tensor parallelism over "
+        "torch.distributed: gloo on CPUs, NCCL on GPUs; docs/scaling.md)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -451,19 +479,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.debug else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
+    tp = getattr(args, "tp", None) or 1
     try:
+        if tp > 1 and "LOCAL_RANK" not in os.environ:  # not a rank yet: start N of them
+            from core.distributed import launch
+
+            return launch(tp, sys.argv[1:] if argv is None else list(argv))
         args.func(args)
         sys.stdout.flush()  # here, so that a closed pipe is met inside this try
     except ZooError as err:
         if args.debug:
             raise
-        print(f"zoo: error: {err}", file=sys.stderr)
+        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+        print(f"zoo: error{where}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `zoo list | head`: the reader left; no traceback, nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a process ended by SIGPIPE
+    finally:
+        if "LOCAL_RANK" in os.environ and _tp(args) > 1:  # rank 0 releases the others
+            from core import distributed
+
+            distributed.finish()
     return 0
 
 

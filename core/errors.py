@@ -23,3 +23,7 @@ class RequestError(ZooError):
 
 class HubError(ZooError):
     """A model that cannot be found, downloaded, or read from the local hub cache."""
+
+
+class DistributedError(ZooError):
+    """A tensor-parallel rank that died or stopped answering, seen by the others."""

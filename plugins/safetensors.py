@@ -112,6 +112,7 @@ class SafetensorsCheckpoint:
                 f"{path / INDEX} names {len(absent)} tensor(s) no shard holds: "
                 f"{', '.join(absent[:5])}; the index and the shards do not match, re-download them"
             )
+        self._handles: dict[Path, Any] = {}  # safe_open per file, for read_slice
         self._mxfp4 = False  # MXFP4 blocks + scales (gpt-oss): see plugins/safetensors_mxfp4.py
         self._fp8 = self._fp8_scheme()
 
@@ -192,6 +193,25 @@ class SafetensorsCheckpoint:
             return self._fp8.dequantize(t, self._read(name + SCALE_SUFFIX))
         return t
 
+    def read_slice(self, name: str, dim: int, ranges):
+        """Parts of a tensor along `dim`, the (start, stop) `ranges` concatenated: a
+        tensor-parallel rank's share (core/tp.py), read with safetensors' `get_slice` so that
+        only those bytes leave the file. None for a weight stored quantized (fp8, MXFP4), which
+        is read whole, dequantized, then cut."""
+        if (self._mxfp4 and name.endswith(mxfp4.BLOCKS)) or (
+            self._fp8 is not None and name + SCALE_SUFFIX in self._where
+        ):
+            return None
+        import torch
+        from safetensors import safe_open
+
+        f = self._where[name][0]
+        if f not in self._handles:
+            self._handles[f] = safe_open(f, framework="pt")
+        part = self._handles[f].get_slice(name)
+        lead = (slice(None),) * dim
+        return torch.cat([part[(*lead, slice(a, b))] for a, b in ranges], dim)
+
     def _read(self, name: str):
         import torch
 
@@ -210,6 +230,7 @@ class SafetensorsCheckpoint:
 
     def close(self) -> None:
         self._where.clear()
+        self._handles.clear()
 
 
 def _detect(path: Path) -> bool:

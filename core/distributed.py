@@ -1,0 +1,200 @@
+"""torch.distributed for tensor parallelism (core/tp.py): the process group, the two
+collectives a sharded model runs, rank 0 driving the others, and the launcher.
+
+- `start` joins the group torchrun's environment describes (gloo on CPUs, NCCL on GPUs), or
+  one the caller initialized; every collective has a timeout (`ZOO_TP_TIMEOUT`, seconds), and
+  a failed one (a rank died: its sockets closed) raises `DistributedError`, never hangs.
+- Library use is SPMD: every rank calls the same `forward` / `generate` (same prompts, same
+  seed), and every rank gets the same logits (gathered) and so the same tokens.
+- The CLI and the server let rank 0 drive: `lead` makes rank 0's forward first broadcast its
+  arguments; `follow` runs on the other ranks, replaying each forward until rank 0 `finish`es.
+  Only rank 0 samples, streams, prints and serves; a heartbeat keeps an idle group alive.
+- `launch` starts N ranks of `python -m core.cli ...` through torch.distributed.run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from core.errors import ConfigError, DistributedError
+
+TIMEOUT_S = float(os.environ.get("ZOO_TP_TIMEOUT", "300"))
+_STOP, _FORWARD, _BEAT = 0, 1, 2
+_lock = threading.Lock()  # rank 0: one broadcast + forward at a time (heartbeats wait)
+_state: dict = {"leading": False, "stop": None}
+
+
+def start(tp: int, device: torch.device) -> torch.device:
+    """Join the group of `tp` ranks (creating it from torchrun's environment variables when
+    none is initialized); returns this rank's device (cuda:LOCAL_RANK on GPUs)."""
+    if not dist.is_available():
+        raise ConfigError(f"tp={tp}: this torch build has no torch.distributed; use tp=1")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+            raise ConfigError(
+                f"tp={tp} needs {tp} processes in a torch.distributed group: start them with "
+                f"`zoo run MODEL --tp {tp}` or `torchrun --nproc-per-node {tp} -m core.cli run "
+                "MODEL`, or call torch.distributed.init_process_group() on each first"
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))
+    world = dist.get_world_size()
+    if world != tp:
+        raise ConfigError(
+            f"tp={tp} but the torch.distributed group has {world} ranks; pass tp={world} or "
+            f"start {tp} ranks"
+        )
+    return device
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _guard(op, *args) -> None:
+    """Run one collective; a failure (a peer closed its connection, or passed the timeout)
+    becomes a one-line `DistributedError` instead of a backend traceback."""
+    try:
+        op(*args)
+    except RuntimeError as err:  # gloo and NCCL raise DistBackendError, a RuntimeError
+        text = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip())  # drop gloo's source location
+        what = text.split(". ")[0][:160] or type(err).__name__
+        raise DistributedError(
+            f"rank {rank()} of {world_size()}: a collective failed ({what}); another rank died, "
+            f"or stopped answering for longer than {TIMEOUT_S:g} s (ZOO_TP_TIMEOUT), so this "
+            "one stops too"
+        ) from None
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over the ranks, in place; returns it."""
+    _guard(dist.all_reduce, t)
+    return t
+
+
+def all_gather(t: torch.Tensor) -> torch.Tensor:
+    """The ranks' `t` concatenated along the last dim, in rank order, on every rank."""
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(world_size())]
+    _guard(dist.all_gather, parts, t)
+    return torch.cat(parts, dim=-1)
+
+
+# --- rank 0 drives, the others follow --------------------------------------------------------
+def _wire(device: torch.device) -> torch.device:
+    """Where broadcast tensors live: the GPU for NCCL, the CPU for gloo."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _header(*values: int, device) -> torch.Tensor:
+    return torch.tensor(values + (0,) * (8 - len(values)), dtype=torch.int64, device=device)
+
+
+def lead(net: torch.nn.Module, device: torch.device) -> None:
+    """Rank 0: every forward of `net` first sends its arguments to the followers."""
+    inner, wire = net.forward, _wire(device)
+
+    def forward(input_ids, start_pos=0, end=None, logits_at=None, lengths=None):
+        b, t = input_ids.shape
+        per_row = isinstance(start_pos, torch.Tensor)
+        head = (_FORWARD, b, t, int(per_row), 0 if per_row else int(start_pos),
+                -1 if end is None else int(end), int(logits_at is not None),
+                int(lengths is not None))  # fmt: skip
+        with _lock:
+            _guard(dist.broadcast, _header(*head, device=wire), 0)
+            for x in (input_ids, start_pos if per_row else None, logits_at, lengths):
+                if x is not None:
+                    _guard(dist.broadcast, x.to(wire, torch.int64).contiguous(), 0)
+            return inner(input_ids, start_pos, end, logits_at, lengths)
+
+    net.forward = forward
+    stop = threading.Event()
+
+    def beat() -> None:  # an idle server must not let the followers' broadcast time out
+        while not stop.wait(TIMEOUT_S / 4):
+            with _lock:
+                try:
+                    dist.broadcast(_header(_BEAT, device=wire), 0)
+                except RuntimeError:
+                    return
+
+    threading.Thread(target=beat, name="zoo-tp-heartbeat", daemon=True).start()
+    _state.update(leading=True, stop=stop, wire=wire)
+
+
+@torch.inference_mode()
+def follow(net: torch.nn.Module, device: torch.device) -> None:
+    """Ranks > 0: run each forward rank 0 announces, until it sends stop."""
+    wire = _wire(device)
+    while True:
+        head = _header(device=wire)
+        _guard(dist.broadcast, head, 0)
+        cmd, b, t, per_row, start, end, has_at, has_len = head.tolist()
+        if cmd == _STOP:
+            return
+        if cmd == _BEAT:
+            continue
+
+        def receive(*shape: int) -> torch.Tensor:
+            x = torch.empty(shape, dtype=torch.int64, device=wire)
+            _guard(dist.broadcast, x, 0)
+            return x.to(device)
+
+        ids = receive(b, t)
+        start_pos = receive(b) if per_row else start
+        logits_at = receive(b) if has_at else None
+        lengths = receive(b) if has_len else None
+        net(ids, start_pos, None if end < 0 else end, logits_at, lengths)
+
+
+def finish() -> None:
+    """Rank 0: release the followers (they return from `follow`); then leave the group."""
+    if _state["leading"]:
+        _state["stop"].set()
+        # a follower already gone: the launcher reports it
+        with _lock, contextlib.suppress(RuntimeError):
+            dist.broadcast(_header(_STOP, device=_state["wire"]), 0)
+        _state["leading"] = False
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- the launcher ----------------------------------------------------------------------------
+def launch(n: int, argv: list[str]) -> int:
+    """Run `python -m core.cli *argv` as `n` ranks on this machine through
+    torch.distributed.run (torchrun) and wait for them; a rank that fails stops the others."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if n < 1:
+        raise ConfigError(f"--tp {n}: the number of ranks must be at least 1")
+    # torchrun would set 1 thread per rank (and warn); split the cores instead
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "--module", "core.cli", *argv]
+    )
+    try:
+        run(args)
+    except ChildFailedError as err:
+        rank0, failure = err.get_first_failure()
+        how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"code {failure.exitcode}"
+        raise DistributedError(
+            f"--tp {n}: rank {rank0} exited with {how} (its error, if any, is above) and the "
+            "other ranks were stopped"
+        ) from None
+    return 0

@@ -1,0 +1,220 @@
+"""Tensor parallelism (core/tp.py) over two gloo ranks on the CPU equals the single process.
+
+One spawned pair of ranks loads every tiny checkpoint with tp=2 (so the process start, the
+costly part, is paid once) and saves its figures; the test process loads the same folders
+alone and compares: fp32 logits within 1e-5 relative to the largest, greedy tokens identical,
+seeded sampling identical on both ranks, each rank's parameter bytes at most 0.55x.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+import tp_ranks
+from conftest import LLAMA31, LLAMA32, make_checkpoint
+
+from core import ConfigError, load_model
+from core import tp as tp_mod
+from plugins.llama3 import LlamaConfig
+
+QWEN2 = dict(
+    model_type="qwen2",
+    vocab_size=95,  # odd: the last rank's vocab rows are padded
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# MLA with q_lora, sigmoid noaux_tc routing over 2 groups, a shared expert, one dense layer
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+MIXTRAL = dict(
+    model_type="mixtral",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=1e6,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# llama3.2: 2 KV heads split; llama3.1: 1 KV head, replicated on both ranks, untied head
+SPECS = {
+    "llama3.2": LLAMA32,
+    "llama3.1": LLAMA31,
+    "qwen2": QWEN2,
+    "deepseek_v3": DEEPSEEK_V3,
+    "mixtral": MIXTRAL,
+}
+
+
+def spawn(target, *args, world: int = 2, timeout: float = 240) -> list[int]:
+    """Run target(rank, world, port, *args) in `world` spawned processes; their exit codes."""
+    ctx = mp.get_context("spawn")
+    port = tp_ranks.free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{model: (single-process figures, [rank 0's, rank 1's], transformers' prefill logits)}."""
+    root = tmp_path_factory.mktemp("tp")
+    folders, refs = {}, {}
+    for name, spec in SPECS.items():
+        folder, ref = make_checkpoint(root / name, spec, rope_key="type")
+        folders[name] = str(folder)
+        with torch.no_grad():
+            ids = torch.tensor([tp_ranks.PROMPT, tp_ranks.PROMPT[::-1]])
+            refs[name] = ref(ids).logits
+    out = root / "out"
+    out.mkdir()
+    assert spawn(tp_ranks.parity_rank, folders, str(out)) == [0, 0]
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    torch.set_num_threads(1)
+    return {
+        name: (
+            tp_ranks.measure(load_model(folder, max_seq_len=64, max_batch_size=2), 1),
+            [r[name] for r in ranks],
+            refs[name],
+        )
+        for name, folder in folders.items()
+    }
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_two_ranks_equal_one_process(runs, name):
+    alone, ranks, ref = runs[name]
+    for r in ranks:
+        assert r["prefill"].shape == alone["prefill"].shape  # the whole vocabulary, gathered
+        assert rel(r["prefill"], alone["prefill"]) < 1e-5
+        assert rel(r["step"], alone["step"]) < 1e-5
+        assert rel(r["prefill"], ref) < 1e-4  # and transformers, for good measure
+        assert r["greedy"] == alone["greedy"]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_ranks_sample_the_same_tokens_with_one_seed(runs, name):
+    _, (r0, r1), _ = runs[name]
+    assert r0["sampled"] == r1["sampled"]
+    assert len(r0["sampled"]) == 8
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_each_rank_holds_at_most_055_of_the_weights(runs, name):
+    alone, ranks, _ = runs[name]
+    for r in ranks:
+        assert r["bytes"] <= 0.55 * alone["bytes"], (r["bytes"], alone["bytes"])
+
+
+def test_a_dead_rank_stops_the_other_within_seconds(tmp_path):
+    folder, _ = make_checkpoint(tmp_path / "m", LLAMA32)
+    t0 = time.perf_counter()
+    codes = spawn(tp_ranks.dying_rank, str(folder), str(tmp_path), timeout=120)
+    assert codes == [1, 3]
+    elapsed, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert float(elapsed) < 10, elapsed  # the socket closed: no waiting for the 30 s timeout
+    assert message.startswith("DistributedError: rank 0 of 2: a collective failed")
+    assert "another rank died" in message
+    assert time.perf_counter() - t0 < 120
+
+
+def test_heads_that_do_not_divide_name_the_field_and_the_valid_sizes():
+    cfg = LlamaConfig.from_dict(dict(LLAMA32, num_attention_heads=6, head_dim=8)).to_runtime()
+    with pytest.raises(ConfigError, match=r"num_attention_heads = 6 .* allows: 1, 2"):
+        tp_mod.check(cfg, 4, "config.json")
+    cfg = LlamaConfig.from_dict(dict(LLAMA32, num_key_value_heads=4)).to_runtime()
+    tp_mod.check(cfg, 4, "config.json")
+    cfg = LlamaConfig.from_dict(dict(LLAMA32, intermediate_size=81)).to_runtime()
+    with pytest.raises(ConfigError, match=r"intermediate_size = 81 .* allows: 1$"):
+        tp_mod.check(cfg, 2, "config.json")
+
+
+def test_load_model_refuses_a_bad_tp_before_any_process_group(tmp_path):
+    folder, _ = make_checkpoint(tmp_path / "m", LLAMA32)
+    with pytest.raises(ConfigError, match=r"config.json: tp=3 cannot split num_attention_heads"):
+        load_model(folder, tp=3)
+    with pytest.raises(ConfigError, match=r"tp=2 needs 2 processes.*`torchrun --nproc-per-node 2"):
+        load_model(folder, tp=2)  # no group and no torchrun environment
+
+
+def test_the_sharding_cuts_fused_and_replicated_tensors():
+    """Rank 1 of 2 on a 4-head / 1-KV-head model: q rows of heads 2-3, the one KV head whole;
+    q|k|v stored fused (Phi-3) cut into the same three ranges; a row-parallel bias zero."""
+    cfg = LlamaConfig.from_dict(dict(LLAMA31, attention_bias=True)).to_runtime()
+    s = tp_mod.Sharding(cfg, rank=1, world=2)
+    d = 16
+    assert s.cut("model.layers.0.self_attn.qkv_proj.weight", "q", (64, 64)).ranges == ((32, 64),)
+    assert s.cut("model.layers.0.self_attn.qkv_proj.weight", "k", (d, 64)).ranges == ((0, d),)
+    fused = s.cut("model.layers.0.self_attn.qkv_proj.weight", None, (96, 64))
+    assert fused.ranges == ((32, 64), (64, 80), (80, 96))
+    assert fused.shape((96, 64)) == (64, 64)
+    assert s.cut("model.layers.0.self_attn.o_proj.bias", None, (64,)).zero
+    assert s.cut("model.layers.0.input_layernorm.weight", None, (64,)) is None
+    assert s.cut("lm_head.weight", None, (96, 64)).ranges == ((48, 96),)
+
+
+def test_config_json_survives_the_local_split():
+    """The local config halves heads and sizes, keeping the vocabulary and the head dim."""
+    cfg = LlamaConfig.from_dict(json.loads(json.dumps(LLAMA32))).to_runtime()
+    local = tp_mod.local_config(cfg, 2)
+    a = local.layer_attention(0)
+    assert (a.num_heads, a.num_kv_heads, a.head_dim) == (2, 1, 16)
+    assert local.mlp.intermediate_size == 40 and local.vocab_size == cfg.vocab_size

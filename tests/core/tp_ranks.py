@@ -1,0 +1,88 @@
+"""What each rank of the tensor-parallel tests runs, in a spawned process of its own (imported
+by name there, so nothing here imports the core at module level: the timeout is read from the
+environment when core.distributed is first imported)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT = [5, 17, 42, 8, 23, 61, 7, 30, 11]
+NEXT = [[19], [44]]  # one decode token per row of a batch of two
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, world: int, port: int, timeout_s: float) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        ZOO_TP_TIMEOUT=str(timeout_s),
+    )
+    torch.set_num_threads(1)  # two ranks on a shared machine
+
+
+def measure(model, tp: int) -> dict:
+    """The figures compared across tp sizes: prefill logits of a batch of two, one decode
+    step, greedy tokens, seeded sampled tokens, parameter bytes."""
+    from core.tp import resident_bytes
+
+    ids = torch.tensor([PROMPT, PROMPT[::-1]])
+    prefill = model.forward(ids)
+    step = model.forward(torch.tensor(NEXT), start_pos=len(PROMPT))
+    greedy = model.generate(PROMPT, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    sampled = model.generate(
+        PROMPT, max_new_tokens=8, temperature=1.0, top_k=0, seed=3, ignore_eos=True
+    )
+    return dict(
+        prefill=prefill.float(),
+        step=step.float(),
+        greedy=greedy.token_ids,
+        sampled=sampled.token_ids,
+        bytes=resident_bytes(model.net),
+        tp=tp,
+    )
+
+
+def parity_rank(rank: int, world: int, port: int, folders: dict, out: str) -> None:
+    """Load each folder with tp=world and save this rank's figures."""
+    _join(rank, world, port, 60)
+    from core import distributed, load_model
+
+    results = {}
+    for name, folder in folders.items():
+        model = load_model(folder, tp=world, max_seq_len=64, max_batch_size=2)
+        results[name] = measure(model, world)
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    distributed.finish()
+
+
+def dying_rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    """Rank 1 dies after loading; rank 0's next forward must fail quickly and by name."""
+    _join(rank, world, port, 30)
+    from core import ZooError, distributed, load_model
+
+    model = load_model(folder, tp=world, max_seq_len=64)
+    distributed.all_reduce(torch.zeros(1))  # both loaded
+    if rank == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    try:
+        model.forward(torch.tensor([PROMPT]))
+        message = None
+    except ZooError as err:
+        message = f"{type(err).__name__}: {err}"
+    (Path(out) / "rank0.txt").write_text(f"{time.perf_counter() - t0}\n{message}")
+    raise SystemExit(0 if message is None else 1)
