@@ -89,7 +89,8 @@ class SamplingParams(BaseModel):
                 if e["type"] == "extra_forbidden":
                     parts.append(f"unknown parameter '{name}'")
                 else:
-                    parts.append(f"'{name}': {e['msg']} (got {e.get('input')!r})")
+                    msg = e["msg"].removeprefix("Value error, ")
+                    parts.append(f"'{name}': {msg} (got {e.get('input')!r})")
             raise RequestError("invalid generation parameter " + "; ".join(parts)) from None
 
     @property
