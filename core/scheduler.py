@@ -1,9 +1,15 @@
-"""The scheduler thread of `zoo serve`: it owns the model and runs queued requests in waves.
+"""The scheduler thread of `zoo serve`: it owns the model and runs requests by continuous
+batching over the rows (slots) of the static KV cache.
 
-A wave is what waits in the queue when the model is free (up to the KV cache's max_batch_size,
-gathered for GATHER_S after the first): one batch through the static cache, each row with its
-own sampling parameters. Requests that arrive during a wave wait for the next one; a row whose
-client disconnects is cancelled and stops at the next step, so its wave ends sooner.
+A request waits in a FIFO queue until a row is free, then holds that row until it ends (done,
+or cancelled when its client goes away) and frees it between two steps. Each step
+- prefills waiting prompt tokens in chunks, oldest request first, under a token budget
+  (`chunk`, less one token per decoding row), so a long prompt cannot stall the others;
+- then runs one decode step for every decoding row together (the model's `DecodeStep`:
+  compiled / CUDA-graph buckets included), each row at its own position.
+A row keeps its tokens' keys and values after its request ends: a later prompt starts from
+the longest prefix any row holds (core/slots.py). See docs/architecture.md for why the cache
+stays static (one row per request) rather than paged.
 """
 
 from __future__ import annotations
@@ -12,19 +18,21 @@ import asyncio
 import logging
 import queue
 import threading
-import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from core.generation import GenerationResult, TokenLogprob
 from core.model import Model
 from core.sampling import SamplingParams
+from core.seq import Seq
 from core.server_metrics import RequestClock, ServerMetrics
+from core.slots import Slots
 
 log = logging.getLogger("zoo.server")
-GATHER_S = 0.005  # once a request waits, how long others may take to join its wave
+CHUNK = 512  # prompt tokens prefilled per step, decoding rows included (vLLM's
+# max_num_batched_tokens): smaller keeps other rows' inter-token latency lower on CPUs
 
 
 class ShuttingDown(Exception):
@@ -48,7 +56,7 @@ class Job:
     stream: bool  # whether the handler wants "token" / "text" events, or only the end
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False  # set by the handler (client gone); read by the token loop
+    cancelled: bool = False  # set by the handler (client gone); read before each step
     clock: RequestClock | None = None  # set by Scheduler.submit (for /metrics)
 
     def emit(self, kind: str, value: Any = None) -> None:
@@ -61,27 +69,33 @@ class Job:
 
 
 class Scheduler:
-    """The thread that owns the model and runs queued jobs in waves of up to max_batch_size."""
+    """The thread that owns the model: admits queued jobs into free rows, steps the rows."""
 
     def __init__(
         self, model: Model, metrics: ServerMetrics | None = None, max_queue: int | None = None
     ):
         self.model = model
         self.metrics = metrics or ServerMetrics("")
-        self.max_batch_size = model.max_batch_size
         self.max_queue = max_queue  # None: unbounded
+        self.chunk = CHUNK
+        self.reuse = True  # start prompts from a prefix some row holds
+        self.slots = Slots(model.net.kv_cache, model.config.attention_layers)
         self.waiting: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.queued = 0  # jobs submitted and not yet taken into a wave
+        self.pending: deque[Job] = deque()  # taken off `waiting`, not yet in a row (FIFO)
+        self.queued = 0  # jobs submitted and not yet in a row
         self._count = threading.Lock()
-        self.running: list[Job] = []
+        self.running: list[Seq] = []  # in admission order
+        self._stopping = False
+        v = model.config.vocab_size  # penalties' per-row state, reset when a row is taken
+        self.counts = torch.zeros(model.max_batch_size, v, device=model.device)
+        self.seen = torch.zeros(model.max_batch_size, v, dtype=torch.bool, device=model.device)
         self._thread = threading.Thread(target=self._serve, name="zoo-scheduler", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        for job in self.running:
-            job.cancelled = True
+        self._stopping = True
         self.waiting.put(None)
         self._thread.join(timeout=30)
 
@@ -94,68 +108,128 @@ class Scheduler:
         job.clock = self.metrics.submitted()
         self.waiting.put(job)
 
-    def _next_wave(self) -> list[Job] | None:
-        """Block for one job, then take whatever else arrives within GATHER_S; None: stop."""
-        wave = [self.waiting.get()]
-        deadline = time.monotonic() + GATHER_S
-        while wave[-1] is not None and len(wave) < self.max_batch_size:
-            try:
-                wave.append(self.waiting.get(timeout=max(deadline - time.monotonic(), 0)))
-            except queue.Empty:
-                break
-        with self._count:
-            self.queued -= len(wave) - (wave[-1] is None)
-        if wave[-1] is None:
-            for job in wave[:-1]:
-                self.metrics.dequeued(job.clock, running=False)
-                job.emit("error", ShuttingDown("the server is shutting down"))
-            return None
-        for job in wave:
-            self.metrics.dequeued(job.clock, running=not job.cancelled)
-            if job.cancelled:
-                job.emit("error", Cancelled("the client went away before its request ran"))
-        return [job for job in wave if not job.cancelled]
-
+    # --- the loop ------------------------------------------------------------------------------
     def _serve(self) -> None:
-        while (wave := self._next_wave()) is not None:
-            if wave:
-                self._run(wave)
+        while self._take(block=not self.running and not self.pending):
+            self._admit()
+            if self.running:
+                self._step()
+        for seq in self.running:  # stopping: rows end as aborted, queued jobs get an error
+            seq.abort()
+            self._end(seq)
+        for job in self.pending:
+            self._dequeue(job, running=False)
+            job.emit("error", ShuttingDown("the server is shutting down"))
 
-    def _run(self, wave: list[Job]) -> None:
-        def on_token(row: int, token: int, logprob: TokenLogprob | None) -> None:
-            self.metrics.token(wave[row].clock)
-            if logprob is not None and wave[row].stream:
-                wave[row].emit("token", logprob)
+    def _take(self, block: bool) -> bool:
+        """Move what was submitted into `pending` (waiting for one job if `block`); False
+        once the server stops."""
+        while True:
+            try:
+                job = self.waiting.get(block=block)
+            except queue.Empty:
+                return not self._stopping
+            if job is None:
+                return False
+            self.pending.append(job)
+            block = False
 
-        self.running = wave
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                loop = self.model.token_loop(
-                    [job.ids for job in wave],
-                    [job.params for job in wave],
-                    cancelled=lambda row: wave[row].cancelled,
-                    on_token=on_token,
-                )
-                while True:
-                    try:
-                        row, piece = next(loop)
-                    except StopIteration as done:
-                        results: list[GenerationResult] = done.value
-                        break
-                    if wave[row].stream:
-                        wave[row].emit("text", piece)
-            for job, result in zip(wave, results, strict=True):
-                self.metrics.finished(job.clock, result)
-                job.emit("done", result)
-            n = sum(len(r.token_ids) for r in results)
-            log.debug(
-                "zoo: batch of %d: %d tokens in %.2fs", len(wave), n, time.perf_counter() - t0
-            )
-        except Exception as err:  # answer every row of the batch, keep serving
-            log.exception("zoo: a batch of %d requests failed", len(wave))
-            for job in wave:
+    def _dequeue(self, job: Job, running: bool) -> None:
+        with self._count:
+            self.queued -= 1
+        self.metrics.dequeued(job.clock, running=running)
+
+    def _admit(self) -> None:
+        """Pending jobs into free rows, first come first served."""
+        while self.pending and self.slots.free:
+            job = self.pending.popleft()
+            if job.cancelled:
+                self._dequeue(job, running=False)
+                job.emit("error", Cancelled("the client went away before its request ran"))
+                continue
+            self._dequeue(job, running=True)
+            row, cached = self.slots.acquire(job.ids, self.reuse)
+            try:
+                seq = Seq(job, row, cached, self.model, self.metrics)
+            except Exception as err:  # e.g. a grammar that cannot be built: this job only
+                log.exception("zoo: a request could not start")
+                self.slots.release(row)
                 self.metrics.finished(job.clock, None)
                 job.emit("error", err)
-        finally:
+                continue
+            self.metrics.prefix(len(job.ids), cached)
+            self.counts[row].zero_()
+            self.seen[row].zero_()
+            self.seen[row, job.ids] = True
+            self.running.append(seq)
+
+    def _end(self, seq: Seq) -> None:
+        result = seq.result()
+        self.metrics.finished(seq.job.clock, result)
+        seq.job.emit("done", result)
+        self.slots.release(seq.row)
+
+    def _step(self) -> None:
+        try:
+            with torch.inference_mode():
+                for seq in self.running:
+                    if seq.job.cancelled:
+                        seq.abort()
+                self._prefill()
+                self._decode()
+        except Exception as err:  # answer every running row, keep serving
+            log.exception("zoo: a step of %d requests failed", len(self.running))
+            for seq in self.running:
+                self.metrics.finished(seq.job.clock, None)
+                seq.job.emit("error", err)
+                self.slots.release(seq.row)
             self.running = []
+            self.slots.forget()  # what the rows hold is unknown now
+            return
+        for seq in [s for s in self.running if s.finish]:
+            self.running.remove(seq)
+            self._end(seq)
+
+    def _prefill(self) -> None:
+        """One chunk of prompt per prefilling row, oldest first, while the budget lasts. A
+        recurrent model prefills a prompt whole: its state must not see a decode step's
+        placeholder token between two chunks."""
+        net, slots = self.model.net, self.slots
+        budget = self.chunk - sum(s.decoding for s in self.running)
+        for seq in [s for s in self.running if not s.finish and not s.decoding]:
+            left = len(seq.ids) - len(slots.fed[seq.row])
+            n = left if slots.recurrent else min(left, budget)
+            if n <= 0:
+                break
+            budget -= n
+            start = len(slots.fed[seq.row])
+            chunk = seq.ids[start : start + n]
+            ids = torch.tensor([chunk], device=self.model.device)
+            with slots.only(seq.row):
+                logits = net(ids, start, logits_at=torch.tensor([n - 1], device=ids.device))
+            slots.fed[seq.row].extend(chunk)
+            if n == left:  # the prompt's last token: its logits give the first new token
+                seq.first(logits[:, 0].float(), self.counts, self.seen)
+
+    def _decode(self) -> None:
+        """One token for every decoding row, through rows [:k] of the cache. A row in [:k]
+        that is not decoding (free, or between prefill chunks) takes a placeholder token at
+        its next position, which it has not filled yet (a ring's slot there holds a position
+        past the window): what it holds stays intact."""
+        rows = [s for s in self.running if s.decoding and not s.finish]
+        if not rows:
+            return
+        k = max(s.row for s in rows) + 1
+        if self.model.step.compiled is not None:  # a few batch sizes to compile: powers of two
+            k = min(1 << (k - 1).bit_length(), self.model.max_batch_size)
+        fed = self.slots.fed
+        tokens, pos = [0] * k, [len(fed[r]) for r in range(k)]
+        for s in rows:
+            tokens[s.row] = s.last
+        dev = self.model.device
+        logits = self.model.step(
+            torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev), max(pos) + 1
+        )
+        for s in rows:
+            fed[s.row].append(s.last)
+        Seq.sample(rows, logits, self.counts, self.seen)

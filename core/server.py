@@ -1,7 +1,7 @@
 """`zoo serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one loaded model.
 
 Handlers validate a request on the event loop, queue it as a `Job` for the scheduler thread
-(core/scheduler.py: it owns the model and runs the queue in batched waves), and turn the job's
+(core/scheduler.py: it owns the model and batches requests continuously), and turn the job's
 events into a JSON response or server-sent events. A client that disconnects cancels its row.
 See docs/serve.md.
 """
@@ -235,7 +235,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """ok, and the requests holding a row (running) and queued for one (waiting)."""
+        return {"status": "ok", "running": len(scheduler.running), "waiting": scheduler.queued}
 
     @app.get("/metrics")
     async def prometheus():

@@ -2,8 +2,9 @@
 names so that dashboards and alerts written for vLLM read Zoo unchanged (docs/serve.md).
 
 Every server has its own CollectorRegistry (several servers can live in one process, as in the
-tests). The scheduler thread reports a request's life: queued (`submitted`), in a running wave
-(`started`), each token (`token`), and its end (`finished`); handlers report nothing.
+tests). The scheduler thread reports a request's life: queued (`submitted`), given a row
+(`dequeued`), the prompt tokens found in the prefix cache (`prefix`), each token (`token`), and
+its end (`finished`); handlers report nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RequestClock:
 
     def __init__(self) -> None:
         self.queued = time.monotonic()
-        self.started: float | None = None  # its wave began
+        self.started: float | None = None  # it was given a row
         self.first: float | None = None  # its first token
         self.last: float | None = None  # its latest token
 
@@ -54,11 +55,21 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
 
-        self.running = gauge("vllm:num_requests_running", "Requests in the running wave.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for a later wave.")
+        self.running = gauge("vllm:num_requests_running", "Requests holding a row.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for a free row.")
         self.preemptions = counter(
-            "vllm:num_preemptions", "Preempted requests (always 0: waves never preempt)."
+            "vllm:num_preemptions", "Preempted requests (always 0: a row is held to the end)."
         )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found there (not prefilled again)."
+        )
+        self.hit_rate = gauge(
+            "zoo:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries so far."
+        )
+        self._queried = self._hit = 0
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self._success = Counter(
@@ -77,7 +88,7 @@ class ServerMetrics:
             "vllm:e2e_request_latency_seconds", "From arrival to the last token.", _LATENCY
         )
         self.queue = histogram(
-            "vllm:request_queue_time_seconds", "From arrival to its wave's start.", _LATENCY
+            "vllm:request_queue_time_seconds", "From arrival to getting a row.", _LATENCY
         )
         self.prompt_hist = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens of a finished request.", _TOKENS
@@ -94,12 +105,19 @@ class ServerMetrics:
         return RequestClock()
 
     def dequeued(self, clock: RequestClock, running: bool) -> None:
-        """A request left the queue: into a wave (`running`), or dropped (cancelled, shutdown)."""
+        """A request left the queue: into a row (`running`), or dropped (cancelled, shutdown)."""
         self.waiting.dec()
         if running:
             clock.started = time.monotonic()
             self.queue.observe(clock.started - clock.queued)
             self.running.inc()
+
+    def prefix(self, prompt: int, cached: int) -> None:
+        """A prompt of `prompt` tokens started from `cached` tokens a row held."""
+        self.prefix_queries.inc(prompt)
+        self.prefix_hits.inc(cached)
+        self._queried, self._hit = self._queried + prompt, self._hit + cached
+        self.hit_rate.set(self._hit / self._queried)
 
     def token(self, clock: RequestClock) -> None:
         """A request's next token was sampled."""
@@ -112,7 +130,7 @@ class ServerMetrics:
         clock.last = now
 
     def finished(self, clock: RequestClock, result: GenerationResult | None) -> None:
-        """A running request ended: its result, or None when its wave failed."""
+        """A running request ended: its result, or None when its step failed."""
         self.running.dec()
         if result is None:
             return

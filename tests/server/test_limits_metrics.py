@@ -7,7 +7,7 @@ import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import Server, folder  # noqa: F401  (folder: a fixture)
+from test_server import IDLE, Server, folder  # noqa: F401  (folder: a fixture)
 
 from core import load_model
 from core.server import create_app
@@ -57,7 +57,7 @@ def test_the_answer_fills_the_room_exactly_and_never_overruns(server, max_tokens
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == CONTEXT - 10
     assert body["choices"][0]["finish_reason"] == "length"
-    assert server.raw("GET", "/health", key=None) == (200, {"status": "ok"})
+    assert server.raw("GET", "/health", key=None) == (200, IDLE)
 
 
 # --- /metrics ---------------------------------------------------------------------------------
@@ -130,21 +130,20 @@ def test_a_full_queue_is_503_with_retry_after(folder):  # noqa: F811
         conn.close()
         assert resp.status == 503 and resp.getheader("Retry-After") == "1"
         assert "already waiting" in err["message"] and "--max-queue" in err["message"]
-        assert srv.raw("GET", "/health", key=None) == (200, {"status": "ok"})
+        assert srv.raw("GET", "/health", key=None) == (200, IDLE)
     finally:
         srv.close()
 
 
-def test_the_queue_counts_what_waits_and_frees_what_a_wave_takes():
+def test_the_queue_counts_what_waits_and_frees_what_a_row_takes(folder):  # noqa: F811
     """FIFO with a bound: the second of max_queue=1 is refused while the first waits; once a
-    wave has taken the first, the next one is let in."""
+    row has taken the first, the next one is let in."""
     import asyncio
-    from types import SimpleNamespace
 
     from core.sampling import SamplingParams
     from core.scheduler import Job, QueueFull, Scheduler
 
-    sched = Scheduler(SimpleNamespace(max_batch_size=2), max_queue=1)
+    sched = Scheduler(load_model(folder, max_seq_len=CONTEXT, max_batch_size=2), max_queue=1)
     loop = asyncio.new_event_loop()
     job = lambda: Job([1, 2], SamplingParams(), stream=False, loop=loop)  # noqa: E731
     try:
@@ -152,7 +151,9 @@ def test_the_queue_counts_what_waits_and_frees_what_a_wave_takes():
         sched.submit(first)
         with pytest.raises(QueueFull, match="1 requests are already waiting"):
             sched.submit(job())
-        assert sched._next_wave() == [first]  # the wave takes it (the thread's own call)
+        sched._take(block=False)  # the thread's own calls: the queue into a free row
+        sched._admit()
+        assert [seq.job for seq in sched.running] == [first] and sched.queued == 0
         sched.submit(job())  # room again
         assert sched.queued == 1
     finally:

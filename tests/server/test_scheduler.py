@@ -1,0 +1,220 @@
+"""The continuous-batching scheduler on its own (no HTTP): tiny random checkpoints, one with
+full attention (Llama) and one with a sliding window of 5 (Qwen3), batches of up to 4 rows.
+
+Every answer is compared with `Model.generate` of the same prompt alone, on a second copy of
+the model: requests that join a busy batch, prompts prefilled in chunks of a few tokens while
+other rows decode, prompts started from a prefix a row holds (its own or copied from another
+row), sampled and penalized rows beside greedy ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from conftest import LLAMA32, make_checkpoint
+
+from core import load_model
+from core.sampling import SamplingParams
+from core.scheduler import Job, Scheduler
+
+QWEN3_SLIDING = dict(  # tests/plugins/test_qwen3.py's: layers 1 and 2 slide over 5 positions
+    model_type="qwen3",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    use_sliding_window=True,
+    sliding_window=5,
+    max_window_layers=1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SPECS = {"llama": LLAMA32, "qwen3-sliding": QWEN3_SLIDING}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def folder(request, tmp_path_factory):
+    root, _ = make_checkpoint(tmp_path_factory.mktemp(request.param), SPECS[request.param])
+    return root
+
+
+@pytest.fixture(scope="module")
+def alone(folder):
+    return load_model(folder, max_seq_len=96)
+
+
+@pytest.fixture
+def sched(folder):
+    s = Scheduler(load_model(folder, max_seq_len=96, max_batch_size=4))
+    s.start()
+    yield s
+    s.stop()
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **kw})
+
+
+async def _collect(job: Job):
+    while True:
+        kind, value = await job.events.get()
+        if kind in ("done", "error"):
+            return value
+
+
+async def submit_all(sched, requests, after=None):
+    """Submit (ids, params) requests in order; the first alone, the others once `after(sched)`
+    holds (polled). Returns the results in order, and the order in which they ended."""
+    loop, ended = asyncio.get_running_loop(), []
+    jobs = [Job(ids, p, stream=True, loop=loop) for ids, p in requests]
+
+    async def one(i, job):
+        out = await _collect(job)
+        ended.append(i)
+        return out
+
+    tasks = [asyncio.create_task(one(0, jobs[0]))]
+    sched.submit(jobs[0])
+    deadline = time.monotonic() + 60
+    while after is not None and not after(sched):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+    for i, job in enumerate(jobs[1:], 1):
+        sched.submit(job)
+        tasks.append(asyncio.create_task(one(i, job)))
+    return await asyncio.gather(*tasks), ended
+
+
+def run(sched, requests, after=None):
+    return asyncio.run(submit_all(sched, requests, after))
+
+
+def decoding(n: int):
+    """Holds once the first row has taken n tokens."""
+    return lambda s: bool(s.running) and len(s.running[0].text.out) >= n
+
+
+def same_as_alone(alone, ids, p: SamplingParams, got) -> None:
+    want = alone.generate(ids, **p.model_dump())
+    assert got.token_ids == want.token_ids, (len(ids), p)
+    assert got.finish_reason == want.finish_reason
+    if p.logprobs is not None:
+        assert [x.logprob for x in got.logprobs] == pytest.approx(
+            [x.logprob for x in want.logprobs], abs=1e-4
+        )
+        assert [list(x.top) for x in got.logprobs] == [list(x.top) for x in want.logprobs]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 96, (n,), generator=g).tolist()
+
+
+def test_requests_join_a_busy_batch_and_answer_as_alone(sched, alone):
+    """A long greedy row decodes; four requests arrive: three join it at once (one prompt of
+    30 prefilled 4 tokens a step beside the decoding rows), the fifth waits for a free row
+    (FIFO). Each answer equals Model.generate alone, and the short ones end first."""
+    sched.chunk = 4
+    sched.reuse = False
+    requests = [
+        (prompt(20, 0), params(max_new_tokens=40)),
+        (prompt(3, 1), params(max_new_tokens=5, temperature=1.0, seed=7, logprobs=2)),
+        (prompt(30, 2), params(max_new_tokens=6, frequency_penalty=0.5, repetition_penalty=1.3)),
+        (prompt(17, 3), params(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=3)),
+        (prompt(9, 4), params(max_new_tokens=7, logprobs=0)),
+    ]
+    results, ended = run(sched, requests, after=decoding(2))
+    for (ids, p), got in zip(requests, results, strict=True):
+        same_as_alone(alone, ids, p, got)
+        assert got.cached_tokens == 0 and got.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ended[-1] == 0  # the 40-token row was joined, not waited for
+    assert not sched.running and sched.queued == 0 and all(not b for b in sched.slots.busy)
+
+
+def test_a_prompt_starts_from_a_prefix_a_row_holds(sched, alone):
+    """The same prompt again reuses all but its last token; a prompt sharing a prefix with a
+    row that is still decoding gets it copied into a free row. Answers equal generate's."""
+    sliding = sched.slots.kept < sched.model.max_seq_len
+    base = prompt(4 if sliding else 24, 10)  # with a window of 5: nothing past it is reused
+    p = params(max_new_tokens=1 if sliding else 6)
+    first = run(sched, [(base, p)])[0][0]
+    again = run(sched, [(base, p)])[0][0]
+    assert first.cached_tokens == 0 and again.cached_tokens == len(base) - 1
+    same_as_alone(alone, base, p, first)
+    same_as_alone(alone, base, p, again)
+
+    # a busy row's prefix, copied: the long row decodes while the second request arrives
+    long = prompt(20, 11)
+    other = long[:3] + prompt(5, 12) if sliding else long[:15] + prompt(5, 12)
+    requests = [(long, params(max_new_tokens=30)), (other, params(max_new_tokens=5))]
+    results, _ = run(sched, requests, after=decoding(2))
+    for (ids, q), got in zip(requests, results, strict=True):
+        same_as_alone(alone, ids, q, got)
+    assert results[1].cached_tokens == (0 if sliding else 15)
+    hits = sched.metrics.prefix_hits._value.get()
+    assert hits == len(base) - 1 + results[1].cached_tokens
+
+
+def test_a_row_held_past_the_window_is_not_reused(folder, alone):
+    """A sliding layer's ring keeps only a row's last `window` positions: a prompt repeated
+    after a row held more than that starts from nothing (and answers as alone)."""
+    s = Scheduler(load_model(folder, max_seq_len=96, max_batch_size=1))
+    s.start()
+    try:
+        ids, p = prompt(12, 20), params(max_new_tokens=3)
+        got = [run(s, [(ids, p)])[0][0] for _ in range(2)]
+    finally:
+        s.stop()
+    for g in got:
+        same_as_alone(alone, ids, p, g)
+    window = SPECS.get("qwen3-sliding")["sliding_window"]
+    assert got[1].cached_tokens == (0 if s.slots.kept == window else len(ids) - 1)
+
+
+def test_cancelled_rows_end_and_free_their_row(sched):
+    """A running row whose client goes away ends with "abort" at the next step; a job
+    cancelled while queued never runs; then every row is free."""
+    requests = [(prompt(5, 30), params(max_new_tokens=80))] * 5
+
+    def cancel_all(s):
+        if s.running and len(s.running[0].text.out) >= 2:
+            for seq in s.running:
+                seq.job.cancelled = True
+            return True
+        return False
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, p, stream=False, loop=loop) for ids, p in requests]
+        for job in jobs[:4]:
+            sched.submit(job)
+        while not cancel_all(sched):
+            await asyncio.sleep(0.001)
+        jobs[4].cancelled = True
+        sched.submit(jobs[4])
+        return await asyncio.gather(*map(_collect, jobs))
+
+    results = asyncio.run(go())
+    assert all(r.finish_reason == "abort" and len(r.token_ids) < 80 for r in results[:4])
+    assert type(results[4]).__name__ == "Cancelled"
+    deadline = time.monotonic() + 10
+    while sched.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sched.running and sched.queued == 0 and all(not b for b in sched.slots.busy)
