@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import threading
 from datetime import timedelta
 
@@ -139,7 +140,9 @@ def lead(net: torch.nn.Module, device: torch.device) -> None:
 
 @torch.inference_mode()
 def follow(net: torch.nn.Module, device: torch.device) -> None:
-    """Ranks > 0: run each forward rank 0 announces, until it sends stop."""
+    """Ranks > 0: run each forward rank 0 announces, until it sends stop. Ctrl-C is rank 0's
+    to act on (a terminal sends it to every rank): these ranks end when it says so, or dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     wire = _wire(device)
     while True:
         head = _header(device=wire)
@@ -178,6 +181,7 @@ def finish() -> None:
 def launch(n: int, argv: list[str]) -> int:
     """Run `python -m core.cli *argv` as `n` ranks on this machine through
     torch.distributed.run (torchrun) and wait for them; a rank that fails stops the others."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -190,6 +194,8 @@ def launch(n: int, argv: list[str]) -> int:
     )
     try:
         run(args)
+    except SignalException as err:  # Ctrl-C / SIGTERM: torchrun stopped the ranks
+        raise KeyboardInterrupt from err
     except ChildFailedError as err:
         rank0, failure = err.get_first_failure()
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"code {failure.exitcode}"

@@ -112,7 +112,7 @@ class SafetensorsCheckpoint:
                 f"{path / INDEX} names {len(absent)} tensor(s) no shard holds: "
                 f"{', '.join(absent[:5])}; the index and the shards do not match, re-download them"
             )
-        self._handles: dict[Path, Any] = {}  # safe_open per file, for read_slice
+        self._handles: dict[Path, Any] = {}  # the last file read_slice opened
         self._mxfp4 = False  # MXFP4 blocks + scales (gpt-oss): see plugins/safetensors_mxfp4.py
         self._fp8 = self._fp8_scheme()
 
@@ -206,8 +206,8 @@ class SafetensorsCheckpoint:
         from safetensors import safe_open
 
         f = self._where[name][0]
-        if f not in self._handles:
-            self._handles[f] = safe_open(f, framework="pt")
+        if f not in self._handles:  # one file mapped at a time: its pages leave with it
+            self._handles = {f: safe_open(f, framework="pt")}
         part = self._handles[f].get_slice(name)
         lead = (slice(None),) * dim
         return torch.cat([part[(*lead, slice(a, b))] for a, b in ranges], dim)

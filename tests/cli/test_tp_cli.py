@@ -3,8 +3,14 @@ process prints; `torchrun --nproc-per-node 2 -m core.cli run` does too."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 from conftest import LLAMA32, make_checkpoint
@@ -57,3 +63,47 @@ def test_run_tp_that_does_not_divide_is_one_line_per_rank(folder):
     assert "sizes this model allows: 1, 2, 4" in out.stderr
     assert "Traceback" not in out.stderr
     assert "--tp 3: rank" in out.stderr  # the launcher's summary
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_serve_tp2_answers_from_rank_0_as_one_process(folder):
+    """`zoo serve --tp 2`: only rank 0 listens; its answers (stop strings applied there) are
+    the single process's; Ctrl-C stops every rank."""
+    from core import load_model
+
+    alone = load_model(folder, device="cpu")
+    full = alone.generate("The sky is", max_new_tokens=12).text
+    stop = full[len(full) // 2 :][:3]  # a stop string from the answer's second half
+    assert stop.strip() and stop in full
+    cmd = [sys.executable, "-m", "core.cli", "serve", str(folder), "--tp", "2", "--port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"at (http://\S+/v1) ", line)
+        assert url, line + (proc.stderr.read() if proc.poll() is not None else "")
+        deadline = time.monotonic() + 60
+        while True:  # uvicorn starts a moment after the line
+            try:
+                urllib.request.urlopen(url[1].removesuffix("/v1") + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        body = dict(model=str(folder), prompt="The sky is", max_tokens=12, temperature=0)
+        assert post(url[1] + "/completions", body)["choices"][0]["text"] == full
+        cut = post(url[1] + "/completions", dict(body, stop=[stop]))["choices"][0]["text"]
+        assert cut == full[: full.index(stop)]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        proc.wait(timeout=60)
+    assert proc.returncode in (0, 130), proc.stderr.read()
