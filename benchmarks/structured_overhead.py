@@ -45,26 +45,21 @@ DOC = {
 }
 
 
-def _llguidance(tok_json: str, vocab: int, eos: list[int]):
-    import llguidance
-    from llguidance.torch import fill_next_token_bitmask
+def _llguidance(tok, vocab: int, eos: list[int]):
+    """What Zoo runs: core.structured's Constraint and Masks."""
+    from core.structured import Constraint, Masks
 
     t = time.perf_counter()
-    lltok = llguidance.LLTokenizer(tok_json, n_vocab=vocab, eos_token=eos)
+    Constraint(json.dumps(SCHEMA), tok, vocab, set(eos))  # builds llguidance's tokenizer once
     tok_s = time.perf_counter() - t
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
-    bits = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
-    shifts = torch.arange(32, dtype=torch.int32)
 
     def start():
-        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
+        c = Constraint(json.dumps(SCHEMA), tok, vocab, set(eos))
+        masks = Masks([c], vocab)
 
         def step(logits: torch.Tensor, token: int) -> None:
-            fill_next_token_bitmask(matcher, bits)
-            allowed = ((bits[:, :, None] >> shifts) & 1).view(1, -1)[:, :vocab].bool()
-            logits.masked_fill_(~allowed, float("-inf"))
-            assert matcher.consume_token(token), matcher.get_error()
+            masks.apply(logits, [False])
+            c.accept(token)
 
         return step
 
@@ -155,7 +150,7 @@ def main() -> None:
 
     doc = [*tok.encode(json.dumps(DOC), add_special_tokens=False), eos[0]]
     libs = {
-        "llguidance": lambda: _llguidance(tok._tok.to_str(), vocab, eos),
+        "llguidance": lambda: _llguidance(tok, vocab, eos),
         "xgrammar": lambda: _xgrammar(tok, vocab, eos),
         "outlines-core": lambda: _outlines_core(tok, vocab, eos),
     }

@@ -14,12 +14,12 @@ import json
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from core.tokenizer import Tokenizer
 
 ANY_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -114,6 +114,7 @@ class Masks:
             if not ended[row]:
                 c.fill(self.bits[row])
         # (B, V/32) words -> (B, V) bits, least significant first (llguidance's layout)
-        allowed = ((self.bits[:, :, None] >> _SHIFTS) & 1).view(len(self.bits), -1)
-        allowed = allowed[:, : self.vocab].bool().to(logits.device, non_blocking=True)
+        words = self.bits.numpy().view(np.uint8)
+        allowed = np.unpackbits(words, axis=1, bitorder="little")[:, : self.vocab]
+        allowed = torch.from_numpy(allowed.view(np.bool_)).to(logits.device)
         return logits.masked_fill(~allowed, float("-inf"))
