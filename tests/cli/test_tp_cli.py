@@ -107,3 +107,15 @@ def test_serve_tp2_answers_from_rank_0_as_one_process(folder):
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         proc.wait(timeout=60)
     assert proc.returncode in (0, 130), proc.stderr.read()
+
+
+def test_bench_tp2_measures_rank_0s_part(folder):
+    """`zoo bench --tp 2` runs its prefill and decode figures with both ranks (rank 0 reports
+    them: its weights are half the model's, bar the replicated norms)."""
+    args = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "4", "--repeat", "1"]
+    alone = run("-m", "core.cli", "bench", str(folder), "--json", "-", *args, "--device", "cpu")
+    split = run("-m", "core.cli", "bench", str(folder), "--tp", "2", "--json", "-", *args)
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr
+    report = [json.loads(out.stdout[out.stdout.index("{") :]) for out in (alone, split)]
+    assert report[1]["decode"]["1"]["tokens_per_s"] > 0
+    assert report[1]["weight_bytes"] <= 0.55 * report[0]["weight_bytes"]
