@@ -15,6 +15,7 @@ collectives a sharded model runs, rank 0 driving the others, and the launcher.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -187,6 +188,8 @@ def launch(n: int, argv: list[str]) -> int:
 
     if n < 1:
         raise ConfigError(f"--tp {n}: the number of ranks must be at least 1")
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):  # torchrun's notes, unless --debug
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # torchrun would set 1 thread per rank (and warn); split the cores instead
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     args = get_args_parser().parse_args(
