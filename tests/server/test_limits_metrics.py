@@ -112,6 +112,21 @@ def test_metrics_count_every_request_and_token(server, folder):  # noqa: F811
     assert after["vllm:num_preemptions_total"] == 0
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(server):
+    """The same prompt again starts from the row that held it: usage says how many prompt
+    tokens were not prefilled again (all but the last), the answer is the same, and /metrics
+    counts the lookups and hits."""
+    ids = list(range(40, 60))
+    first, again = (complete(server, ids, 4)[1] for _ in range(2))
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": len(ids) - 1}
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    after = scrape(server)
+    assert after["vllm:prefix_cache_queries_total"] == 2 * len(ids)
+    assert after["vllm:prefix_cache_hits_total"] == len(ids) - 1
+    assert after["zoo:prefix_cache_hit_rate"] == pytest.approx((len(ids) - 1) / (2 * len(ids)))
+
+
 # --- the bounded queue (--max-queue) ---------------------------------------------------------
 def test_a_full_queue_is_503_with_retry_after(folder):  # noqa: F811
     """max_queue=0: no request may wait, so every one is turned away at once (the counting
