@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 
 # --- rotary position embeddings: one frozen spec per kind -------------------------------------
@@ -121,7 +121,8 @@ class GQASpec:
     - `sinks`: a learned logit per query head (parameter `sinks`, (num_heads,)) that joins
       each softmax's denominator and attends to nothing (gpt-oss);
     - `qk_norm`: a norm over head_dim of every q and k head before rope (parameters
-      `q_norm`, `k_norm`; built from the norm spec's type, like every norm).
+      `q_norm`, `k_norm`; built from the norm spec's type, like every norm);
+    - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q.
     """
 
     num_heads: int
@@ -135,6 +136,9 @@ class GQASpec:
     softcap: float | None = None  # None: no soft-capping
     sinks: bool = False
     qk_norm: RMSNormSpec | Any | None = None  # None: no q/k norm; a norm spec of any kind
+    # Qwen3-Next / Qwen3.5: q_proj also yields a gate per head (rows [q_h | gate_h] per head h);
+    # the attention output is multiplied by sigmoid(gate) before o_proj
+    output_gate: bool = False
 
     def __post_init__(self):
         for name in ("window", "softcap", "softmax_scale"):
@@ -185,6 +189,65 @@ class MLASpec:
             "latent": (batch, seq, self.kv_lora_rank),
             "k_pe": (batch, seq, self.qk_rope_head_dim),
         }
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """A gated DeltaNet layer (linear attention: Qwen3-Next, Qwen3.5), in place of attention.
+
+    x -> in_proj -> q, k (num_k_heads x head_k_dim), v, z (num_v_heads x head_v_dim), b, a
+    (num_v_heads); q|k|v through a causal depthwise conv1d of `conv_kernel` taps and SiLU; q and
+    k L2-normed; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T and
+    o_t = S_t^T q_t / sqrt(dk); then o = RMSNorm(o) * silu(z) per v head, and out_proj. Value
+    head j reads key head j // (num_v_heads / num_k_heads).
+
+    What it caches is a fixed size per row, not per token (`recurrent`): the conv's last
+    conv_kernel - 1 inputs and the (head_k_dim x head_v_dim) state per value head, in fp32.
+    `layout`: how the checkpoint packs in_proj: "flat" (Qwen3.5: in_proj_qkv | z | b | a) or
+    "grouped" (Qwen3-Next: in_proj_qkvz and in_proj_ba, rows grouped per key head).
+    """
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    norm_eps: float
+    layout: Literal["flat", "grouped"] = "flat"
+    rope: Literal["none"] = "none"  # no rotary embedding
+    recurrent: ClassVar[bool] = True  # a fixed-size state per row: no per-token cache
+
+    def __post_init__(self):
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"GatedDeltaNetSpec: num_v_heads ({self.num_v_heads}) must be a multiple of "
+                f"num_k_heads ({self.num_k_heads})"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim  # q | k | v
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """The per-row state (seq is not used): the conv's last inputs (B, conv_dim, K - 1)
+        and the delta-rule state (B, H_v, D_k, D_v)."""
+        return {
+            "conv": (batch, self.conv_dim, self.conv_kernel - 1),
+            "state": (batch, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+        }
+
+    def cache_dtypes(self) -> dict[str, str]:
+        """Tensors kept in another dtype than the model's: the state accumulates in fp32."""
+        return {"state": "float32"}
 
 
 AttentionSpec = GQASpec | MLASpec
@@ -240,10 +303,22 @@ class MoESpec:
     # the routed experts' activation: None is SwiGLU, silu(gate) * up over [gate | up] rows;
     # a GLUSpec is gpt-oss's clamped SwiGLU over interleaved (gate, up) rows
     glu: GLUSpec | None = None
+    # Qwen2-MoE / Qwen3-Next / Qwen3.5: one shared expert of its own width (None: the
+    # num_shared_experts * intermediate_size above), its output scaled by sigmoid(x @ w) when
+    # `shared_gate` (parameter shared_expert_gate, (1, hidden))
+    shared_intermediate_size: int | None = None
+    shared_gate: bool = False
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts' MLP width; 0: none."""
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.num_shared_experts * self.intermediate_size
 
     @property
     def shared(self) -> DenseMLPSpec:
-        return DenseMLPSpec(self.num_shared_experts * self.intermediate_size, self.shared_bias)
+        return DenseMLPSpec(self.shared_width, self.shared_bias)
 
 
 # --- the whole model -------------------------------------------------------------------------
@@ -305,20 +380,44 @@ class RuntimeConfig:
         return self.moe if self.moe is not None and i in self.moe.layers else self.mlp
 
     def kv_bytes(self, itemsize: int, seq_len: int, batch: int = 1) -> int:
-        """Bytes the KV cache holds for `batch` sequences of `seq_len` tokens, all layers
-        together; a sliding layer holds at most its window."""
-        return itemsize * sum(
-            prod(shape)
+        """Bytes the cache holds for `batch` sequences of `seq_len` tokens, all layers
+        together; a sliding layer holds at most its window, a recurrent one its fixed state."""
+        return sum(
+            prod(shape) * _itemsize(spec, name, itemsize)
             for spec in self.attention_layers
-            for shape in spec.cache_layout(batch, seq_len).values()
+            for name, shape in spec.cache_layout(batch, seq_len).items()
         )
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Bytes the KV cache holds per token in the layers that keep every token (all but the
-        sliding ones, whose ring buffers stop growing at their window).
+        sliding ones, whose ring buffers stop growing at their window, and the recurrent ones).
 
         GQA: 2 * layers * kv_heads * head_dim * itemsize; MLA: layers * (kv_lora_rank +
         qk_rope_head_dim) * itemsize.
         """
-        full = [s for s in self.attention_layers if getattr(s, "window", None) is None]
+        full = [
+            s
+            for s in self.attention_layers
+            if getattr(s, "window", None) is None and not getattr(s, "recurrent", False)
+        ]
         return sum(prod(x) for s in full for x in s.cache_layout(1, 1).values()) * itemsize
+
+    def state_bytes_per_sequence(self, itemsize: int) -> int:
+        """Bytes of fixed-size state per sequence: the recurrent layers' (linear attention)
+        conv and delta-rule states, whatever the sequence's length; 0 for attention only."""
+        return sum(
+            prod(shape) * _itemsize(spec, name, itemsize)
+            for spec in self.attention_layers
+            if getattr(spec, "recurrent", False)
+            for name, shape in spec.cache_layout(1, 1).items()
+        )
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _itemsize(spec: Any, name: str, default: int) -> int:
+    """Bytes per element of a layer's cache tensor `name`: the model's, unless the spec keeps
+    it in another dtype (`cache_dtypes`)."""
+    dtypes = spec.cache_dtypes() if hasattr(spec, "cache_dtypes") else {}
+    return _ITEMSIZE[dtypes[name]] if name in dtypes else default

@@ -2,8 +2,11 @@
 
 What a layer caches per token is the attention kind's business: its spec's `cache_layout`
 names the tensors (GQA: `k`, `v`; MLA: `latent`, `k_pe`) and their shapes; a sliding GQA layer
-asks for `min(window, max_seq_len)` positions (its ring buffer). The cache allocates each
-layer's own layout and hands a layer its tensors, in that order.
+asks for `min(window, max_seq_len)` positions (its ring buffer); a recurrent layer (gated
+DeltaNet: `conv`, `state`) a fixed-size state per row, which the layer itself starts from zero
+for a row whose input begins at position 0 (a reused row needs no reset). A spec may keep a
+tensor in another dtype than the model's (`cache_dtypes`: the delta-rule state in fp32). The
+cache allocates each layer's own layout and hands a layer its tensors, in that order.
 """
 
 import torch
@@ -28,12 +31,22 @@ class StaticKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        layouts = [spec.cache_layout(max_batch_size, max_seq_len) for spec in cfg.attention_layers]
+        specs = cfg.attention_layers
+        layouts = [spec.cache_layout(max_batch_size, max_seq_len) for spec in specs]
         self.names = [tuple(layout) for layout in layouts]  # per layer
-        self.layers = [
-            tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in layout.values())
-            for layout in layouts
-        ]
+        self.layers = []
+        for spec, layout in zip(specs, layouts, strict=True):
+            own = spec.cache_dtypes() if hasattr(spec, "cache_dtypes") else {}
+            self.layers.append(
+                tuple(
+                    torch.zeros(
+                        shape,
+                        dtype=getattr(torch, own[name]) if name in own else dtype,
+                        device=device,
+                    )
+                    for name, shape in layout.items()
+                )
+            )
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
 

@@ -27,7 +27,8 @@ class GQAAttention(nn.Module):
         self.spec = spec
         self.interleaved = rope_interleaved
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.sizes = (hq * d, hkv * d, hkv * d)
+        gated = 2 if spec.output_gate else 1  # q_proj's rows per head: [q_h | gate_h]
+        self.sizes = (gated * hq * d, hkv * d, hkv * d)
         parts = dict(zip(("q", "k", "v"), self.sizes, strict=True))
         self.qkv_proj = FusedLinear(hidden, parts, bias=spec.qkv_bias)
         self.o_proj = Linear(hq * d, hidden, bias=spec.o_bias)
@@ -52,7 +53,9 @@ class GQAAttention(nn.Module):
         b, t, _ = x.shape
         s = self.spec
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        if s.output_gate:  # (B, T, Hq, 2D) -> q and the output gate, (B, T, Hq, D) each
+            q, gate = q.view(b, t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
+        q = q.reshape(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         if s.qk_norm is not None:
@@ -76,7 +79,10 @@ class GQAAttention(nn.Module):
             o = kernels.attention(q, keys, values, rel, s.scale, **extra)
         else:
             o = self._ring_prefill(q, k, v, k_cache, v_cache, start_pos, lengths, extra)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, s.num_heads * s.head_dim))
+        o = o.transpose(1, 2).reshape(b, t, s.num_heads * s.head_dim)
+        if s.output_gate:
+            o = o * torch.sigmoid(gate.reshape(b, t, -1))
+        return self.o_proj(o)
 
     def _ring_prefill(self, q, k, v, k_cache, v_cache, start_pos, lengths, extra):
         """T > 1 new tokens on a sliding layer: attend over [the ring's keys before start, in

@@ -16,6 +16,7 @@ from torch import nn
 
 import kernels
 from core.config import MoESpec
+from core.layers.linear import Linear
 from core.layers.mlp import GatedMLP
 
 
@@ -120,14 +121,17 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """out = sum_k w_k * expert_k(x) + shared_experts(x)."""
+    """out = sum_k w_k * expert_k(x) + shared_experts(x), the shared part times
+    sigmoid(shared_expert_gate(x)) when `spec.shared_gate` (Qwen3-Next, Qwen3.5)."""
 
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         self.gate = Router(hidden, spec)
         self.experts = Experts(hidden, spec)
-        if spec.num_shared_experts:
+        if spec.shared_width:
             self.shared_experts = GatedMLP(hidden, spec.shared)
+        if spec.shared_gate:
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -135,5 +139,8 @@ class MoE(nn.Module):
         ids, weights = self.gate(flat)
         out = self.experts(flat, ids, weights).view(shape)
         if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if hasattr(self, "shared_expert_gate"):
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
