@@ -214,3 +214,80 @@ def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> t
     """x @ W.T + bias for a `kernels.qweight.QuantWeight` W: the whole weight dequantized to
     float32 (bit-exact with the `gguf` package), cast to x's dtype, then F.linear."""
     return F.linear(x, weight.dequantize().to(x.dtype), bias)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """The gated delta rule (gated DeltaNet's linear attention), per row and value head:
+
+        S_t = exp(g_t) S_{t-1} + k_t u_t^T,  u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)
+        o_t = scale * S_t^T q_t
+
+    q, k (B, T, Hk, Dk), already L2-normed; v (B, T, Hv, Dv), value head j reading key head
+    j // (Hv / Hk); g (log decay, <= 0) and beta (B, T, Hv) fp32; state (B, Hv, Dk, Dv) fp32:
+    the state before the first token, overwritten in place with the one after the last.
+    A token with g = 0 and beta = 0 leaves the state as it is (padding). Returns o (B, T, Hv,
+    Dv) in v's dtype. One token: the recurrent step; more: `chunk` tokens at a time.
+    """
+    rep = v.shape[2] // k.shape[2]
+    # (B, Hv, T, D) fp32, key heads repeated for the value heads they serve
+    q, k = (x.repeat_interleave(rep, dim=2).transpose(1, 2).float() for x in (q, k))
+    q = q * scale
+    vv = v.transpose(1, 2).float()
+    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()  # (B, Hv, T)
+    if q.shape[2] == 1:
+        o = _delta_step(q[:, :, 0], k[:, :, 0], vv[:, :, 0], g[..., 0], beta[..., 0], state)
+        return o[:, None].to(v.dtype)
+    return _delta_chunked(q, k, vv, g, beta, state, chunk).transpose(1, 2).to(v.dtype)
+
+
+def _delta_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One token: q, k (B, H, Dk), v (B, H, Dv), g, beta (B, H); state updated in place."""
+    s = state * g.exp()[..., None, None]
+    u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", s, k))
+    s = s + k[..., :, None] * u[..., None, :]
+    state.copy_(s)
+    return torch.einsum("bhkv,bhk->bhv", s, q)  # (B, H, Dv)
+
+
+def _delta_chunked(q, k, v, g, beta, state: torch.Tensor, c: int) -> torch.Tensor:
+    """T tokens in chunks of c (B, H, T, D layout). Within a chunk, with G_i the cumulative log
+    decay and S0 the state before it, the new values u solve the unit lower-triangular system
+    (I + A) U = beta V - beta exp(G) K S0, A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i); then
+    o_i = exp(G_i) S0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j and
+    S = exp(G_c) S0 + sum_j exp(G_c - G_j) k_j u_j^T. Returns (B, H, T, Dv)."""
+    b, h, t, _ = k.shape
+    pad = -t % c  # padded tokens: g = beta = 0 (k = 0 too), so they change nothing
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (t + pad) // c
+    q, k, v = (x.view(b, h, n, c, x.shape[-1]) for x in (q, k, v))
+    gc = g.view(b, h, n, c).cumsum(-1)  # (B, H, N, C)
+    beta = beta.view(b, h, n, c, 1)
+    causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    a = ((beta * k) @ k.transpose(-1, -2) * decay).tril(-1)  # (B, H, N, C, C)
+    eye = torch.eye(c, device=k.device)
+    w_v = torch.linalg.solve_triangular(eye + a, beta * v, upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(
+        eye + a, beta * k * gc.exp()[..., None], upper=False, unitriangular=True
+    )
+    attn = q @ k.transpose(-1, -2) * decay  # (B, H, N, C, C), lower triangle with diagonal
+    q_decayed = q * gc.exp()[..., None]
+    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    s = state
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = w_v[:, :, i] - w_k[:, :, i] @ s  # (B, H, C, Dv)
+        out[:, :, i] = q_decayed[:, :, i] @ s + attn[:, :, i] @ u
+        s = s * gc[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    state.copy_(s)
+    return out.view(b, h, n * c, -1)[:, :, :t]
