@@ -135,6 +135,7 @@ _TRITON: dict[str, Callable[[], Callable]] = {
     "mla_attention": _mla_launcher,
     "moe_experts": lambda: kernel_module("kernels.moe").moe_experts,
     "quant_linear": lambda: kernel_module("kernels.quant_matmul").quant_linear,
+    "gated_delta_rule": lambda: kernel_module("kernels.delta_rule").gated_delta_rule,
 }
 OPS = tuple(_TRITON)
 
@@ -323,6 +324,21 @@ def moe_experts(
 
 
 _noted: set[str] = set()
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gated DeltaNet's linear attention over T tokens from `state` (B, Hv, Dk, Dv) fp32,
+    which is overwritten with the state after them (see reference); Triton routes T == 1 to
+    the recurrent step, T > 1 to the chunked kernel."""
+    return pick("gated_delta_rule", v)(q, k, v, g, beta, state, scale)
 
 
 def quant_linear(
