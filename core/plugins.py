@@ -60,6 +60,7 @@ BUILTIN_PLUGINS = (
     "plugins.mixtral",
     "plugins.gpt_oss",
     "plugins.qwen3_moe",
+    "plugins.qwen3_next",
     "plugins.safetensors",
     "plugins.gguf",
 )

@@ -4,7 +4,15 @@ Modules are named as "module:Class" strings, imported only when a model is built
 listing plugins and models never imports torch.
 """
 
-from core.config import DenseMLPSpec, EmbeddingSpec, GQASpec, MLASpec, MoESpec, RMSNormSpec
+from core.config import (
+    DenseMLPSpec,
+    EmbeddingSpec,
+    GatedDeltaNetSpec,
+    GQASpec,
+    MLASpec,
+    MoESpec,
+    RMSNormSpec,
+)
 from core.hookspecs import hookimpl
 
 
@@ -14,5 +22,6 @@ def zoo_register_layers(registry):
     registry.add_layer(RMSNormSpec, "core.layers.norm:RMSNorm")
     registry.add_layer(GQASpec, "core.layers.attention:GQAAttention")
     registry.add_layer(MLASpec, "core.layers.mla:MLAAttention")
+    registry.add_layer(GatedDeltaNetSpec, "core.layers.deltanet:GatedDeltaNet")
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
