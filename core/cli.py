@@ -194,6 +194,9 @@ def _info(args: argparse.Namespace) -> None:
         f"KV bytes     {c.kv_bytes_per_token(size):,} per token (full layers), "
         f"{c.kv_bytes(size, seq):,} per sequence of {seq:,} tokens"
     )
+    state = c.state_bytes_per_sequence(size)
+    if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
+        print(f"state bytes  {state:,} per sequence (recurrent layers' conv + delta-rule state)")
     total = sum(b for _, b in formats.values())
     print(f"weights      {total:,} bytes resident")
     for kind, (n, b) in formats.items():
@@ -204,10 +207,16 @@ def _info(args: argparse.Namespace) -> None:
 
 
 def _layer_kinds(c) -> str:
-    """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9'."""
+    """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9';
+    linear-attention layers by their spec's name ('GatedDeltaNetSpec x 36, full x 12')."""
     kinds: dict[str, int] = {}
     for i in range(c.num_layers):
-        window = getattr(c.layer_attention(i), "window", None)
+        spec = c.layer_attention(i)
+        if getattr(spec, "recurrent", False):
+            name = type(spec).__name__
+            kinds[name] = kinds.get(name, 0) + 1
+            continue
+        window = getattr(spec, "window", None)
         kind = "full" if window is None else f"window {window}"
         kinds[kind] = kinds.get(kind, 0) + 1
         if c.layer_rope(i) is None:

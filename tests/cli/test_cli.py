@@ -39,6 +39,23 @@ def test_info_counts_sliding_layers_by_their_window(checkpoint):
     assert want in out.stdout, out.stdout
 
 
+def test_info_reports_the_state_of_linear_attention_layers(checkpoint):
+    # Qwen3-Next, dense: 3 gated-DeltaNet layers keep a fixed state, 1 attention layer per token
+    spec = dict(
+        model_type="qwen3_next", vocab_size=96, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=0, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=100,
+    )  # fmt: skip
+    root, _ = checkpoint(spec)
+    out = zoo("info", str(root))
+    assert out.returncode == 0, out.stderr
+    assert "layer kinds  GatedDeltaNetSpec x 3, full x 1" in out.stdout, out.stdout
+    assert "KV bytes     256 per token (full layers)" in out.stdout  # K, V: 2 x 2 heads x 16 x 4 B
+    conv, state = (2 * 8 + 2 * 8) * 3 * 4, 2 * 8 * 8 * 4  # q|k|v x (kernel - 1); Hv x Dk x Dv
+    assert f"state bytes  {3 * (conv + state):,} per sequence" in out.stdout, out.stdout
+
+
 def test_list_shows_named_models():
     out = zoo("list")
     assert out.returncode == 0 and "llama3" in out.stdout
