@@ -18,6 +18,7 @@ import torch
 import kernels.cpu
 import kernels.dispatch
 from core.config import DynamicRope
+from core.cpu_step import FusedStep
 from core.errors import ConfigError
 from core.modeling import CausalLM
 
@@ -41,6 +42,8 @@ class DecodeStep:
         self.compiled = None
         self.cuda_graphs = False
         weight = net.model.embed_tokens.weight
+        # eager on a CPU: the blocks in one C call where they are of the plain kind
+        self.fused = FusedStep(net) if weight.device.type == "cpu" and not compile else None
         if weight.device.type == "cpu":  # timed now (eager), not in a request or a trace
             kernels.cpu.split_pays(weight.dtype)
         if compile:
@@ -69,6 +72,10 @@ class DecodeStep:
                 torch.compiler.cudagraph_mark_step_begin()
             seq = self.net.kv_cache.max_seq_len
             return self.compiled(ids, positions, bucket(end, seq))[:, -1]
+        if self.fused is not None:
+            logits = self.fused(tokens, positions, end)
+            if logits is not None:
+                return logits
         if len(tokens) == 1 and tokens.device.type == "cpu":  # int positions: cheaper, no sync
             return self.net(ids, int(positions[0]))[:, -1]
         return self.net(ids, positions, end=end)[:, -1]

@@ -153,6 +153,10 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos, end, lengths)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The last blocks' output (B, T, hidden) -> logits: final norm, LM head, scale, cap."""
         logits = self.lm_head(self.model.norm(x))
         scale, cap = self.config.logits_scale, self.config.final_softcap
         if scale != 1.0:

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "zoo_cpu.h"
+
 // sum_i a[i] * b[i] in 16 lane-wise partial sums, then added pairwise.
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -94,30 +96,34 @@ void zoo_decode_attention(const float *q, int64_t qsb, int64_t qsh, const float 
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * Hq; bh++) {
             const int64_t b = bh / Hq, h = bh % Hq, kh = h / group;
-            const float *qr = q + b * qsb + h * qsh;
-            const float *kb = k + b * ksb + kh * ksh, *vb = v + b * vsb + kh * vsh;
-            float *o = out + bh * Dv, top = sinks ? sinks[h] : -INFINITY;
             const int64_t at = pos ? pos[b] : pos0;
             const int64_t hi = all || at + 1 > S ? S : at + 1;
             const int64_t lo = all || window <= 0 || at - window + 1 < 0 ? 0 : at - window + 1;
-            for (int64_t s = lo; s < hi; s++) {
-                const float *kr = kb + s * kss;
-                float dot = dot16(qr, kr, D);
-                float score = dot * scale;
-                if (cap > 0) score = tanhf(score / cap) * cap;
-                p[s - lo] = score;
-                if (score > top) top = score;
-            }
-            float total = sinks ? expf(sinks[h] - top) : 0.0f;
-            for (int64_t d = 0; d < Dv; d++) o[d] = 0;
-            for (int64_t s = lo; s < hi; s++) {
-                const float e = expf(p[s - lo] - top);
-                total += e;
-                axpy(o, e, vb + s * vss, Dv);
-            }
-            const float inv = total > 0 ? 1.0f / total : 0.0f;
-            for (int64_t d = 0; d < Dv; d++) o[d] *= inv;
+            zoo_attend(q + b * qsb + h * qsh, k + b * ksb + kh * ksh, kss, v + b * vsb + kh * vsh,
+                       vss, lo, hi, D, Dv, scale, cap, sinks ? sinks + h : NULL, p,
+                       out + bh * Dv);
         }
         free(p);
     }
+}
+
+void zoo_attend(const float *q, const float *k, int64_t kss, const float *v, int64_t vss,
+                int64_t lo, int64_t hi, int64_t D, int64_t Dv, float scale, float cap,
+                const float *sink, float *p, float *o) {
+    float top = sink ? *sink : -INFINITY;
+    for (int64_t s = lo; s < hi; s++) {
+        float score = dot16(q, k + s * kss, D) * scale;
+        if (cap > 0) score = tanhf(score / cap) * cap;
+        p[s - lo] = score;
+        if (score > top) top = score;
+    }
+    float total = sink ? expf(*sink - top) : 0.0f;
+    for (int64_t d = 0; d < Dv; d++) o[d] = 0;
+    for (int64_t s = lo; s < hi; s++) {
+        const float e = expf(p[s - lo] - top);
+        total += e;
+        axpy(o, e, v + s * vss, Dv);
+    }
+    const float inv = total > 0 ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < Dv; d++) o[d] *= inv;
 }

@@ -33,8 +33,10 @@ from kernels.qweight import FORMATS, QuantWeight
 
 log = logging.getLogger("zoo")
 
-# the quantized products, and decode's small ops (kernels/cpu_ops.py): one library
-SOURCES = [Path(__file__).with_name(name) for name in ("qgemv.c", "cpu_ops.c")]
+# the quantized products, decode's small ops (kernels/cpu_ops.py) and its fused blocks
+# (kernels/cpu_decode.py): one library; the header is hashed into the cache key with them
+SOURCES = [Path(__file__).with_name(name) for name in ("qgemv.c", "cpu_ops.c", "cpu_decode.c")]
+HEADERS = [Path(__file__).with_name("zoo_cpu.h")]
 # Up to this many rows the kernel reads the codes directly (each weight row dequantized once
 # into L1 and dotted with every row of x); above, it writes the dequantized weight for the BLAS
 # (single-thread, 1536 x 576 int4: 64 rows 2.25 ms directly, 0.65 ms in F.linear)
@@ -74,7 +76,7 @@ def build(march: str) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("zoo kernels: no C compiler found; quantized CPU matmuls use the reference")
         return None
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS]))
     flags = [*FLAGS, f"-march={march}"]
     key.update(" ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode())
     out = cache_dir() / "kernels" / f"qgemv-{key.hexdigest()[:16]}.so"
@@ -109,6 +111,8 @@ def build(march: str) -> ctypes.CDLL | None:
                                          ptr, *[i64] * 6, ptr, i64, i64, ctypes.c_float,
                                          ctypes.c_float, ptr, ctypes.c_int]  # fmt: skip
     lib.zoo_decode_attention.restype = None
+    lib.zoo_decode_blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.zoo_decode_blocks.restype = None
     return lib
 
 

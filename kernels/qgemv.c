@@ -12,15 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct {
-    const void *codes;  // uint8 (N, K/2) when bits == 4, else int8 (N, K)
-    const void *scales; // (N, G) of scale_kind
-    const void *mins;   // (N, G) of min_kind, or NULL
-    const uint16_t *d;  // fp16 (N, K/superblock) or NULL: scale = d * small int
-    const uint16_t *dmin;
-    int64_t N, K, gs, superblock, offset, bits;
-    int64_t scale_kind, min_kind;  // 0 fp32, 1 fp16, 2 int8, 3 uint8
-} qweight_t;
+#include <omp.h>
+
+#include "zoo_cpu.h"
+
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -173,6 +168,23 @@ static float dot(const float *a, const float *b, int64_t K) {
     return total;
 }
 
+// dot with four accumulators: a plain fp32 weight row streams from memory, where one
+// accumulator's multiply-add latency would bound the loop below the memory's rate.
+static float dot4(const float *a, const float *b, int64_t K) {
+    vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+    int64_t k = 0;
+    for (; k + 4 * W <= K; k += 4 * W) {
+        a0 = VFMA(VLOADX(a + k), VLOADX(b + k), a0);
+        a1 = VFMA(VLOADX(a + k + W), VLOADX(b + k + W), a1);
+        a2 = VFMA(VLOADX(a + k + 2 * W), VLOADX(b + k + 2 * W), a2);
+        a3 = VFMA(VLOADX(a + k + 3 * W), VLOADX(b + k + 3 * W), a3);
+    }
+    for (; k + W <= K; k += W) a0 = VFMA(VLOADX(a + k), VLOADX(b + k), a0);
+    float total = VSUM(a0) + VSUM(a1) + VSUM(a2) + VSUM(a3);
+    for (; k < K; k++) total += a[k] * b[k];
+    return total;
+}
+
 // One output row against one row of x, straight from the codes (decode: x has one row).
 static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float *xsr,
                      const float *s, const float *m) {
@@ -213,17 +225,12 @@ static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float
 // Codes go 64 bytes (4 groups, one per 128-bit lane) at a time; unpacking the low and the high
 // nibbles with 0x43 within each lane gives four registers of 32 bf16 in which lane L holds
 // group L's columns 8r..8r+7 (r = 0..3); x is permuted once per call to the same order.
-// A row of x as that loop reads it (see prepare_bf16):
-typedef struct {
-    uint16_t *xp;  // bf16(x) in the registers' order, zero-padded to whole chunks
-    float *xs;     // each group's sum of bf16(x), zero-padded to a multiple of 16 groups
-} bf16_row;
+// A row of x as that loop reads it: bf16_row (zoo_cpu.h), made by prepare_bf16.
 
 #if defined(__AVX512BF16__)
 #define BF16_CODES 1
 #define CHUNK 128  // columns per 64 bytes of codes
 #define BH(v) ((__m512bh)(v))
-#define MAX_BF16_ROWS 8
 
 // x (K, a multiple of 32) -> r: per chunk, the four groups' bf16 values (a group is one
 // register of 32: blocks of 8 columns) transposed so that register j holds block j of each
@@ -314,78 +321,111 @@ static inline __attribute__((always_inline)) void row_dot_bf16(
 #else
 #define BF16_CODES 0
 #define CHUNK 128
-#define MAX_BF16_ROWS 8
 #endif
 
 // y (M, N) = x (M, K) @ W.T; gs must be a multiple of W (16 covers every format).
 // One row of x: dot products straight from the codes. More: each row of W is dequantized once
-// into a buffer and dotted with every row of x.
+// into a buffer and dotted with every row of x. x is prepared once per product (zoo_qx_prepare:
+// its bf16 copy, or its group sums), then any thread computes any range of W's rows from it
+// (zoo_qgemv_rows): zoo_qgemv splits them over its threads, a fused decode step
+// (cpu_decode.c) over the threads it already runs.
 // A fork-join costs microseconds (and, where other processes hold the cores, a time slice per
 // thread): small products run on the calling thread alone.
 #define PARALLEL_WORK (1 << 18)
 
-void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
-    const int64_t K = w->K, gs = w->gs, G = K / gs;
-    const int bf16 = BF16_CODES && w->bits == 4 && gs == 32 && M <= MAX_BF16_ROWS;
-    const int64_t chunks = (K + CHUNK - 1) / CHUNK;
-    if (w->N * K * M < PARALLEL_WORK) threads = 1;
-    float *xs = NULL;  // per group: the sum of x's values (offset and minimum terms)
-    bf16_row xr[MAX_BF16_ROWS];
-    if (bf16) {  // one buffer: each row of x's bf16 values and group sums
+static inline int uses_bf16(const qweight_t *w, int64_t M) {
+    return BF16_CODES && w->bits == 4 && w->gs == 32 && M <= MAX_BF16_ROWS;
+}
+
+int64_t zoo_qx_bytes(const qweight_t *w, int64_t M) {
+    const int64_t G = w->K / w->gs, chunks = (w->K + CHUNK - 1) / CHUNK;
+    if (uses_bf16(w, M)) return M * (chunks * CHUNK * (int64_t)sizeof(uint16_t) + (G + 16) * 4);
+    return M == 1 && w->bits != 32 ? G * (int64_t)sizeof(float) : 0;
+}
+
+void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, qx_t *px, void *buf) {
+    const int64_t K = w->K, gs = w->gs, G = K / gs, chunks = (K + CHUNK - 1) / CHUNK;
+    px->x = x;
+    px->M = M;
+    px->bf16 = uses_bf16(w, M);
+    px->xs = NULL;
+    if (px->bf16) {  // one buffer: each row of x's bf16 values and group sums
         const int64_t each = chunks * CHUNK * sizeof(uint16_t) + (G + 16) * sizeof(float);
-        char *buf = (char *)malloc(M * each);
         for (int64_t r = 0; r < M; r++) {
-            xr[r].xp = (uint16_t *)(buf + r * each);
-            xr[r].xs = (float *)(xr[r].xp + chunks * CHUNK);
+            px->r[r].xp = (uint16_t *)((char *)buf + r * each);
+            px->r[r].xs = (float *)(px->r[r].xp + chunks * CHUNK);
 #if BF16_CODES
-            prepare_bf16(x + r * K, K, xr[r]);
+            prepare_bf16(x + r * K, K, px->r[r]);
 #endif
         }
-    } else if (M == 1) {
-        xs = (float *)malloc(G * sizeof(float));
+    } else if (M == 1 && w->bits != 32) {  // per group: the sum of x (offset, minimum terms)
+        px->xs = (float *)buf;
         for (int64_t g = 0; g < G; g++) {
             float t = 0;
             for (int64_t j = 0; j < gs; j++) t += x[g * gs + j];
-            xs[g] = t;
+            px->xs[g] = t;
         }
     }
+}
+
+int64_t zoo_qgemv_scratch(const qweight_t *w) {  // s, m (G each) and a dequantized row (K)
+    return 2 * (w->K / w->gs) + w->K;
+}
+
+void zoo_qgemv_rows(const qweight_t *w, const qx_t *px, float *y, int64_t ldy, int64_t n0,
+                    int64_t n1, float *scratch) {
+    const int64_t K = w->K, G = K / w->gs, M = px->M;
+    const float *x = px->x;
+    float *s = scratch, *m = scratch + G, *row = scratch + 2 * G;
+#if BF16_CODES
+    float dots[MAX_BF16_ROWS];
+#endif
+    for (int64_t n = n0; n < n1; n++) {
+        if (w->bits == 32) {  // plain fp32 weight
+            const float *wn = (const float *)w->codes + n * K;
+            for (int64_t r = 0; r < M; r++) y[r * ldy + n] = dot4(wn, x + r * K, K);
+            continue;
+        }
+        if (px->bf16) {
+#if BF16_CODES
+            // fp16 factors are read in the loop; others (two-level, fp32) go through s, m
+            const uint16_t *sh = direct_fp16(w->scales, w->scale_kind, w->d, n, G);
+            const uint16_t *mh = direct_fp16(w->mins, w->min_kind, w->dmin, n, G);
+            if (!sh) row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
+            if (w->mins && !mh) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
+            const float *mf = w->mins && !mh ? m : NULL;
+            if (M == 1)  // the common case, with its row count known to the compiler
+                row_dot_bf16(w, n, px->r, 1, sh, s, mh, mf, dots);
+            else
+                row_dot_bf16(w, n, px->r, M, sh, s, mh, mf, dots);
+            for (int64_t r = 0; r < M; r++) y[r * ldy + n] = dots[r];
+#endif
+            continue;
+        }
+        row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
+        if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
+        if (M == 1) {
+            y[n] = row_dot(w, n, x, px->xs, s, m);
+        } else {
+            dequantize_row(w, n, s, m, row);
+            for (int64_t r = 0; r < M; r++) y[r * ldy + n] = dot(row, x + r * K, K);
+        }
+    }
+}
+
+void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
+    if (w->N * w->K * M < PARALLEL_WORK) threads = 1;
+    qx_t px;
+    void *buf = malloc(zoo_qx_bytes(w, M) + 64);
+    zoo_qx_prepare(w, x, M, &px, buf);
 #pragma omp parallel num_threads(threads)
     {
-        float *s = (float *)malloc(G * sizeof(float)), *m = (float *)malloc(G * sizeof(float));
-        float *row = M > 1 && !bf16 ? (float *)malloc(K * sizeof(float)) : NULL, dots[MAX_BF16_ROWS];
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < w->N; n++) {
-            if (bf16) {
-#if BF16_CODES
-                // fp16 factors are read in the loop; others (two-level, fp32) go through s, m
-                const uint16_t *sh = direct_fp16(w->scales, w->scale_kind, w->d, n, G);
-                const uint16_t *mh = direct_fp16(w->mins, w->min_kind, w->dmin, n, G);
-                if (!sh) row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
-                if (w->mins && !mh) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
-                const float *mf = w->mins && !mh ? m : NULL;
-                if (M == 1)  // the common case, with its row count known to the compiler
-                    row_dot_bf16(w, n, xr, 1, sh, s, mh, mf, dots);
-                else
-                    row_dot_bf16(w, n, xr, M, sh, s, mh, mf, dots);
-#endif
-                for (int64_t r = 0; r < M; r++) y[r * w->N + n] = dots[r];
-                continue;
-            }
-            row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
-            if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
-            if (M == 1) {
-                y[n] = row_dot(w, n, x, xs, s, m);
-            } else {
-                dequantize_row(w, n, s, m, row);
-                for (int64_t r = 0; r < M; r++) y[r * w->N + n] = dot(row, x + r * K, K);
-            }
-        }
-        free(s);
-        free(m);
-        free(row);
+        float *scratch = (float *)malloc(zoo_qgemv_scratch(w) * sizeof(float));
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        zoo_qgemv_rows(w, &px, y, w->N, w->N * t / T, w->N * (t + 1) / T, scratch);
+        free(scratch);
     }
-    free(xs);
-    if (bf16) free(xr[0].xp);
+    free(buf);
 }
 
 // Whether 4-bit codes multiply bf16-rounded x (this build has AVX512-BF16): tests pick their

@@ -1,0 +1,132 @@
+"""The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
+
+Where each block of a fp32 CPU model is of the core's plain kind (pre-norm RMSNorm, GQA
+attention without q/k norms, a gated SiLU / GELU MLP; weights fp32 or kept quantized), the step
+embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
+the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
+where the C library cannot be built, the modules run as always. The two agree to fp32
+rounding (tests/core/test_cpu_step.py). Which models take it: `zoo info` says.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from core.layers import GatedMLP, GQAAttention, RMSNorm
+from core.modeling import CausalLM, DecoderBlock
+from kernels.cpu_decode import ACTS, Block, Blocks
+from kernels.cpu_quant import MAX_ROWS
+from kernels.qweight import QuantStack, QuantWeight
+
+
+def why_not(net: CausalLM) -> str | None:
+    """Why the fused step cannot run `net` (None: it can): the first block or tensor that
+    does not fit, for `zoo info` and the logs."""
+    w = net.model.embed_tokens.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return f"weights are {w.dtype} on {w.device.type}, not float32 on the CPU"
+    for i, layer in enumerate(net.model.layers):
+        if type(layer) is not DecoderBlock or layer.post_norms:
+            return f"block {i} is {type(layer).__name__}{' with post-norms' * layer.post_norms}"
+        attn, mlp = layer.self_attn, layer.mlp
+        for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            if type(part) not in (GQAAttention, GatedMLP, RMSNorm):
+                return f"block {i} has a {type(part).__name__}"
+        if type(attn) is not GQAAttention or type(mlp) is not GatedMLP:
+            return f"block {i}'s attention / MLP kinds are not GQA / gated"
+        if attn.spec.qk_norm is not None:
+            return f"block {i} norms q and k"
+        if mlp.act not in ACTS:
+            return f"block {i}'s activation is {mlp.act}"
+    return None
+
+
+def _norm_weight(norm: RMSNorm) -> torch.Tensor:
+    # Gemma's (offset + w) as the module computes it, in fp32
+    return norm.weight if not norm.offset else (norm.weight.float() + norm.offset).contiguous()
+
+
+def blocks(net: CausalLM) -> Blocks | None:
+    """The C view of net's blocks, or None where the fused step cannot run them."""
+    if net.kv_cache is None or why_not(net) is not None:
+        return None
+    out = []
+    for i, layer in enumerate(net.model.layers):
+        attn, mlp, s = layer.self_attn, layer.mlp, layer.self_attn.spec
+        k, v = net.kv_cache.layer(i)
+        j = net.rope_of_layer[i]
+        out.append(
+            Block(
+                norm1=_norm_weight(layer.input_layernorm),
+                eps1=layer.input_layernorm.eps,
+                norm2=_norm_weight(layer.post_attention_layernorm),
+                eps2=layer.post_attention_layernorm.eps,
+                qkv=attn.qkv_proj.weight,
+                qkv_bias=attn.qkv_proj.bias,
+                o=attn.o_proj.weight,
+                o_bias=attn.o_proj.bias,
+                gate_up=mlp.gate_up_proj.weight,
+                gate_up_bias=mlp.gate_up_proj.bias,
+                down=mlp.down_proj.weight,
+                down_bias=mlp.down_proj.bias,
+                k_cache=k,
+                v_cache=v,
+                ring=s.window is not None,
+                heads=s.num_heads,
+                kv_heads=s.num_kv_heads,
+                head_dim=s.head_dim,
+                rope=j,
+                rope_half=0 if j is None else net.rotaries[j].cos.shape[-1],
+                interleaved=attn.interleaved,
+                scale=s.scale,
+                softcap=s.softcap,
+                sinks=attn.sinks if s.sinks else None,
+                act=mlp.act,
+                intermediate=mlp.down_proj.in_features,
+            )
+        )
+    return Blocks.build(out, net.config.hidden_size)
+
+
+def _first_weight(net: CausalLM) -> torch.Tensor:
+    w = net.model.layers[0].self_attn.qkv_proj.weight
+    while isinstance(w, QuantStack):
+        w = w.parts[0]
+    return w.codes if isinstance(w, QuantWeight) else w
+
+
+class FusedStep:
+    """`step(tokens (B,), positions (B,), end) -> logits (B, vocab)` through the C blocks, or
+    None from `__call__` where they cannot run this call (the caller runs the modules)."""
+
+    def __init__(self, net: CausalLM):
+        self.net = net
+        self.unfit = why_not(net)  # the kinds of blocks do not change; their tensors may
+        self._built: tuple | None = None  # (the tensors the view was built from, the view)
+
+    def _blocks(self) -> Blocks | None:
+        if self.unfit is not None:
+            return None
+        # rebuilt if the cache or the weights were replaced (the view holds their addresses)
+        key = (self.net.kv_cache, _first_weight(self.net).data_ptr())
+        if self._built is None or self._built[0] != key:
+            self._built = (key, blocks(self.net))
+        return self._built[1]
+
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, end: int
+    ) -> torch.Tensor | None:
+        b = tokens.shape[0]
+        if b > MAX_ROWS or (os.environ.get("ZOO_KERNELS") or "auto") != "auto":
+            return None
+        fused = self._blocks()
+        if fused is None:
+            return None
+        net = self.net
+        h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        tables = [tuple(t.contiguous() for t in rotary(pos, 1, end)) for rotary in net.rotaries]
+        fused(h, pos, tables)
+        return net.head(h[:, None])[:, -1]

@@ -1,0 +1,196 @@
+// A decode step's decoder blocks in one call, on the threads of one OpenMP region.
+//
+// An eager step runs ~15 torch ops and 4 products per block: on a 2-core CPU and a small model
+// (SmolLM2-135M: 30 blocks) their dispatch and the products' fork-joins took more time than
+// the products' arithmetic. Here the blocks of the plain pre-norm kind run back to back:
+//     h += o(attention(rope(q), rope(k) -> cache, v -> cache)),  q|k|v = qkv(rms_norm(h))
+//     h += down(act(gate) * up),                                  gate|up = gate_up(rms_norm(h))
+// Every thread normalises the few rows of h itself (a few hundred numbers: cheaper than
+// waiting for one thread to do it), then takes its share of each product's output rows (the
+// same rows every block, so a thread adds to the h columns it computed), of the kv heads
+// (rope, cache write) and of the query heads (attention), with a barrier where one part
+// reads what another wrote. The arithmetic is the separate ops' (zoo_qgemv_rows,
+// zoo_rms_norm, zoo_rope, zoo_attend), so the result equals the eager step's to rounding.
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zoo_cpu.h"
+
+void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
+                  int64_t rows, int64_t dim, float eps);
+void zoo_rope(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh, int64_t st,
+              const float *cos, const float *sin, int64_t cb, int64_t half, int interleaved);
+
+#define MAX_PARTS 4
+
+// A linear layer: up to MAX_PARTS weights stacked along the output rows (a fused q|k|v whose
+// parts a file keeps in different formats), and an optional bias.
+typedef struct {
+    qweight_t part[MAX_PARTS];
+    int64_t parts, N;
+    const float *bias;  // (N,) or NULL
+} zlinear_t;
+
+typedef struct {
+    const float *norm1, *norm2;  // (H,): before attention, before the MLP
+    float eps1, eps2;
+    zlinear_t qkv, o, gate_up, down;
+    float *k, *v;                // (B, Hkv, S, D) caches, strided (floats)
+    int64_t ksb, ksh, kss, vsb, vsh, vss;
+    int64_t slots, ring;         // S; ring: a sliding window's ring buffer of S slots
+    int64_t hq, hkv, d;
+    int64_t rope, half, interleaved;  // rope: index of the call's cos/sin table, -1: none
+    float scale, softcap;        // softcap 0: none
+    const float *sinks;          // (hq,) or NULL
+    int64_t act, inter;          // 0 SiLU, 1 GELU (tanh); intermediate size
+} zblock_t;
+
+// Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
+static void linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ldy, int64_t M,
+                        int64_t n0, int64_t n1, float *scratch) {
+    int64_t base = 0;
+    for (int64_t i = 0; i < l->parts; i++) {
+        const int64_t N = l->part[i].N, a = n0 > base ? n0 : base;
+        const int64_t b = n1 < base + N ? n1 : base + N;
+        if (a < b) zoo_qgemv_rows(&l->part[i], &px[i], y + base, ldy, a - base, b - base, scratch);
+        base += N;
+    }
+    if (l->bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += l->bias[n];
+}
+
+static void prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena) {
+    for (int64_t i = 0; i < l->parts; i++) {
+        zoo_qx_prepare(&l->part[i], x, M, &px[i], arena);
+        arena += (zoo_qx_bytes(&l->part[i], M) + 63) / 64 * 64;
+    }
+}
+
+static int64_t prepare_bytes(const zlinear_t *l, int64_t M) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < l->parts; i++) n += (zoo_qx_bytes(&l->part[i], M) + 63) / 64 * 64;
+    return n;
+}
+
+static int64_t scratch_floats(const zlinear_t *l) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < l->parts; i++) {
+        const int64_t s = zoo_qgemv_scratch(&l->part[i]);
+        n = s > n ? s : n;
+    }
+    return n;
+}
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static inline float activate(float g, int64_t act) {
+    if (act == 0) return g / (1.0f + expf(-g));  // SiLU
+    const float c = 0.7978845608028654f;         // GELU, tanh form: sqrt(2 / pi)
+    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+}
+
+// The L blocks on h (M, H) in place, for M <= MAX_BF16_ROWS rows at positions pos (M,).
+// cos[j], sin[j]: rope table j for this step, (1 or M, half) with row stride cstride[j].
+void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, int64_t H,
+                       const int64_t *pos, const float *const *cos, const float *const *sin,
+                       const int64_t *cstride, int threads) {
+    int64_t arena = 0, scratch = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1;
+    for (int64_t l = 0; l < L; l++) {
+        const zblock_t *b = &blocks[l];
+        const zlinear_t *ls[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
+        for (int i = 0; i < 4; i++) {
+            arena = max64(arena, prepare_bytes(ls[i], M));
+            scratch = max64(scratch, scratch_floats(ls[i]));
+        }
+        nqkv = max64(nqkv, b->qkv.N);
+        hqd = max64(hqd, b->hq * b->d);
+        inter = max64(inter, b->inter);
+        slots = max64(slots, b->slots);
+        d = max64(d, b->d);
+    }
+    in = max64(max64(in, hqd), inter);
+    // shared: the q|k|v rows, attention's output, gate|up, act(gate) * up, a product's output
+    float *qkv = malloc(M * nqkv * sizeof(float)), *att = malloc(M * hqd * sizeof(float));
+    float *gu = malloc(M * 2 * inter * sizeof(float)), *act = malloc(M * inter * sizeof(float));
+    float *y = malloc(M * H * sizeof(float));
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        float *xn = malloc(M * in * sizeof(float)), *sc = malloc(scratch * sizeof(float));
+        float *p = malloc(slots * sizeof(float)), *q = malloc(d * sizeof(float));
+        char *buf = aligned_alloc(64, (arena + 64) / 64 * 64);
+        qx_t px[MAX_PARTS];
+        const int64_t h0 = H * t / T, h1 = H * (t + 1) / T;  // this thread's columns of h
+        for (int64_t l = 0; l < L; l++) {
+            const zblock_t *b = &blocks[l];
+            const int64_t nq = b->qkv.N, I = b->inter, group = b->hq / b->hkv;
+            // attention: q|k|v of the normed rows, rows split over the threads
+            zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
+            prepare(&b->qkv, xn, M, px, buf);
+            linear_rows(&b->qkv, px, qkv, nq, M, nq * t / T, nq * (t + 1) / T, sc);
+#pragma omp barrier
+            // each kv head of each row: k rotated and both written to the row's cache slot
+            for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
+                const int64_t r = u / b->hkv, j = u % b->hkv;
+                const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
+                const float *kr = qkv + r * nq + (b->hq + j) * b->d, *vr = kr + b->hkv * b->d;
+                float *kc = b->k + r * b->ksb + j * b->ksh + slot * b->kss;
+                memcpy(kc, kr, b->d * sizeof(float));
+                memcpy(b->v + r * b->vsb + j * b->vsh + slot * b->vss, vr, b->d * sizeof(float));
+                if (b->rope >= 0)
+                    zoo_rope(kc, 1, 1, 1, 0, 0, 0, cos[b->rope] + r * cstride[b->rope],
+                             sin[b->rope] + r * cstride[b->rope], 0, b->half, (int)b->interleaved);
+            }
+#pragma omp barrier
+            // each query head of each row: rotated, then attends to the row's filled slots
+            for (int64_t u = M * b->hq * t / T; u < M * b->hq * (t + 1) / T; u++) {
+                const int64_t r = u / b->hq, j = u % b->hq, kh = j / group;
+                memcpy(q, qkv + r * nq + j * b->d, b->d * sizeof(float));
+                if (b->rope >= 0)
+                    zoo_rope(q, 1, 1, 1, 0, 0, 0, cos[b->rope] + r * cstride[b->rope],
+                             sin[b->rope] + r * cstride[b->rope], 0, b->half, (int)b->interleaved);
+                const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
+                zoo_attend(q, b->k + r * b->ksb + kh * b->ksh, b->kss,
+                           b->v + r * b->vsb + kh * b->vsh, b->vss, 0, seen, b->d, b->d,
+                           b->scale, b->softcap, b->sinks ? b->sinks + j : NULL, p,
+                           att + (r * b->hq + j) * b->d);
+            }
+#pragma omp barrier
+            // h += o(attention): this thread's columns of h
+            prepare(&b->o, att, M, px, buf);
+            linear_rows(&b->o, px, y, H, M, h0, h1, sc);
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
+#pragma omp barrier
+            // the MLP: gate and up rows i of this thread's share, then act(gate) * up
+            zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
+            prepare(&b->gate_up, xn, M, px, buf);
+            const int64_t i0 = I * t / T, i1 = I * (t + 1) / T;
+            linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1, sc);
+            linear_rows(&b->gate_up, px, gu, 2 * I, M, I + i0, I + i1, sc);
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t i = i0; i < i1; i++)
+                    act[r * I + i] = activate(gu[r * 2 * I + i], b->act) * gu[r * 2 * I + I + i];
+#pragma omp barrier
+            prepare(&b->down, act, M, px, buf);
+            linear_rows(&b->down, px, y, H, M, h0, h1, sc);
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
+#pragma omp barrier
+        }
+        free(xn);
+        free(sc);
+        free(p);
+        free(q);
+        free(buf);
+    }
+    free(qkv);
+    free(att);
+    free(gu);
+    free(act);
+    free(y);
+}
