@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,10 +41,16 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(env_cmd, capture_output=True, text=True, timeout=300)
 
 
-def test_run_tp2_prints_the_same_greedy_text(folder):
-    alone = run("-m", "core.cli", "run", str(folder), *ARGS)
-    assert alone.returncode == 0, alone.stderr
-    assert alone.stdout.strip()  # some text, greedy
+@pytest.fixture(scope="module")
+def alone(folder) -> subprocess.CompletedProcess:
+    """`zoo run` in one process: what every split run must print."""
+    out = run("-m", "core.cli", "run", str(folder), *ARGS)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()  # some text, greedy
+    return out
+
+
+def test_run_tp2_prints_the_same_greedy_text(folder, alone):
     split = run("-m", "core.cli", "run", str(folder), "--tp", "2", *ARGS)
     assert split.returncode == 0, split.stderr
     assert split.stdout == alone.stdout  # rank 0 alone prints
@@ -54,6 +61,25 @@ def test_run_tp2_prints_the_same_greedy_text(folder):
     launched = run(*torchrun)
     assert launched.returncode == 0, launched.stderr
     assert launched.stdout == alone.stdout
+
+
+def test_two_nodes_rendezvous_over_localhost(folder, alone):
+    """Two torchrun "nodes" of one rank each, joined by the c10d rendezvous on 127.0.0.1 (as
+    far as one machine can try several): the node holding rank 0 prints the text, the other
+    nothing."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zoo-test",
+        "-m", "core.cli", "run", str(folder), *ARGS,
+    ]  # fmt: skip
+    nodes = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert sorted(out for out, _ in outs) == sorted(["", alone.stdout])
 
 
 def test_run_tp_that_does_not_divide_is_one_line_per_rank(folder):
@@ -112,10 +138,13 @@ def test_serve_tp2_answers_from_rank_0_as_one_process(folder):
 def test_bench_tp2_measures_rank_0s_part(folder):
     """`zoo bench --tp 2` runs its prefill and decode figures with both ranks (rank 0 reports
     them: its weights are half the model's, bar the replicated norms)."""
+    from core import load_model
+    from core.tp import resident_bytes
+
     args = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "4", "--repeat", "1"]
-    alone = run("-m", "core.cli", "bench", str(folder), "--json", "-", *args, "--device", "cpu")
     split = run("-m", "core.cli", "bench", str(folder), "--tp", "2", "--json", "-", *args)
-    assert alone.returncode == 0 and split.returncode == 0, split.stderr
-    report = [json.loads(out.stdout[out.stdout.index("{") :]) for out in (alone, split)]
-    assert report[1]["decode"]["1"]["tokens_per_s"] > 0
-    assert report[1]["weight_bytes"] <= 0.55 * report[0]["weight_bytes"]
+    assert split.returncode == 0, split.stderr
+    report = json.loads(split.stdout[split.stdout.index("{") :])
+    assert report["decode"]["1"]["tokens_per_s"] > 0
+    whole = resident_bytes(load_model(folder, device="cpu").net)
+    assert report["weight_bytes"] <= 0.55 * whole

@@ -276,3 +276,26 @@ def test_a_rank_reads_its_slices_through_get_slice(tmp_path, monkeypatch):
     assert torch.equal(ckpt.read(head), full[head][48:])
     norm = layer + "input_layernorm.weight"
     assert torch.equal(ckpt.read(norm), full[norm])
+
+
+def test_a_gguf_rank_dequantizes_then_slices():
+    """GGUF has no read_slice: rank 2 of 3 reads SmolLM2's quantized q_proj whole, decodes
+    it, keeps its 3 heads' rows (9 heads of 64); down_proj's last third of columns."""
+    from core.hub import resolve
+    from core.plugins import registry
+
+    path = resolve("smollm2")
+    reg = registry()
+    inner = reg.format_for(path).open(path)
+    try:
+        cfg = reg.architecture("llama", source="test").config.from_dict(inner.config()).to_runtime()
+        weight_map = reg.architecture("llama", source="test").weight_map
+        ckpt = tp_mod.ShardedCheckpoint(inner, weight_map, tp_mod.Sharding(cfg, 2, 3))
+        q = "model.layers.0.self_attn.q_proj.weight"
+        whole = inner.read(q).float()
+        assert whole.shape == (576, 576) and ckpt.shape(q) == (192, 576)
+        assert torch.equal(ckpt.read(q).float(), whole[384:])
+        down = "model.layers.0.mlp.down_proj.weight"
+        assert torch.equal(ckpt.read(down).float(), inner.read(down).float()[:, 1024:])
+    finally:
+        inner.close()
