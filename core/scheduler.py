@@ -117,6 +117,13 @@ class Scheduler:
         for seq in self.running:  # stopping: rows end as aborted, queued jobs get an error
             seq.abort()
             self._end(seq)
+        while True:  # what was submitted meanwhile, too
+            try:
+                job = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self.pending.append(job)
         for job in self.pending:
             self._dequeue(job, running=False)
             job.emit("error", ShuttingDown("the server is shutting down"))
@@ -214,8 +221,9 @@ class Scheduler:
     def _decode(self) -> None:
         """One token for every decoding row, through rows [:k] of the cache. A row in [:k]
         that is not decoding (free, or between prefill chunks) takes a placeholder token at
-        its next position, which it has not filled yet (a ring's slot there holds a position
-        past the window): what it holds stays intact."""
+        its next position, which it has not filled yet: what it holds stays intact (in a ring,
+        that slot holds the position one window back, which no later query of the row reads;
+        a row that held a whole window is not reused)."""
         rows = [s for s in self.running if s.decoding and not s.finish]
         if not rows:
             return

@@ -218,3 +218,43 @@ def test_cancelled_rows_end_and_free_their_row(sched):
     while sched.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not sched.running and sched.queued == 0 and all(not b for b in sched.slots.busy)
+
+
+def test_compiled_steps_run_power_of_two_batches(sched, alone):
+    """With a compiled decode step, a decode batch is padded to 1, 2 or 4 rows (each size
+    compiles once); the rows added for it (free ones) change no answer. The compiled function
+    is stood in for by the eager forward it would compile, recording its batch sizes."""
+    sizes = []
+    net = sched.model.net
+
+    def compiled(ids, positions, end):
+        sizes.append(ids.shape[0])
+        return net(ids, positions, end=end)
+
+    sched.model.step.compiled = compiled
+    requests = [(prompt(6 + i, 40 + i), params(max_new_tokens=8 + 3 * i)) for i in range(3)]
+    results, _ = run(sched, requests, after=decoding(1))
+    for (ids, p), got in zip(requests, results, strict=True):
+        same_as_alone(alone, ids, p, got)
+    assert set(sizes) <= {1, 2, 4} and 4 in sizes  # three rows ran as four
+
+
+def test_stopping_ends_running_rows_and_answers_queued_ones(folder):
+    """On shutdown a running request ends as "abort" and a queued one gets an error."""
+    s = Scheduler(load_model(folder, max_seq_len=96, max_batch_size=1))
+    s.start()
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(prompt(5, 50), params(max_new_tokens=90), stream=True, loop=loop)]
+        jobs.append(Job(prompt(5, 51), params(max_new_tokens=5), stream=True, loop=loop))
+        for job in jobs:
+            s.submit(job)
+        while not decoding(2)(s):
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(s.stop)
+        return await asyncio.gather(*map(_collect, jobs))
+
+    running, queued = asyncio.run(go())
+    assert running.finish_reason == "abort" and len(running.token_ids) < 90
+    assert type(queued).__name__ == "ShuttingDown"
