@@ -13,6 +13,8 @@
 // zoo_rms_norm, zoo_rope, zoo_attend), so the result equals the eager step's to rounding.
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,6 +87,35 @@ static int64_t scratch_floats(const zlinear_t *l) {
     return n;
 }
 
+// The threads meet between the parts of a block by spinning on a shared counter: an OpenMP
+// barrier may put a waiting thread to sleep (the default wait policy spins only so long, and
+// less where libgomp counts more threads than CPUs), and waking it costs more than the part
+// it waited for; steps then took 2-5x as long in some processes and not in others. A waiter
+// that has spun for long (another process holds the core it needs) yields the CPU.
+typedef struct {
+    atomic_int arrived, round;
+} spin_barrier_t;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void meet(spin_barrier_t *b, int64_t T) {
+    const int round = atomic_load_explicit(&b->round, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == T - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->round, 1, memory_order_release);
+        return;
+    }
+    for (int64_t spins = 0; atomic_load_explicit(&b->round, memory_order_acquire) == round;)
+        if (++spins < (1 << 16))
+            cpu_relax();
+        else
+            sched_yield();
+}
+
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static inline float activate(float g, int64_t act) {
@@ -117,6 +148,9 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     float *qkv = malloc(M * nqkv * sizeof(float)), *att = malloc(M * hqd * sizeof(float));
     float *gu = malloc(M * 2 * inter * sizeof(float)), *act = malloc(M * inter * sizeof(float));
     float *y = malloc(M * H * sizeof(float));
+    spin_barrier_t bar;
+    atomic_init(&bar.arrived, 0);
+    atomic_init(&bar.round, 0);
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -132,7 +166,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
             prepare(&b->qkv, xn, M, px, buf);
             linear_rows(&b->qkv, px, qkv, nq, M, nq * t / T, nq * (t + 1) / T, sc);
-#pragma omp barrier
+            meet(&bar, T);
             // each kv head of each row: k rotated and both written to the row's cache slot
             for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
                 const int64_t r = u / b->hkv, j = u % b->hkv;
@@ -145,7 +179,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                     zoo_rope(kc, 1, 1, 1, 0, 0, 0, cos[b->rope] + r * cstride[b->rope],
                              sin[b->rope] + r * cstride[b->rope], 0, b->half, (int)b->interleaved);
             }
-#pragma omp barrier
+            meet(&bar, T);
             // each query head of each row: rotated, then attends to the row's filled slots
             for (int64_t u = M * b->hq * t / T; u < M * b->hq * (t + 1) / T; u++) {
                 const int64_t r = u / b->hq, j = u % b->hq, kh = j / group;
@@ -159,13 +193,13 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                            b->scale, b->softcap, b->sinks ? b->sinks + j : NULL, p,
                            att + (r * b->hq + j) * b->d);
             }
-#pragma omp barrier
+            meet(&bar, T);
             // h += o(attention): this thread's columns of h
             prepare(&b->o, att, M, px, buf);
             linear_rows(&b->o, px, y, H, M, h0, h1, sc);
             for (int64_t r = 0; r < M; r++)
                 for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
-#pragma omp barrier
+            meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
             prepare(&b->gate_up, xn, M, px, buf);
@@ -175,12 +209,12 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             for (int64_t r = 0; r < M; r++)
                 for (int64_t i = i0; i < i1; i++)
                     act[r * I + i] = activate(gu[r * 2 * I + i], b->act) * gu[r * 2 * I + I + i];
-#pragma omp barrier
+            meet(&bar, T);
             prepare(&b->down, act, M, px, buf);
             linear_rows(&b->down, px, y, H, M, h0, h1, sc);
             for (int64_t r = 0; r < M; r++)
                 for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
-#pragma omp barrier
+            meet(&bar, T);
         }
         free(xn);
         free(sc);
