@@ -13,18 +13,17 @@ import hmac
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from core.errors import RequestError, ZooError
-from core.generation import GenerationResult, TokenLogprob
 from core.model import Model
 from core.sampling import SamplingParams
 from core.scheduler import Job, QueueFull, Scheduler
@@ -34,6 +33,7 @@ from core.server_schemas import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     Reply,
     TokenizeRequest,
     as_api_error,
@@ -44,6 +44,9 @@ from core.server_schemas import (
     model_list,
     validation_error,
 )
+from core.server_stream import EventStream, events, results
+from core.structured import schema_text
+from core.tool_calls import ToolUse, family
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)
 
@@ -67,72 +70,41 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events that cancel their job however the response ends (a client that went
-    away frees its row now, not when the generator is garbage-collected)."""
-
-    def __init__(self, job: Job, events: AsyncIterator[str]):
-        super().__init__(events, media_type="text/event-stream")
-        self.job = job
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.cancelled = True  # no-op once the job is done
-            await self.body_iterator.aclose()
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    job.cancelled = True
-
-
-async def _result(job: Job, request: Request) -> GenerationResult:
-    """Wait for a non-streaming job; cancel its row if the client disconnects meanwhile."""
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-    try:
-        while True:
-            kind, value = await job.events.get()
-            if kind == "done":
-                return value
-            if kind == "error":
-                raise as_api_error(value)
-    finally:
-        watcher.cancel()
-        job.cancelled = True  # no-op once done; frees the row if this handler was cancelled
+def _tool_use(req: ChatRequest, model: Model) -> ToolUse | None:
+    """The request's tools and tool_choice checked (400s name the field) -> a ToolUse, or None
+    when no tool may be called."""
+    tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function.name
+        if choice not in {t["name"] for t in tools}:
+            known = ", ".join(t["name"] for t in tools) or "none given"
+            message = f"tool_choice names '{choice}', which is not among the tools ({known})"
+            raise ApiError(400, message, param="tool_choice")
+    elif choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise ApiError(400, f"tool_choice '{choice}' needs tools", param="tool_choice")
+    for i, t in enumerate(tools):
+        if "parameters" in t:
+            try:
+                t["parameters"] = json.loads(schema_text(t["parameters"]))
+            except ValueError as err:
+                raise ApiError(400, str(err), param=f"tools.{i}.function.parameters") from None
+    if choice == "none":
+        return None
+    if choice != "auto" and req.response_format is not None:
+        message = "response_format cannot be combined with a forced tool call (tool_choice)"
+        raise ApiError(400, message, param="response_format")
+    tok = model.tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    fam, parallel = family(tok.chat_template), req.parallel_tool_calls is not False
+    return ToolUse(tools, choice, fam, decode, model.eos_token_ids, parallel)
 
 
-async def _events(job: Job, reply: Reply, fmt: Callable, usage: bool) -> AsyncIterator[str]:
-    """The SSE stream of one job: a chunk per text piece (with the logprobs of its tokens), a
-    last chunk with finish_reason, a usage chunk if asked, then [DONE]."""
-    if reply.kind == "chat":
-        yield _sse(reply.chunk("", role=True))
-    pending: list[TokenLogprob] = []
-    sent = 0
-    while True:
-        kind, value = await job.events.get()
-        if kind == "token":
-            pending.append(value)
-        elif kind == "text":
-            yield _sse(reply.chunk(value, fmt(pending, sent) if pending else None))
-            pending, sent = [], sent + len(value)
-        elif kind == "error":
-            yield _sse(error_body(as_api_error(value)))
-            break
-        else:
-            lps = fmt(pending, sent) if pending else None
-            text = None if reply.kind == "chat" else ""
-            yield _sse(reply.chunk(text, lps, finish=value.finish_reason))
-            if usage:
-                yield _sse(reply.usage_chunk(value))
-            break
-    yield _sse("[DONE]")
+def _msg(e: dict) -> str:
+    """A pydantic error's message without its "Value error, " prefix."""
+    return e["msg"].removeprefix("Value error, ")
 
 
 def _encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
@@ -151,6 +123,7 @@ def create_app(
     metrics = ServerMetrics(name)
     scheduler = Scheduler(model, metrics, max_queue)
     tok = model.tokenizer
+    vocab = model.config.vocab_size
     created = int(time.time())
 
     @asynccontextmanager
@@ -184,12 +157,27 @@ def create_app(
         if req.model != name:
             message = f"the model '{req.model}' does not exist; this server has '{name}'"
             raise ApiError(404, message, param="model", code="model_not_found")
-        if req.n != 1:
-            raise ApiError(400, f"only n=1 is supported (got n={req.n})", param="n")
+        if not 1 <= req.n <= model.max_batch_size:
+            raise ApiError(
+                400,
+                f"n={req.n}: this server answers 1 to {model.max_batch_size} choices a request "
+                "(its batch size); restart zoo serve with a larger --max-batch-size for more",
+                param="n",
+            )
+        bad = [t for t in req.logit_bias or {} if not t.isdigit() or int(t) >= vocab]
+        if bad:
+            raise ApiError(
+                400,
+                f"logit_bias keys {bad[:5]} are not token ids of this model [0, {vocab})",
+                param="logit_bias",
+            )
 
-    def prepare(req, ids: list[int], max_tokens: int | None, logprobs, names: dict) -> Job:
-        """Context length and sampling values checked -> a Job. `names` maps SamplingParams
-        fields to the request's (for errors)."""
+    def prepare(
+        req, ids: list[int], max_tokens: int | None, logprobs, names: dict, **extra
+    ) -> list[Job]:
+        """Context length and sampling values checked -> a Job per choice (n; choice i seeded
+        with seed + i). `names` maps SamplingParams fields to the request's (for errors);
+        `extra`: more SamplingParams fields (structured output)."""
         room = model.max_seq_len - len(ids)
         # as vLLM: a max_tokens past the room is refused, not clipped (no max_tokens: the room)
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -205,6 +193,7 @@ def create_app(
             )
         # OpenAI's default temperature is 1; the model's generation_config.json wins over it
         fields = {"temperature": 1.0, **model.defaults, **req.sampling(), "logprobs": logprobs}
+        fields.update(extra)
         # no max_tokens: up to the rest of the context (as OpenAI and vLLM)
         default_max = min(model.defaults.get("max_new_tokens", room), room)
         fields["max_new_tokens"] = default_max if max_tokens is None else max_tokens
@@ -215,23 +204,35 @@ def create_app(
             key = str(e["loc"][0]) if e["loc"] else None
             param = names.get(key, key)
             raise ApiError(
-                400, f"invalid '{param}': {e['msg']} (got {e.get('input')!r})", param=param
+                400, f"invalid '{param}': {_msg(e)} (got {e.get('input')!r})", param=param
             ) from None
-        return Job(ids, params, stream=req.stream, loop=asyncio.get_running_loop())
+        choices = [params] * req.n
+        if params.seed is not None and req.n > 1:
+            choices = [params.model_copy(update={"seed": params.seed + i}) for i in range(req.n)]
+        loop = asyncio.get_running_loop()
+        return [Job(ids, p, stream=req.stream, loop=loop) for p in choices]
 
-    async def respond(job: Job, req, request: Request, reply: Reply, fmt: Callable):
+    async def respond(
+        jobs: list[Job], req, request: Request, reply: Reply, fmt, echo: str = "", tools=None
+    ):
+        """Queue a request's jobs (one per choice, together) and answer when they are done, or
+        stream them."""
         try:
-            scheduler.submit(job)
+            for job in jobs:
+                scheduler.submit(job)
         except QueueFull as err:
+            for job in jobs:
+                job.cancelled = True  # those already queued never run
             body = error_body(ApiError(503, f"the server is busy: {err}; retry shortly"))
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             reply.include_usage = usage
-            return _EventStream(job, _events(job, reply, fmt, usage))
-        result = await _result(job, request)
-        lps = fmt(result.logprobs, 0) if result.logprobs is not None else None
-        return JSONResponse(reply.full(result, lps))
+            return EventStream(jobs, events(jobs, reply, fmt, usage, echo, tools))
+        done = await results(jobs, request)
+        lps = [fmt(r.logprobs, len(echo)) if r.logprobs is not None else None for r in done]
+        answers = [tools.answer(r) for r in done] if tools else None
+        return JSONResponse(reply.full(done, lps, echo, answers))
 
     @app.get("/health")
     async def health():
@@ -247,14 +248,25 @@ def create_app(
         return model_list(name, model.max_seq_len, created)
 
     def template_messages(given) -> list[dict]:
-        """Chat messages as the template takes them (content parts joined: text only)."""
+        """Chat messages as the template takes them (content parts joined: text only; a tool
+        call's arguments as an object, as templates write them with `tojson`)."""
         messages = []
-        for m in given:
+        for i, m in enumerate(given):
             msg = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
                 if any(part.type != "text" for part in m.content):
                     raise ApiError(400, "only text content parts are supported", param="messages")
                 msg["content"] = "".join(part.text or "" for part in m.content)
+            for call in msg.get("tool_calls") or []:
+                f = call.get("function", {}) if isinstance(call, dict) else {}
+                if isinstance(f.get("arguments"), str):
+                    try:
+                        f["arguments"] = json.loads(f["arguments"])
+                    except json.JSONDecodeError:
+                        where = f"messages.{i}.tool_calls"
+                        raise ApiError(
+                            400, f"{where}: arguments are not JSON", param=where
+                        ) from None
             messages.append(msg)
         if tok is None:
             raise RequestError(f"{model.path} has no tokenizer; use /v1/completions with ids")
@@ -294,15 +306,21 @@ def create_app(
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = template_messages(req.messages)
+        tools = _tool_use(req, model)
+        extra = {"tools": tools.tools} if tools else {}
         # the template writes the special tokens; encode_prompt checks the ids against the vocab
-        ids = _encoded(lambda: model.encode_prompt(tok.apply_chat_template(messages)), "messages")
+        render = lambda: tok.apply_chat_template(messages, **extra)  # noqa: E731
+        ids = _encoded(lambda: model.encode_prompt(render()), "messages")
         newer = req.max_completion_tokens is not None  # max_tokens' newer name wins
         names = {"max_new_tokens": "max_completion_tokens" if newer else "max_tokens"}
         max_tokens = req.max_completion_tokens if newer else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        job = prepare(req, ids, max_tokens, logprobs, {**names, "logprobs": "top_logprobs"})
+        names = {**names, "logprobs": "top_logprobs"}
+        names["json_schema"] = "response_format.json_schema.schema"
+        structure = tools.structure() if tools else req.structure()
+        jobs = prepare(req, ids, max_tokens, logprobs, names, **structure)
         fmt = lambda lps, _offset: chat_logprobs(tok, lps)  # noqa: E731
-        return await respond(job, req, request, Reply("chat", name), fmt)
+        return await respond(jobs, req, request, Reply("chat", name), fmt, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -312,12 +330,16 @@ def create_app(
             if len(prompt) != 1:
                 raise ApiError(400, "one prompt per request (got a list of them)", param="prompt")
             prompt = prompt[0]
-        if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
+        if req.echo and req.logprobs is not None:
+            message = "echo with logprobs (the prompt's log-probabilities) is not supported"
+            raise ApiError(400, message, param="echo")
         ids = _encoded(lambda: model.encode_prompt(prompt), "prompt")
-        job = prepare(req, ids, req.max_tokens, req.logprobs, {"max_new_tokens": "max_tokens"})
+        jobs = prepare(req, ids, req.max_tokens, req.logprobs, {"max_new_tokens": "max_tokens"})
         fmt = lambda lps, offset: completion_logprobs(tok, lps, offset)  # noqa: E731
-        return await respond(job, req, request, Reply("completion", name), fmt)
+        echo = ""
+        if req.echo:  # the prompt's own text (ids: decoded as they are, special tokens kept)
+            echo = prompt if isinstance(prompt, str) else tok.decode(ids, False) if tok else ""
+        return await respond(jobs, req, request, Reply("completion", name), fmt, echo)
 
     return app
 

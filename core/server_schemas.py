@@ -1,8 +1,9 @@
 """The OpenAI API's request bodies (pydantic), its error object, and the JSON objects
 `core.server` answers with.
 
-Requests ignore fields they do not know (clients send `user`, `store`, `tools`...); sampling
-values are range-checked once, by `SamplingParams` (core/server.py names the request's field).
+A field Zoo does not implement is refused with a 400 naming it, rather than silently ignored
+(the clients' harmless extras, HARMLESS, are accepted and unused); sampling values are
+range-checked once, by `SamplingParams` (core/server.py names the request's field).
 """
 
 from __future__ import annotations
@@ -19,15 +20,67 @@ from core.generation import GenerationResult, TokenLogprob
 from core.scheduler import Cancelled, ShuttingDown
 from core.tokenizer import Tokenizer
 
+# fields clients send that change nothing in an answer: accepted, unused (docs/serve.md)
+HARMLESS = ("user", "store", "metadata", "service_tier")
 
-class StreamOptions(BaseModel):
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # validation_error names the unknown field
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # always enforced
 
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # forced calls always match; "auto" ones are parsed as written
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class _Request(_Strict):
     model: str
+    # harmless extras (HARMLESS)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -44,11 +97,13 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
 
     def sampling(self) -> dict[str, Any]:
         """SamplingParams fields this request sets (max_new_tokens and logprobs aside)."""
         keys = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty")
         keys += ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
+        keys += ("logit_bias",)
         out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         if out.get("top_k") == -1:  # vLLM's spelling of "off"
             out["top_k"] = 0
@@ -74,6 +129,19 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: "required" writes exactly one call
+
+    def structure(self) -> dict[str, Any]:
+        """The SamplingParams fields of response_format (none for text)."""
+        f = self.response_format
+        if f is None or f.type == "text":
+            return {}
+        if f.type == "json_object":
+            return {"json_object": True}
+        return {"json_schema": f.json_schema.schema_}
 
 
 class TokenizeRequest(BaseModel):
@@ -142,7 +210,17 @@ def error_body(err: ApiError) -> dict:
 def validation_error(err: RequestValidationError) -> ApiError:
     """FastAPI's body validation error -> a 400 naming the first bad field (OpenAI: not 422)."""
     first = err.errors()[0]
-    loc = [str(x) for x in first.get("loc", ())][1:]  # drop "body"
+    # drop "body", and the members of a union pydantic names ("literal[...]", "NamedToolChoice")
+    loc = [str(x) for x in first.get("loc", ())][1:]
+    loc = [x for x in loc if "[" not in x and not x[:1].isupper()]
+    if first.get("type") == "extra_forbidden":
+        where = ".".join(loc)
+        return ApiError(
+            400,
+            f"unknown field '{where}': Zoo does not implement it; remove it (accepted and unused: "
+            f"{', '.join(HARMLESS)}; see docs/serve.md)",
+            param=where,
+        )
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg"))
         return ApiError(400, f"malformed JSON body: {detail}")
@@ -210,31 +288,69 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, logprobs, finish: str | None, delta: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0}
+    def _choice(
+        self,
+        text: str | None,
+        logprobs,
+        finish: str | None,
+        delta: bool,
+        index: int = 0,
+        calls: list[dict] | None = None,
+    ) -> dict:
+        choice: dict[str, Any] = {"index": index}
         if self.kind == "completion":
             choice["text"] = text or ""
         elif delta:
             choice["delta"] = {} if text is None else {"content": text}
+            if calls:  # OpenAI's stream: each call with its index in the list
+                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         else:
             choice["message"] = {"role": "assistant", "content": text}
+            if calls:
+                choice["message"]["tool_calls"] = calls
         return {**choice, "logprobs": logprobs, "finish_reason": finish}
 
-    def full(self, result: GenerationResult, logprobs) -> dict:
+    def full(
+        self,
+        results: list[GenerationResult],
+        logprobs: list,
+        echo: str = "",
+        answers: list[tuple[str | None, list[dict]]] | None = None,
+    ) -> dict:
+        """The whole answer: a choice per result (n of them), `echo` before each text;
+        `answers`: each choice's (content, tool_calls) when tools were offered."""
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        choice = self._choice(result.text, logprobs, result.finish_reason, delta=False)
-        return {**self._head(obj), "choices": [choice], "usage": result.usage}
+        choices = []
+        for i, (r, lp) in enumerate(zip(results, logprobs, strict=True)):
+            text, calls = answers[i] if answers else (echo + r.text, None)
+            finish = "tool_calls" if calls else r.finish_reason
+            choices.append(self._choice(text, lp, finish, delta=False, index=i, calls=calls))
+        return {**self._head(obj), "choices": choices, "usage": usage(results)}
 
     def chunk(
-        self, text: str | None, logprobs=None, finish: str | None = None, role: bool = False
+        self,
+        text: str | None,
+        logprobs=None,
+        finish: str | None = None,
+        role: bool = False,
+        index: int = 0,
+        calls: list[dict] | None = None,
     ) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        choice = self._choice(text, logprobs, finish, delta=True)
+        choice = self._choice(text, logprobs, finish, delta=True, index=index, calls=calls)
         if role:
             choice["delta"]["role"] = "assistant"
         out = {**self._head(obj), "choices": [choice]}
         return {**out, "usage": None} if self.include_usage else out
 
-    def usage_chunk(self, result: GenerationResult) -> dict:
+    def usage_chunk(self, results: list[GenerationResult]) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": result.usage}
+        return {**self._head(obj), "choices": [], "usage": usage(results)}
+
+
+def usage(results: list[GenerationResult]) -> dict[str, int]:
+    """One prompt's tokens (counted once, as OpenAI does for n > 1; its cached tokens those
+    of the first choice) and every choice's."""
+    out, done = dict(results[0].usage), sum(len(r.token_ids) for r in results)
+    out.update(completion_tokens=done, total_tokens=out["prompt_tokens"] + done)
+    return out

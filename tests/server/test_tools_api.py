@@ -1,0 +1,225 @@
+"""Tool calls through HTTP with the openai client, on the tiny model of test_server.py (Llama 3.1's
+tokenizer and chat template): forced calls (required, named) constrained to the schema; "auto"
+calls parsed from what a scripted network writes; tool results back through the template."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+import torch
+from test_server import KEY, Server, folder  # noqa: F401  (folder: a fixture)
+
+from core import load_model
+from core.server import create_app
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 4},
+                "unit": {"enum": ["celsius", "kelvin"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": NO_ARGS}}
+PICK_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class Script:
+    """Makes the model write given token ids (one per call: the prompt's, then each decode
+    step's; a prompt starts over) while `ids` is set; the real logits otherwise."""
+
+    def __init__(self):
+        self.ids, self.k = None, 0
+
+    def force(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.ids is None:
+            return logits
+        forced = torch.full_like(logits, -30.0)
+        forced[..., self.ids[min(self.k, len(self.ids) - 1)]] = 30.0
+        self.k += 1
+        return forced
+
+
+class Scripted:
+    """The network (prefill) or the decode step, its logits through a Script."""
+
+    def __init__(self, inner, script: Script):
+        self.inner, self.script = inner, script
+
+    def __call__(self, ids, *args, **kw):
+        if ids.dim() == 2 and ids.shape[1] > 1:  # a prompt: the answer starts (again)
+            self.script.k = 0
+        return self.script.force(self.inner(ids, *args, **kw))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def served(folder):  # noqa: F811
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = load_model(folder, max_batch_size=2, max_seq_len=1536)  # Llama 3.1 tool prompts: long
+    script = Script()
+    model.net, model.step = Scripted(model.net, script), Scripted(model.step, script)
+    server = Server(create_app(model, "tiny", api_key=KEY))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    yield client, model, script
+    server.close()
+    torch.set_num_threads(n)
+
+
+def chat(client, **kw):
+    kw = {"max_tokens": 150, "temperature": 0.0, **kw}
+    return client.chat.completions.create(model="tiny", messages=ASK, **kw)
+
+
+def streamed(client, **kw) -> tuple[str, list, str]:
+    """(content, tool_calls deltas, finish_reason) of a streamed answer."""
+    content, calls, finish = "", [], None
+    for c in chat(client, stream=True, **kw):
+        for choice in c.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_a_named_call_validates_against_its_schema(served):
+    client = served[0]
+    r = chat(client, tools=[WEATHER, TIME], tool_choice=PICK_WEATHER)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    content, calls, finish = streamed(client, tools=[WEATHER, TIME], tool_choice=PICK_WEATHER)
+    assert content == "" and finish == "tool_calls"
+    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
+    assert calls[0].id.startswith("call_")
+    assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)
+
+
+def test_required_calls_one_of_the_tools(served):
+    r = chat(served[0], tools=[WEATHER, TIME], tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        assert call.function.name in ("get_weather", "get_time")
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            jsonschema.validate(args, WEATHER["function"]["parameters"])
+
+
+def script_answer(model, script, text: str) -> None:
+    eot = model.tokenizer.token_to_id("<|eot_id|>")
+    script.ids, script.k = [*model.tokenizer.encode(text, add_special_tokens=False), eot], 0
+
+
+def test_auto_parses_a_written_call_and_streams_it_as_deltas(served):
+    client, model, script = served
+    written = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+    try:
+        script_answer(model, script, written)
+        r = chat(client, tools=[WEATHER])  # tool_choice defaults to auto
+        script_answer(model, script, written)
+        content, calls, finish = streamed(client, tools=[WEATHER])
+        script_answer(model, script, written)
+        plain = chat(client, tools=[WEATHER], tool_choice="none")
+        script_answer(model, script, "It is sunny.")
+        prose = streamed(client, tools=[WEATHER])
+    finally:
+        script.ids = None
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert content == "" and finish == "tool_calls"  # the JSON never leaks as content
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert plain.choices[0].message.content == written and not plain.choices[0].message.tool_calls
+    assert prose == ("It is sunny.", [], "stop")
+
+
+def test_tool_results_flow_back_through_the_template(served):
+    client, model, _ = served
+    arguments = {"city": "Paris", "unit": "celsius"}
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(arguments)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], max_tokens=2
+    )
+    rendered = [dict(m) for m in messages]  # as the template takes them: arguments an object
+    rendered[1] = {
+        **rendered[1],
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments},
+            }
+        ],
+    }
+    text = model.tokenizer.render_chat(rendered, tools=[WEATHER["function"]])
+    assert "ipython<|end_header_id|>" in text and "temperature" in text  # the tool's result
+    assert '"parameters": {"city": "Paris"' in text  # the call
+    want = model.tokenizer.apply_chat_template(rendered, tools=[WEATHER["function"]])
+    assert r.usage.prompt_tokens == len(want)
+
+
+@pytest.mark.parametrize(
+    ("kw", "param", "words"),
+    [
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "tools.0.function.name",
+            "Field required",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+            "'x', which is not among the tools (get_weather)",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]},
+            "tools.0.function.parameters",
+            "$.type",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+            "pattern",
+        ),
+    ],
+)
+def test_bad_tools_are_400_naming_the_field(served, kw, param, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(served[0], **kw)
+    assert err.value.param == param and words in err.value.message
+    assert chat(served[0]).choices  # still serving
