@@ -108,16 +108,21 @@ def _outlines_core(tok, vocab: int, eos: list[int]):
             tokens.setdefault(bytes(to_byte[c] for c in text), []).append(i)
     index = Index(build_regex_from_schema(json.dumps(SCHEMA)), Vocabulary(eos[0], tokens))
     tok_s = time.perf_counter() - t  # (outlines-core builds the index per schema)
-    shifts = torch.arange(32, dtype=torch.int32)
+    from core.structured import Masks
+
+    class Filled:  # the guide's mask through Zoo's own Masks (as llguidance's is)
+        def __init__(self, guide):
+            self.guide = guide
+
+        def fill(self, bits: torch.Tensor) -> None:
+            self.guide.write_mask_into(bits.data_ptr(), bits.numel(), bits.element_size())
 
     def start():
         guide = Guide(index)
-        bits = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+        masks = Masks([Filled(guide)], vocab)
 
         def step(logits: torch.Tensor, token: int) -> None:
-            guide.write_mask_into(bits.data_ptr(), bits.numel(), bits.element_size())
-            allowed = ((bits[:, :, None] >> shifts) & 1).view(1, -1)[:, :vocab].bool()
-            logits.masked_fill_(~allowed, float("-inf"))
+            masks.apply(logits, [False])
             if token not in eos:  # (its guide refuses EOS where the others take it)
                 guide.advance(token, return_tokens=False)
 
@@ -148,7 +153,8 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"{args.model}: decode step {step_ms:.2f} ms (batch 1, {threads} threads)")
 
-    doc = [*tok.encode(json.dumps(DOC), add_special_tokens=False), eos[0]]
+    compact = json.dumps(DOC, separators=(",", ":"))  # as Zoo writes JSON
+    doc = [*tok.encode(compact, add_special_tokens=False), eos[0]]
     libs = {
         "llguidance": lambda: _llguidance(tok, vocab, eos),
         "xgrammar": lambda: _xgrammar(tok, vocab, eos),

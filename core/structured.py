@@ -115,6 +115,9 @@ class Masks:
                 c.fill(self.bits[row])
         # (B, V/32) words -> (B, V) bits, least significant first (llguidance's layout)
         words = self.bits.numpy().view(np.uint8)
-        allowed = np.unpackbits(words, axis=1, bitorder="little")[:, : self.vocab]
-        allowed = torch.from_numpy(allowed.view(np.bool_)).to(logits.device)
-        return logits.masked_fill(~allowed, float("-inf"))
+        banned = np.unpackbits(words, axis=1, bitorder="little")[:, : self.vocab] == 0
+        if logits.device.type == "cpu":  # numpy: one thread (torch's would sync its pool)
+            out = logits.numpy().copy()
+            np.putmask(out, banned, -np.inf)
+            return torch.from_numpy(out)
+        return logits.masked_fill(torch.from_numpy(banned).to(logits.device), float("-inf"))
