@@ -8,9 +8,10 @@ columns are independent, so the value dims split across programs.
 - `_recurrent_kernel` walks the tokens one by one (decode: T = 1), as fla's fused_recurrent.
 - `_chunk_kernel` walks chunks of BT tokens. Within a chunk (G the cumulative log decay from
   its start, S0 the state before it), the new values U solve the unit lower-triangular system
-  (I + A) U = beta (V - exp(G) K S0), A_ij = beta_i exp(G_i - G_j) k_i.k_j for j < i, by
-  forward substitution over the chunk's rows; then O = exp(G) Q S0 + (Q K^T * decay) U and
-  S = exp(G_end) S0 + (K * exp(G_end - G))^T U: matmuls (`tl.dot`) instead of T state updates.
+  (I + A) U = beta (V - exp(G) K S0), A_ij = beta_i exp(G_i - G_j) k_i.k_j for j < i, through
+  (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (A is nilpotent), log2(BT) pairs of matmuls;
+  then O = exp(G) Q S0 + (Q K^T * decay) U and S = exp(G_end) S0 + (K * exp(G_end - G))^T U:
+  matmuls (`tl.dot`) instead of T state updates.
   fla's chunk_gated_delta_rule splits the same steps over several kernels for more
   parallelism on long prompts; here one program keeps its chunk loop (good for the CPU
   interpreter's tests and short prompts, and a baseline to measure fla against).
@@ -26,7 +27,7 @@ from kernels.casting import mma
 from kernels.dispatch import interpreting, require
 
 INTERPRETED = interpreting()
-CHUNK = 16  # tokens per chunk: the forward substitution is BT steps, tl.dot needs >= 16
+CHUNK = 32  # tokens per chunk (a power of two, >= 16 for tl.dot)
 
 
 @triton.jit
@@ -65,7 +66,7 @@ def _recurrent_kernel(
 def _chunk_kernel(
     Q, K, V, G, BETA, S, OUT,
     T, HV, DK, DV, REP, scale,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, LOG2_BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // HV, bh % HV
@@ -95,13 +96,15 @@ def _chunk_kernel(
         decay = tl.exp(tl.where(causal, diff, float("-inf")))  # (BT, BT), 0 above
         kk = mma(k, tl.trans(k))  # (BT, BT)
         a = tl.where(lower, beta[:, None] * kk * decay, 0.0)
-        # right-hand side beta (V - exp(G) K S0), then forward substitution row by row
-        u = beta[:, None] * (v - tl.exp(gc)[:, None] * mma(k, s))  # (BT, BV)
-        for i in range(1, BT):
-            a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # row i of A: (BT,)
-            u_i = tl.sum(tl.where(rows[:, None] == i, u, 0.0), axis=0)  # (BV,)
-            u_i = u_i - tl.sum(a_i[:, None] * u, axis=0)  # rows j < i are final already
-            u = tl.where(rows[:, None] == i, u_i[None, :], u)
+        # (I + A)^-1 = sum_{j < BT} (-A)^j (A is nilpotent: A^BT = 0), summed by doubling:
+        # inv = (I - A)(I + A^2)(I + A^4)...: log2(BT) matmul pairs, not BT row updates
+        inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - a
+        p = -a
+        for _ in tl.static_range(LOG2_BT - 1):
+            p = mma(p, p)
+            inv = inv + mma(inv, p)
+        # the new values: (I + A)^-1 beta (V - exp(G) K S0)
+        u = mma(inv, beta[:, None] * (v - tl.exp(gc)[:, None] * mma(k, s)))  # (BT, BV)
         attn = mma(q, tl.trans(k)) * decay  # (BT, BT), lower with the diagonal
         o = tl.exp(gc)[:, None] * mma(q, s) + mma(attn, u)
         tl.store(OUT + v_off, o * scale, mask=v_m)
@@ -142,5 +145,5 @@ def gated_delta_rule(
     if t == 1:
         _recurrent_kernel[grid](*args, BK=bk, BV=bv)
     else:
-        _chunk_kernel[grid](*args, BT=CHUNK, BK=bk, BV=bv)
+        _chunk_kernel[grid](*args, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, BK=bk, BV=bv)
     return o.to(v.dtype)

@@ -1,4 +1,4 @@
-"""The gated delta rule (gated DeltaNet): Triton (recurrent step for one token, chunks of 16
+"""The gated delta rule (gated DeltaNet): Triton (recurrent step for one token, chunks of 32
 for more) vs kernels.reference (a token-by-token step, chunks of 64), outputs and the final
 state, on odd shapes: prompts over several chunks with a ragged last one, value heads sharing
 key heads, head dims below and between tl.dot's tiles, an initial state carried in."""
@@ -37,9 +37,9 @@ def inputs(b, t, hk, hv, dk, dv, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize(
     "shape",
     [
-        (2, 150, 2, 4, 16, 16),  # 150 = 9 chunks of 16 + 6; 3 of 64 + 22 in the reference
+        (2, 150, 2, 4, 16, 16),  # 150 = 4 chunks of 32 + 22; 2 of 64 + 22 in the reference
         (1, 37, 1, 3, 8, 12),  # dims below tl.dot's 16: padded and masked
-        (3, 17, 2, 2, 20, 24),  # one token past a chunk; dims between tiles
+        (3, 33, 2, 2, 20, 24),  # one token past a chunk; dims between tiles
         (2, 1, 2, 4, 16, 16),  # one token: the recurrent kernel
     ],
 )
