@@ -7,7 +7,8 @@ collectives a sharded model runs, rank 0 driving the others, and the launcher.
 - Library use is SPMD: every rank calls the same `forward` / `generate` (same prompts, same
   seed), and every rank gets the same logits (gathered) and so the same tokens.
 - The CLI and the server let rank 0 drive: `lead` makes rank 0's forward first broadcast its
-  arguments; `follow` runs on the other ranks, replaying each forward until rank 0 `finish`es.
+  arguments (and the cache row the server narrowed it to), and the server's prefix copies
+  between rows too; `follow` runs on the other ranks, replaying each until rank 0 `finish`es.
   Only rank 0 samples, streams, prints and serves; a heartbeat keeps an idle group alive.
 - `launch` starts N ranks of `python -m core.cli ...` through torch.distributed.run.
 """
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from core.errors import ConfigError, DistributedError
 
 TIMEOUT_S = float(os.environ.get("ZOO_TP_TIMEOUT", "300"))
-_STOP, _FORWARD, _BEAT = 0, 1, 2
+_STOP, _FORWARD, _BEAT, _COPY = 0, 1, 2, 3
 _lock = threading.Lock()  # rank 0: one broadcast + forward at a time (heartbeats wait)
 _state: dict = {"leading": False, "stop": None}
 
@@ -104,19 +105,43 @@ def _wire(device: torch.device) -> torch.device:
 
 
 def _header(*values: int, device) -> torch.Tensor:
-    return torch.tensor(values + (0,) * (8 - len(values)), dtype=torch.int64, device=device)
+    return torch.tensor(values + (0,) * (10 - len(values)), dtype=torch.int64, device=device)
+
+
+def _row_view(cache, full: list) -> int:
+    """The row the cache is narrowed to (the server's `Slots.only`: each buffer a view of one
+    row), or -1 when it is whole."""
+    if cache.layers is full:
+        return -1
+    t, base = cache.layers[0][0], full[0][0]
+    return (t.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+
+
+@contextlib.contextmanager
+def _only(cache, row: int):
+    """A follower's cache narrowed to `row`, as rank 0's was for this forward."""
+    full = cache.layers
+    if row >= 0:
+        cache.layers = [tuple(t[row : row + 1] for t in bufs) for bufs in full]
+    try:
+        yield
+    finally:
+        cache.layers = full
 
 
 def lead(net: torch.nn.Module, device: torch.device) -> None:
-    """Rank 0: every forward of `net` first sends its arguments to the followers."""
-    inner, wire = net.forward, _wire(device)
+    """Rank 0: every forward of `net` first sends its arguments (and the cache row it is
+    narrowed to) to the followers, and so does every row copy of the server's slots."""
+    from core import slots  # the server's rows; their prefix copies bypass forward
+
+    inner, wire, full = net.forward, _wire(device), net.kv_cache.layers
 
     def forward(input_ids, start_pos=0, end=None, logits_at=None, lengths=None):
         b, t = input_ids.shape
         per_row = isinstance(start_pos, torch.Tensor)
         head = (_FORWARD, b, t, int(per_row), 0 if per_row else int(start_pos),
                 -1 if end is None else int(end), int(logits_at is not None),
-                int(lengths is not None))  # fmt: skip
+                int(lengths is not None), _row_view(net.kv_cache, full))  # fmt: skip
         with _lock:
             _guard(dist.broadcast, _header(*head, device=wire), 0)
             for x in (input_ids, start_pos if per_row else None, logits_at, lengths):
@@ -124,7 +149,15 @@ def lead(net: torch.nn.Module, device: torch.device) -> None:
                     _guard(dist.broadcast, x.to(wire, torch.int64).contiguous(), 0)
             return inner(input_ids, start_pos, end, logits_at, lengths)
 
-    net.forward = forward
+    plain_copy = slots.Slots.copy
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        if self.cache is net.kv_cache:
+            with _lock:
+                _guard(dist.broadcast, _header(_COPY, src, dst, n, device=wire), 0)
+        plain_copy(self, src, dst, n)
+
+    net.forward, slots.Slots.copy = forward, copy
     stop = threading.Event()
 
     def beat() -> None:  # an idle server must not let the followers' broadcast time out
@@ -136,22 +169,27 @@ def lead(net: torch.nn.Module, device: torch.device) -> None:
                     return
 
     threading.Thread(target=beat, name="zoo-tp-heartbeat", daemon=True).start()
-    _state.update(leading=True, stop=stop, wire=wire)
+    _state.update(leading=True, stop=stop, wire=wire, copy=plain_copy)
 
 
 @torch.inference_mode()
 def follow(net: torch.nn.Module, device: torch.device) -> None:
-    """Ranks > 0: run each forward rank 0 announces, until it sends stop. Ctrl-C is rank 0's
-    to act on (a terminal sends it to every rank): these ranks end when it says so, or dies."""
+    """Ranks > 0: run each forward and row copy rank 0 announces, until it sends stop. Ctrl-C
+    is rank 0's to act on (a terminal sends it to every rank): these ranks end when it says
+    so, or dies."""
+    from core.slots import Slots
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    wire = _wire(device)
+    wire, rows = _wire(device), Slots(net.kv_cache, net.config.attention_layers)
     while True:
         head = _header(device=wire)
         _guard(dist.broadcast, head, 0)
-        cmd, b, t, per_row, start, end, has_at, has_len = head.tolist()
+        cmd, b, t, per_row, start, end, has_at, has_len, row, _ = head.tolist()
         if cmd == _STOP:
             return
-        if cmd == _BEAT:
+        if cmd == _COPY:  # (src, dst, n) in the b, t, per_row fields
+            rows.copy(b, t, per_row)
+        if cmd != _FORWARD:
             continue
 
         def receive(*shape: int) -> torch.Tensor:
@@ -163,17 +201,26 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
         start_pos = receive(b) if per_row else start
         logits_at = receive(b) if has_at else None
         lengths = receive(b) if has_len else None
-        net(ids, start_pos, None if end < 0 else end, logits_at, lengths)
+        with _only(net.kv_cache, row):
+            net(ids, start_pos, None if end < 0 else end, logits_at, lengths)
 
 
-def finish() -> None:
-    """Rank 0: release the followers (they return from `follow`); then leave the group."""
+def release() -> None:
+    """Rank 0: tell the followers to return from `follow` (the group stays up)."""
     if _state["leading"]:
+        from core import slots
+
         _state["stop"].set()
         # a follower already gone: the launcher reports it
         with _lock, contextlib.suppress(RuntimeError):
             dist.broadcast(_header(_STOP, device=_state["wire"]), 0)
+        slots.Slots.copy = _state["copy"]
         _state["leading"] = False
+
+
+def finish() -> None:
+    """Rank 0: `release` the followers; every rank: leave the group."""
+    release()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

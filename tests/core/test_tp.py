@@ -148,9 +148,12 @@ def runs(tmp_path_factory):
     codes = spawn(tp_ranks.parity_rank, folders, str(out))
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     death = (out / "rank0.txt").read_text().split("\n", 1)
+    one = load_model(folders["llama3.2"], max_seq_len=64, max_batch_size=2)
+    rows = (torch.load(out / "rows.pt"), tp_ranks.rows_and_copies(one))
     torch.set_num_threads(1)
     return {
         "death": (codes, death),
+        "rows": rows,
         **{
             name: (
                 tp_ranks.measure(load_model(folder, max_seq_len=64, max_batch_size=2), 1),
@@ -189,6 +192,15 @@ def test_each_rank_holds_at_most_055_of_the_weights(runs, name):
     alone, ranks, _ = runs[name]
     for r in ranks:
         assert r["bytes"] <= 0.55 * alone["bytes"], (r["bytes"], alone["bytes"])
+
+
+def test_rank_0_driving_carries_the_servers_row_views_and_copies(runs):
+    """zoo serve's scheduler narrows the cache to one row for a prefill and copies prefixes
+    between rows; with rank 0 driving, rank 1's cache follows: the logits of both rows equal
+    the single process's (a copy or a row view lost on rank 1 breaks its half of the sum)."""
+    driven, alone = runs["rows"]
+    assert driven.shape == alone.shape == (2, 1, LLAMA32["vocab_size"])
+    assert rel(driven, alone) < 1e-5
 
 
 def test_a_dead_rank_stops_the_other_within_seconds(runs):

@@ -55,12 +55,30 @@ def measure(model, tp: int) -> dict:
     )
 
 
+@torch.inference_mode()
+def rows_and_copies(model) -> torch.Tensor:
+    """What the server's scheduler does besides plain forwards: prefill one row of the cache
+    (`Slots.only`), copy a prefix into another row (`Slots.copy`), continue that row, then
+    decode both rows at per-row positions. Their logits (2, 1, vocab)."""
+    from core.slots import Slots
+
+    net = model.net
+    slots = Slots(net.kv_cache, model.config.attention_layers)
+    with slots.only(1):
+        net(torch.tensor([PROMPT]), 0)
+    slots.copy(1, 0, 5)
+    with slots.only(0):
+        net(torch.tensor([PROMPT[5:][::-1]]), 5)
+    return net(torch.tensor(NEXT), torch.tensor([len(PROMPT)] * 2)).float()
+
+
 def parity_rank(rank: int, world: int, port: int, folders: dict, out: str) -> None:
-    """Load each folder with tp=world and save this rank's figures. Then rank 1 dies, and
+    """Load each folder with tp=world and save this rank's figures; rank 0 drives the scheduler's
+    row operations on llama3.2 (rows.pt: its logits). Then rank 1 dies, and
     rank 0's next forward must fail quickly and by name: rank0.txt holds how long it took and
     the error; the exit codes are 1 (rank 0, the error) and 3 (rank 1)."""
     _join(rank, world, port, 30)
-    from core import ZooError, load_model
+    from core import ZooError, distributed, load_model
     from core.distributed import all_reduce
 
     results = {}
@@ -68,6 +86,14 @@ def parity_rank(rank: int, world: int, port: int, folders: dict, out: str) -> No
         model = load_model(folder, tp=world, max_seq_len=64, max_batch_size=2)
         results[name] = measure(model, world)
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    # rank 0 drives, as zoo serve does: rows and copies must reach rank 1's cache too
+    model = load_model(folders["llama3.2"], tp=world, max_seq_len=64, max_batch_size=2)
+    if rank == 0:
+        distributed.lead(model.net, model.device)
+        torch.save(rows_and_copies(model), Path(out) / "rows.pt")
+        distributed.release()
+    else:
+        distributed.follow(model.net, model.device)
     all_reduce(torch.zeros(1))  # both saved
     if rank == 1:
         os._exit(3)
