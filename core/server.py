@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from core.errors import RequestError, ZooError
 from core.model import Model
+from core.reasoning import Reasoner
 from core.sampling import SamplingParams
 from core.scheduler import Job, QueueFull, Scheduler
 from core.server_metrics import CONTENT_TYPE, ServerMetrics
@@ -213,7 +214,14 @@ def create_app(
         return [Job(ids, p, stream=req.stream, loop=loop) for p in choices]
 
     async def respond(
-        jobs: list[Job], req, request: Request, reply: Reply, fmt, echo: str = "", tools=None
+        jobs: list[Job],
+        req,
+        request: Request,
+        reply: Reply,
+        fmt,
+        echo: str = "",
+        tools: ToolUse | None = None,
+        reasoner: Reasoner | None = None,
     ):
         """Queue a request's jobs (one per choice, together) and answer when they are done, or
         stream them."""
@@ -228,10 +236,18 @@ def create_app(
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             reply.include_usage = usage
-            return EventStream(jobs, events(jobs, reply, fmt, usage, echo, tools))
+            return EventStream(jobs, events(jobs, reply, fmt, usage, echo, tools, reasoner))
         done = await results(jobs, request)
         lps = [fmt(r.logprobs, len(echo)) if r.logprobs is not None else None for r in done]
-        answers = [tools.answer(r) for r in done] if tools else None
+        answers = None
+        if tools or reasoner:
+            answers = []
+            for r in done:  # the call first (the text before it may hold the thinking)
+                text, calls = tools.answer(r) if tools else (r.text, None)
+                thought = None
+                if reasoner:
+                    thought, text = reasoner.answer(r, text or "")
+                answers.append((text or None if calls else text, calls, thought))
         return JSONResponse(reply.full(done, lps, echo, answers))
 
     @app.get("/health")
@@ -320,7 +336,9 @@ def create_app(
         structure = tools.structure() if tools else req.structure()
         jobs = prepare(req, ids, max_tokens, logprobs, names, **structure)
         fmt = lambda lps, _offset: chat_logprobs(tok, lps)  # noqa: E731
-        return await respond(jobs, req, request, Reply("chat", name), fmt, tools=tools)
+        reasoner = Reasoner.for_request(tok, ids)
+        reply = Reply("chat", name)
+        return await respond(jobs, req, request, reply, fmt, tools=tools, reasoner=reasoner)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -296,16 +296,21 @@ class Reply:
         delta: bool,
         index: int = 0,
         calls: list[dict] | None = None,
+        reasoning: str | None = None,
     ) -> dict:
         choice: dict[str, Any] = {"index": index}
         if self.kind == "completion":
             choice["text"] = text or ""
         elif delta:
             choice["delta"] = {} if text is None else {"content": text}
+            if reasoning:  # vLLM's field for a reasoning model's thinking
+                choice["delta"] = {"reasoning_content": reasoning}
             if calls:  # OpenAI's stream: each call with its index in the list
                 choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         else:
             choice["message"] = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                choice["message"]["reasoning_content"] = reasoning or None
             if calls:
                 choice["message"]["tool_calls"] = calls
         return {**choice, "logprobs": logprobs, "finish_reason": finish}
@@ -315,16 +320,18 @@ class Reply:
         results: list[GenerationResult],
         logprobs: list,
         echo: str = "",
-        answers: list[tuple[str | None, list[dict]]] | None = None,
+        answers: list[tuple[str | None, list[dict] | None, str | None]] | None = None,
     ) -> dict:
         """The whole answer: a choice per result (n of them), `echo` before each text;
-        `answers`: each choice's (content, tool_calls) when tools were offered."""
+        `answers`: each choice's (content, tool_calls, reasoning) when tools were offered or
+        the model reasons."""
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         choices = []
         for i, (r, lp) in enumerate(zip(results, logprobs, strict=True)):
-            text, calls = answers[i] if answers else (echo + r.text, None)
+            text, calls, reasoning = answers[i] if answers else (echo + r.text, None, None)
             finish = "tool_calls" if calls else r.finish_reason
-            choices.append(self._choice(text, lp, finish, delta=False, index=i, calls=calls))
+            choice = self._choice(text, lp, finish, False, i, calls, reasoning)
+            choices.append(choice)
         return {**self._head(obj), "choices": choices, "usage": usage(results)}
 
     def chunk(
@@ -335,9 +342,10 @@ class Reply:
         role: bool = False,
         index: int = 0,
         calls: list[dict] | None = None,
+        reasoning: str | None = None,
     ) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        choice = self._choice(text, logprobs, finish, delta=True, index=index, calls=calls)
+        choice = self._choice(text, logprobs, finish, True, index, calls, reasoning)
         if role:
             choice["delta"]["role"] = "assistant"
         out = {**self._head(obj), "choices": [choice]}

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from core.generation import GenerationResult, TokenLogprob
+from core.reasoning import Reasoner
 from core.scheduler import Job
 from core.server_schemas import Reply, as_api_error, error_body
 from core.tool_calls import ToolUse
@@ -94,13 +95,16 @@ async def events(
     usage: bool,
     echo: str = "",
     tools: ToolUse | None = None,
+    reasoner: Reasoner | None = None,
 ) -> AsyncIterator[str]:
     """The SSE stream of a request's jobs: per choice a chunk per text piece (with the logprobs
     of its tokens) and a last chunk with its finish_reason; then a usage chunk if asked, and
     [DONE]. `echo` (completions) is each choice's first text. With `tools`, text from where a
     call may start is held back; at the end the calls go out as one tool_calls delta (or the
-    held text as content, if it was no call)."""
+    held text as content, if it was no call). With a `reasoner`, thinking goes out as
+    reasoning_content deltas (a harmony answer's, at its end)."""
     holds = [tools.hold() for _ in jobs] if tools else None
+    splits = [reasoner.stream() for _ in jobs] if reasoner else None
     for i in range(len(jobs)):
         if reply.kind == "chat":
             yield sse(reply.chunk("", role=True, index=i))
@@ -115,6 +119,12 @@ async def events(
                 pending[i].append(value)
             elif kind == "text":
                 lps = fmt(pending[i], sent[i]) if pending[i] else None
+                if reasoner:
+                    thought, value = splits[i].feed(value) if splits[i] else ("", "")
+                    if thought:
+                        yield sse(reply.chunk(None, reasoning=thought, index=i))
+                    if not value:
+                        continue
                 if holds:
                     value = holds[i].feed(value)
                     if not value:
@@ -127,6 +137,17 @@ async def events(
             else:
                 lps = fmt(pending[i], sent[i]) if pending[i] else None
                 finish = value.finish_reason
+                if reasoner:
+                    if splits[i]:
+                        thought, rest = splits[i].flush()
+                    else:
+                        thought, rest = reasoner.answer(value, value.text)
+                    if thought:
+                        yield sse(reply.chunk(None, reasoning=thought, index=i))
+                    if rest and holds:
+                        rest = holds[i].feed(rest)
+                    if rest:
+                        yield sse(reply.chunk(rest, index=i))
                 if holds:
                     _, calls = tools.answer(value)
                     if calls:

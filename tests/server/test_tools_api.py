@@ -38,34 +38,53 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 class Script:
-    """Makes the model write given token ids (one per call: the prompt's, then each decode
-    step's; a prompt starts over) while `ids` is set; the real logits otherwise."""
+    """Makes the model write given token ids while `ids` is set (the real logits otherwise):
+    the logits read at position `prompt - 1 + k` force ids[k], whichever call computes them
+    (a prefill, or one chunk of it; a decode step), so that reused prefixes, chunked prefills
+    and steps run ahead change nothing."""
 
     def __init__(self):
-        self.ids, self.k = None, 0
+        self.ids, self.prompt = None, 0
 
-    def force(self, logits: torch.Tensor) -> torch.Tensor:
+    def force(self, logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """logits (B, ..., V) whose rows were read at positions `last` (B,)."""
         if self.ids is None:
             return logits
+        k = (last - (self.prompt - 1)).clamp(0, len(self.ids) - 1)
         forced = torch.full_like(logits, -30.0)
-        forced[..., self.ids[min(self.k, len(self.ids) - 1)]] = 30.0
-        self.k += 1
+        forced.view(len(k), -1, logits.shape[-1])[
+            torch.arange(len(k)), :, torch.tensor(self.ids)[k]
+        ] = 30.0
         return forced
 
 
 class Scripted:
-    """The network (prefill) or the decode step, its logits through a Script."""
+    """The network (prefills) or the decode step, its logits through a Script."""
 
-    def __init__(self, inner, script: Script):
-        self.inner, self.script = inner, script
+    def __init__(self, inner, script: Script, step: bool):
+        self.inner, self.script, self.step = inner, script, step
 
-    def __call__(self, ids, *args, **kw):
-        if ids.dim() == 2 and ids.shape[1] > 1:  # a prompt: the answer starts (again)
-            self.script.k = 0
-        return self.script.force(self.inner(ids, *args, **kw))
+    def __call__(self, ids, pos, *args, **kw):
+        out = self.inner(ids, pos, *args, **kw)
+        b = ids.shape[0]
+        if self.step:  # (tokens (B,), positions (B,), end)
+            last = pos
+        else:  # (ids (B, T), start_pos, logits_at=... (B,) or all T positions)
+            start = torch.as_tensor(pos).expand(b)
+            at = kw.get("logits_at")
+            last = start + (at if at is not None else ids.shape[1] - 1)
+        return self.script.force(out, torch.as_tensor(last).reshape(b).cpu())
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def scripted(model) -> Script:
+    """The model's network and decode step made to follow a new Script."""
+    script = Script()
+    model.net = Scripted(model.net, script, step=False)
+    model.step = Scripted(model.step, script, step=True)
+    return script
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +92,7 @@ def served(folder):  # noqa: F811
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     model = load_model(folder, max_batch_size=2, max_seq_len=1536)  # Llama 3.1 tool prompts: long
-    script = Script()
-    model.net, model.step = Scripted(model.net, script), Scripted(model.step, script)
+    script = scripted(model)
     server = Server(create_app(model, "tiny", api_key=KEY))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     yield client, model, script
@@ -124,22 +142,24 @@ def test_required_calls_one_of_the_tools(served):
             jsonschema.validate(args, WEATHER["function"]["parameters"])
 
 
-def script_answer(model, script, text: str) -> None:
+def script_answer(model, script, text: str, tools: list) -> None:
+    """The next answers to ASK with these tools: `text`, then the end of turn."""
     eot = model.tokenizer.token_to_id("<|eot_id|>")
-    script.ids, script.k = [*model.tokenizer.encode(text, add_special_tokens=False), eot], 0
+    script.ids = [*model.tokenizer.encode(text, add_special_tokens=False), eot]
+    prompt = model.tokenizer.apply_chat_template(ASK, **({"tools": tools} if tools else {}))
+    script.prompt = len(prompt)
 
 
 def test_auto_parses_a_written_call_and_streams_it_as_deltas(served):
     client, model, script = served
     written = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
     try:
-        script_answer(model, script, written)
+        script_answer(model, script, written, [WEATHER["function"]])
         r = chat(client, tools=[WEATHER])  # tool_choice defaults to auto
-        script_answer(model, script, written)
         content, calls, finish = streamed(client, tools=[WEATHER])
-        script_answer(model, script, written)
+        script_answer(model, script, written, [])  # "none": the tools are not in the prompt
         plain = chat(client, tools=[WEATHER], tool_choice="none")
-        script_answer(model, script, "It is sunny.")
+        script_answer(model, script, "It is sunny.", [WEATHER["function"]])
         prose = streamed(client, tools=[WEATHER])
     finally:
         script.ids = None
