@@ -82,6 +82,20 @@ def test_two_nodes_rendezvous_over_localhost(folder, alone):
     assert sorted(out for out, _ in outs) == sorted(["", alone.stdout])
 
 
+def test_chat_tp2_answers_every_turn_as_one_process(folder):
+    """`zoo chat --tp 2`: rank 0 reads the turns and prints; two turns (the second with the
+    first in its history) equal one process's, byte for byte."""
+    turns = "Hello there\nAnd then?\n/exit\n"
+    cmd = [sys.executable, "-m", "core.cli", "chat", str(folder), "--max-new-tokens", "8"]
+    alone = subprocess.run(cmd, input=turns, capture_output=True, text=True, timeout=300)
+    split = subprocess.run(
+        [*cmd, "--tp", "2"], input=turns, capture_output=True, text=True, timeout=300
+    )
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr
+    assert alone.stdout.count("> ") == 3  # two answers, then /exit
+    assert split.stdout == alone.stdout
+
+
 def test_run_tp_that_does_not_divide_is_said_once(folder):
     out = run("-m", "core.cli", "run", str(folder), "--tp", "3", *ARGS)
     assert out.returncode == 1
