@@ -1,0 +1,120 @@
+"""Decode step time against context length: gated-DeltaNet (linear attention) layers beside
+full attention, on three random-weight Qwen3.5-like models identical but for `layer_types`.
+
+A full-attention layer's decode step at position p reads p + 1 cached positions; a gated
+DeltaNet layer reads its fixed-size state (conv inputs + a Dk x Dv matrix per value head),
+whatever p is. So the all-linear model's step stays flat as the context grows, the
+all-attention model's grows, and the hybrid (3 linear : 1 attention, as Qwen3-Next / Qwen3.5)
+grows at a quarter of that slope. Each position is timed directly (the work does not depend
+on the cache content). Prints a markdown table with the machine, date and command.
+
+    .venv/bin/python benchmarks/linear_decode.py [--contexts 128 1024 4096 8192] [--repeat 15]
+        [--cpu-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
+
+import torch
+
+from core.bench import random_model
+
+LAYERS = 8
+# Qwen3.5's head sizes (attention head_dim 256, linear heads 128 x 128) at a small width, with a
+# small vocabulary so that the layers are most of a step
+SHAPE = dict(
+    model_type="qwen3_5_text",
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+)
+KINDS = {
+    "linear": ["linear_attention"] * LAYERS,
+    "hybrid 3:1": (["linear_attention"] * 3 + ["full_attention"]) * (LAYERS // 4),
+    "attention": ["full_attention"] * LAYERS,
+}
+
+
+def step_ms(models: dict, pos: int, repeat: int, clock=time.perf_counter) -> list[float]:
+    """Per model, the fastest of `repeat` decode steps (1 row, eager) at position `pos`, in ms;
+    the models alternate step by step so that other load on the machine slows all alike."""
+    tok = torch.tensor([[7]])
+    best = [float("inf")] * len(models)
+    with torch.inference_mode():
+        for _ in range(repeat):
+            for i, model in enumerate(models.values()):
+                t0 = clock()
+                model.forward(tok, pos)
+                best[i] = min(best[i], clock() - t0)
+    return [b * 1e3 for b in best]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 8192])
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, timed by its CPU time (time.thread_time): the work of a step, not "
+        "the time other processes on a shared machine take from it",
+    )
+    args = ap.parse_args()
+    clock = time.perf_counter
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        clock = time.thread_time
+    seq = max(args.contexts) + 1
+    models = {
+        name: random_model(
+            dict(SHAPE, layer_types=kinds),
+            device="cpu",
+            dtype=args.dtype,
+            max_seq_len=seq,
+            max_batch_size=1,
+        )
+        for name, kinds in KINDS.items()
+    }
+    print(f"`{' '.join(['python', *sys.argv])}`")
+    print(
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, {args.dtype}, {datetime.date.today()}"
+        + (", CPU time of one thread" if args.cpu_time else ", wall time")
+    )
+    cache = {n: m.net.kv_cache.nbytes for n, m in models.items()}
+    print(
+        f"cache (KV + state) for {seq} tokens: "
+        + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in cache.items())
+    )
+    step_ms(models, max(args.contexts), 5, clock)  # warm-up: first calls build what a step needs
+    print()
+    print("| context | " + " | ".join(f"{n} (ms/step)" for n in models) + " |")
+    print("|---:|" + "---:|" * len(models))
+    for ctx in args.contexts:
+        row = [f"{ms:.2f}" for ms in step_ms(models, ctx, args.repeat, clock)]
+        print(f"| {ctx} | " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
