@@ -172,6 +172,10 @@ class Scheduler:
 
     def _end(self, seq: Seq) -> None:
         result = seq.result()
+        log.debug(
+            "zoo: row %d: %d prompt tokens (%d cached), %d new, %s",
+            seq.row, len(seq.ids), seq.cached, len(result.token_ids), result.finish_reason,
+        )  # fmt: skip
         self.metrics.finished(seq.job.clock, result)
         seq.job.emit("done", result)
         self.slots.release(seq.row)
