@@ -87,7 +87,16 @@ def blocks(net: CausalLM) -> Blocks | None:
                 intermediate=mlp.down_proj.in_features,
             )
         )
-    return Blocks.build(out, net.config.hidden_size)
+    tied = net.lm_head.tied_to[0]
+    final = net.model.norm
+    head = None
+    if type(final) is RMSNorm:  # the final norm and the head join the call where they fit
+        head = (
+            _norm_weight(final),
+            final.eps,
+            tied.weight if tied is not None else net.lm_head.weight,
+        )
+    return Blocks.build(out, net.config.hidden_size, head)
 
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
@@ -128,5 +137,10 @@ class FusedStep:
         h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
         pos = positions.to(torch.int64).contiguous()
         tables = [tuple(t.contiguous() for t in rotary(pos, 1, end)) for rotary in net.rotaries]
-        fused(h, pos, tables)
-        return net.head(h[:, None])[:, -1]
+        logits = fused(h, pos, tables)
+        if logits is None:
+            return net.head(h[:, None])[:, -1]
+        scale, cap = net.config.logits_scale, net.config.final_softcap  # as CausalLM.head
+        if scale != 1.0:
+            logits = logits * scale
+        return logits if cap is None else cap * torch.tanh(logits / cap)

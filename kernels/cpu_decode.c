@@ -124,12 +124,24 @@ static inline float activate(float g, int64_t act) {
     return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
-// The L blocks on h (M, H) in place, for M <= MAX_BF16_ROWS rows at positions pos (M,).
-// cos[j], sin[j]: rope table j for this step, (1 or M, half) with row stride cstride[j].
+// The final norm and the LM head: logits (M, V) = head(rms_norm(h)).
+typedef struct {
+    const float *norm;
+    float eps;
+    zlinear_t head;
+} zhead_t;
+
+// The L blocks on h (M, H) in place, for M <= MAX_BF16_ROWS rows at positions pos (M,), then
+// (where hd is given) the logits (M, V) of the result. cos[j], sin[j]: rope table j for this
+// step, (1 or M, half) with row stride cstride[j].
 void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, int64_t H,
                        const int64_t *pos, const float *const *cos, const float *const *sin,
-                       const int64_t *cstride, int threads) {
+                       const int64_t *cstride, const zhead_t *hd, float *logits, int threads) {
     int64_t arena = 0, scratch = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1;
+    if (hd) {
+        arena = prepare_bytes(&hd->head, M);
+        scratch = scratch_floats(&hd->head);
+    }
     for (int64_t l = 0; l < L; l++) {
         const zblock_t *b = &blocks[l];
         const zlinear_t *ls[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
@@ -215,6 +227,12 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             for (int64_t r = 0; r < M; r++)
                 for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
             meet(&bar, T);
+        }
+        if (hd) {  // the vocabulary's rows split over the threads
+            const int64_t V = hd->head.N;
+            zoo_rms_norm(h, NULL, NULL, hd->norm, xn, M, H, hd->eps);
+            prepare(&hd->head, xn, M, px, buf);
+            linear_rows(&hd->head, px, logits, V, M, V * t / T, V * (t + 1) / T, sc);
         }
         free(xn);
         free(sc);

@@ -39,6 +39,10 @@ class _Block(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _Head(ctypes.Structure):
+    _fields_ = [("norm", _ptr), ("eps", _f32), ("head", _Linear)]
+
+
 @dataclass
 class Block:
     """One decoder block's tensors and shape, as the C step reads them. Weights: fp32 (N, K)
@@ -111,14 +115,23 @@ class Blocks:
     """The C view of a model's decoder blocks; `Blocks.build` returns None where some block
     or tensor does not fit the C step (the caller then runs its modules)."""
 
-    def __init__(self, blocks: ctypes.Array, hidden: int, keep: list):
-        self._blocks, self.hidden, self._keep = blocks, hidden, keep
+    def __init__(self, blocks: ctypes.Array, hidden: int, head: _Head | None, keep: list):
+        self._blocks, self.hidden, self._head, self._keep = blocks, hidden, head, keep
+        self.vocab = head.head.N if head is not None else None
 
     @classmethod
-    def build(cls, blocks: list[Block], hidden: int) -> Blocks | None:
+    def build(cls, blocks: list[Block], hidden: int, head: tuple | None = None) -> Blocks | None:
+        """head: (final norm weight, eps, LM head weight) to compute the logits in the same
+        call; where the head's weight does not fit, the call stops at the last block."""
         if library() is None or not blocks:
             return None
         keep: list = []
+        c_head = None
+        if head is not None and _float(head[0]):
+            lin = _linear(head[2], None, keep)
+            if lin is not None and head[0].shape == (hidden,):
+                keep.append(head[0])
+                c_head = _Head(norm=head[0].data_ptr(), eps=head[1], head=lin)
         arr = (_Block * len(blocks))()
         for c, b in zip(arr, blocks, strict=True):
             linears = [
@@ -151,13 +164,14 @@ class Blocks:
             c.half, c.interleaved = b.rope_half, b.interleaved
             c.scale, c.softcap, c.sinks = b.scale, b.softcap or 0.0, _addr(b.sinks)
             c.act, c.inter = ACTS[b.act], b.intermediate
-        return cls(arr, hidden, keep)
+        return cls(arr, hidden, c_head, keep)
 
     def __call__(
         self, h: torch.Tensor, positions: torch.Tensor, tables: list[tuple[torch.Tensor, ...]]
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Run every block on h (M, hidden) fp32 contiguous, in place, for M <= MAX_ROWS rows
-        at positions (M,) int64; tables: per rope, (cos, sin) of (1 or M, 1, half)."""
+        at positions (M,) int64; tables: per rope, (cos, sin) of (1 or M, 1, half). Returns
+        the logits (M, vocab) where the head was built in, else None."""
         m = h.shape[0]
         assert h.is_contiguous() and h.shape[1] == self.hidden and m <= MAX_ROWS
         assert positions.dtype == torch.int64 and positions.is_contiguous()
@@ -166,7 +180,11 @@ class Blocks:
         for j, (c, s) in enumerate(tables):
             cos[j], sin[j] = c.data_ptr(), s.data_ptr()
             stride[j] = c.shape[-1] if c.shape[0] > 1 else 0
+        logits = torch.empty(m, self.vocab) if self._head is not None else None
         library().zoo_decode_blocks(
             self._blocks, len(self._blocks), h.data_ptr(), m, self.hidden,
-            positions.data_ptr(), cos, sin, stride, torch.get_num_threads(),
+            positions.data_ptr(), cos, sin, stride,
+            ctypes.byref(self._head) if self._head is not None else None,
+            logits.data_ptr() if logits is not None else None, torch.get_num_threads(),
         )  # fmt: skip
+        return logits

@@ -111,7 +111,8 @@ def build(march: str) -> ctypes.CDLL | None:
                                          ptr, *[i64] * 6, ptr, i64, i64, ctypes.c_float,
                                          ctypes.c_float, ptr, ctypes.c_int]  # fmt: skip
     lib.zoo_decode_attention.restype = None
-    lib.zoo_decode_blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.zoo_decode_blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
+                                      ctypes.c_int]  # fmt: skip
     lib.zoo_decode_blocks.restype = None
     return lib
 

@@ -75,6 +75,7 @@ def decode(m, fused: bool, feed: list[list[int]]) -> list[torch.Tensor]:
             if fused:
                 logits = m.step.fused(tokens, pos, end)
                 assert logits is not None, why_not(m.net)  # the fused step ran
+                assert m.step.fused._blocks().vocab == logits.shape[-1]  # the head in the call
             else:
                 logits = m.net(tokens[:, None], pos, end=end)[:, -1]
             out.append(logits.clone())
