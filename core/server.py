@@ -15,10 +15,11 @@ import socket
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -49,6 +50,7 @@ from core.server_stream import EventStream, events, results
 from core.structured import schema_text
 from core.tool_calls import ToolUse, family
 
+CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # GET /
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)
 
 
@@ -249,6 +251,11 @@ def create_app(
                     thought, text = reasoner.answer(r, text or "")
                 answers.append((text or None if calls else text, calls, thought))
         return JSONResponse(reply.full(done, lps, echo, answers))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        """The chat page: one static file that talks to this server's own API."""
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health():

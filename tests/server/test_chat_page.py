@@ -1,0 +1,124 @@
+"""The chat page at `/` in a real browser: headless Chromium (Debian's chromium and
+chromium-driver, driven by selenium) against a running smollm2 server: the model from
+/v1/models, a question answered by streaming, the stop button cancelling a long answer. Skips
+where Chromium is absent (.ci/run installs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import pytest
+import torch
+from test_server import Server
+
+from core import load_model
+from core.server import create_app
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+
+
+def test_the_page_is_one_file_that_fetches_nothing_else():
+    server = Server(create_app(load_model("smollm2", max_seq_len=64), "smollm2"))
+    try:
+        import http.client
+
+        conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+        conn.request("GET", "/")
+        resp = conn.getresponse()
+        page = resp.read().decode()
+    finally:
+        server.close()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/html")
+    assert "/v1/chat/completions" in page and "/v1/models" in page
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # no outside resource
+    assert "import " not in page and 'fetch("http' not in page
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and DRIVER):
+        pytest.skip("headless Chromium absent: apt-get install chromium chromium-driver")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1000,700")
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def page(browser):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    server = Server(create_app(load_model("smollm2", max_seq_len=512), "smollm2"))
+    browser.get(server.url + "/")
+    yield browser, server
+    server.close()
+    torch.set_num_threads(n)
+
+
+def wait_for(check, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("timed out")
+
+
+def finished(answer) -> str:
+    """The answer's state once it is no longer streaming: done, stopped or error."""
+    state = lambda: answer.get_attribute("data-state")  # noqa: E731
+    wait_for(lambda: state() != "streaming")
+    return state()
+
+
+def ask(driver, text: str):
+    from selenium.webdriver.common.by import By
+
+    box = driver.find_element(By.ID, "input")
+    box.send_keys(text)
+    driver.find_element(By.ID, "send").click()
+    return wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.assistant, .msg.error"))[-1]
+
+
+def test_a_question_is_answered_by_streaming(page):
+    from selenium.webdriver.common.by import By
+
+    driver, _ = page
+    shown = lambda: driver.find_element(By.ID, "model").text  # noqa: E731
+    assert wait_for(lambda: shown() != "…" and shown()) == "smollm2"  # from /v1/models
+    temperature = driver.find_element(By.ID, "temperature")
+    temperature.clear()
+    temperature.send_keys("0")
+    answer = ask(driver, "What is the capital of France?")
+    assert finished(answer) == "done"
+    assert "Paris" in answer.text
+    if os.environ.get("ZOO_SCREENSHOT"):  # docs/chat_page.png is made this way
+        driver.save_screenshot(os.environ["ZOO_SCREENSHOT"])
+
+
+def test_stop_cancels_the_answer_and_frees_its_row(page):
+    from selenium.webdriver.common.by import By
+
+    driver, server = page
+    answer = ask(driver, "Write a very long story about a dragon.")
+    wait_for(lambda: len(answer.find_element(By.CLASS_NAME, "answer").text) > 10)
+    driver.find_element(By.ID, "stop").click()
+    assert finished(answer) == "stopped"
+    assert answer.text.endswith("[stopped]")
+    assert driver.find_element(By.ID, "send").is_enabled()
+    health = lambda: server.raw("GET", "/health", key=None)[1]  # noqa: E731
+    assert wait_for(lambda: health().get("running") == 0 and health(), timeout=30)
+    assert json.dumps(health())  # (the server still answers)
