@@ -284,3 +284,35 @@ def test_stopping_ends_running_rows_and_answers_queued_ones(folder):
     running, queued = asyncio.run(go())
     assert running.finish_reason == "abort" and len(running.token_ids) < 90
     assert type(queued).__name__ == "ShuttingDown"
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(sched, alone):
+    """A 40-token prompt arriving while a row decodes is prefilled in chunks of the budget
+    less the decoding row (8 - 1), and the decoding row takes a token after every chunk: the
+    prompt never holds it up for more than one chunk."""
+    calls = []
+    net, step = sched.model.net, sched.model.step
+
+    class Recorder:
+        def __call__(self, ids, start, **kw):
+            calls.append(ids.shape[1])  # prompt tokens of this chunk
+            return net(ids, start, **kw)
+
+        def __getattr__(self, name):
+            return getattr(net, name)
+
+    def decode(*args):
+        calls.append("decode")
+        return step(*args)
+
+    decode.compiled = None
+    sched.model.net, sched.model.step, sched.chunk = Recorder(), decode, 8
+    long = prompt(40, 60)
+    requests = [(prompt(3, 61), params(max_new_tokens=30)), (long, params(max_new_tokens=3))]
+    results, _ = run(sched, requests, after=decoding(2))
+    for (ids, p), got in zip(requests, results, strict=True):
+        same_as_alone(alone, ids, p, got)
+    chunks = [i for i, c in enumerate(calls) if c != "decode" and c > 3]  # the long prompt's
+    # (a recurrent model prefills a prompt whole: no placeholder token between its chunks)
+    assert [calls[i] for i in chunks] == ([40] if sched.slots.recurrent else [7] * 5 + [5])
+    assert all(calls[i + 1] == "decode" for i in chunks)
