@@ -20,6 +20,7 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import make_checkpoint
+from fixtures.chat_tokenizers import build_tokenizer_folder
 from parity import ParitySuite, check_prefill, ids, rel_err
 from safetensors.torch import load_file, save_file
 
@@ -263,3 +264,32 @@ def test_default_layer_pattern_and_missing_text_config():
 
     with pytest.raises(ConfigError, match="text_config"):
         Qwen35Config.from_dict({"model_type": "qwen3_5"})
+
+
+def test_text_generation_streams_batches_and_stops(tmp_path):
+    """With a Qwen-style tokenizer: a batch of two text prompts of unequal length (each row its
+    own state) gives transformers' greedy tokens per row; streaming equals generate; a stop
+    string cuts the text where it first appears."""
+    special = build_tokenizer_folder(tmp_path, "qwen2")
+    spec = dict(QWEN3_NEXT, vocab_size=320, eos_token_id=special["<|im_end|>"])
+    root, ref = make_checkpoint(tmp_path, spec, seed=2)
+    path = root / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "partial_rotary_factor": 0.5}))
+    m = load_model(root, max_seq_len=192, max_batch_size=2)
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 3, "Why is the sky blue?"]
+    kw = dict(max_new_tokens=12, ignore_eos=True, temperature=0.0)
+    both = m.generate(prompts, **kw)
+    for text, got in zip(prompts, both, strict=True):
+        ids = m.tokenizer.encode(text)
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)  # fmt: skip
+        assert got.token_ids == want[0, len(ids) :].tolist()
+    assert len(m.tokenizer.encode(prompts[0])) > 2 * len(m.tokenizer.encode(prompts[1]))
+    out = m.generate(prompts[1], **kw)
+    assert out.token_ids == both[1].token_ids  # alone as in the batch
+    pieces = list(m.stream(prompts[1], **kw))
+    assert "".join(pieces) == out.text and len([p for p in pieces if p]) > 1
+    stop = out.text[len(out.text) // 2 :][:2]
+    cut = m.generate(prompts[1], stop=stop, **kw)
+    assert cut.finish_reason == "stop" and cut.text == out.text[: out.text.index(stop)]
+    assert "".join(m.stream(prompts[1], stop=stop, **kw)) == cut.text
