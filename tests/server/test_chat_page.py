@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_server import Server
+from test_server import Server, folder  # noqa: F401  (folder: a fixture)
 
 from core import load_model
 from core.server import create_app
@@ -122,3 +122,24 @@ def test_stop_cancels_the_answer_and_frees_its_row(page):
     health = lambda: server.raw("GET", "/health", key=None)[1]  # noqa: E731
     assert wait_for(lambda: health().get("running") == 0 and health(), timeout=30)
     assert json.dumps(health())  # (the server still answers)
+
+
+def test_reasoning_is_shown_folded(browser, folder, tmp_path_factory):  # noqa: F811
+    """A thinking model (the tiny one of test_reasoning_api.py, scripted): the page folds its
+    reasoning_content away from the answer."""
+    from selenium.webdriver.common.by import By
+    from test_reasoning_api import thinking_server
+
+    server = thinking_server(folder, tmp_path_factory.mktemp("page"), opens=True)
+    try:
+        browser.get(server.url + "/")
+        answer = ask(browser, "What is the capital of France?")
+        assert finished(answer) == "done"
+        details = answer.find_element(By.CSS_SELECTOR, "details.reasoning")
+        assert details.get_attribute("open") is None  # folded
+        assert "reasoning (" in details.text
+        assert answer.find_element(By.CLASS_NAME, "answer").text == "Paris."
+        browser.execute_script("arguments[0].open = true", details)
+        assert "Paris is the capital." in details.text
+    finally:
+        server.close()

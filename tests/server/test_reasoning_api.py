@@ -29,24 +29,30 @@ LEAVES = OPENS.replace("\\n\\n<think>\\n", "\\n\\n").replace(
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module", params=["opens", "leaves"])
-def served(request, folder, tmp_path_factory):  # noqa: F811
-    root = tmp_path_factory.mktemp(request.param)
+def thinking_server(folder, root, opens: bool) -> Server:  # noqa: F811
+    """A server of the tiny model under a thinking template, scripted to think, then answer
+    "Paris." (no API key)."""
     shutil.copytree(folder, root, dirs_exist_ok=True)
     config = json.loads((root / "tokenizer_config.json").read_text())
-    config["chat_template"] = OPENS if request.param == "opens" else LEAVES
+    config["chat_template"] = OPENS if opens else LEAVES
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     model = load_model(root)
     script = scripted(model)
-    server = Server(create_app(model, "tiny", api_key=KEY))
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     written = "Paris is the capital.\n</think>\n\nParis."
-    if request.param == "leaves":
+    if not opens:
         written = "<think>\n" + written
     eot = model.tokenizer.token_to_id("<|eot_id|>")
     script.ids = [*model.tokenizer.encode(written, add_special_tokens=False), eot]
     script.prompt = len(model.tokenizer.apply_chat_template(ASK))
-    yield client
+    return Server(create_app(model, "tiny"))
+
+
+@pytest.fixture(scope="module", params=["opens", "leaves"])
+def served(request, folder, tmp_path_factory):  # noqa: F811
+    server = thinking_server(
+        folder, tmp_path_factory.mktemp(request.param), request.param == "opens"
+    )
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     server.close()
 
 
