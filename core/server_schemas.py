@@ -305,8 +305,8 @@ class Reply:
             choice["delta"] = {} if text is None else {"content": text}
             if reasoning:  # vLLM's field for a reasoning model's thinking
                 choice["delta"] = {"reasoning_content": reasoning}
-            if calls:  # OpenAI's stream: each call with its index in the list
-                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            if calls:  # already deltas: each with its call's index (see server_stream)
+                choice["delta"]["tool_calls"] = calls
         else:
             choice["message"] = {"role": "assistant", "content": text}
             if reasoning is not None:

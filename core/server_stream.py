@@ -100,7 +100,8 @@ async def events(
     """The SSE stream of a request's jobs: per choice a chunk per text piece (with the logprobs
     of its tokens) and a last chunk with its finish_reason; then a usage chunk if asked, and
     [DONE]. `echo` (completions) is each choice's first text. With `tools`, text from where a
-    call may start is held back; at the end the calls go out as one tool_calls delta (or the
+    call may start is held back; at the end each call goes out as OpenAI streams one: a delta
+    with its index, id and name, then one with its arguments (or the
     held text as content, if it was no call). With a `reasoner`, thinking goes out as
     reasoning_content deltas (a harmony answer's, at its end)."""
     holds = [tools.hold() for _ in jobs] if tools else None
@@ -150,8 +151,13 @@ async def events(
                         yield sse(reply.chunk(rest, index=i))
                 if holds:
                     _, calls = tools.answer(value)
+                    for k, c in enumerate(calls or []):
+                        name = {"name": c["function"]["name"], "arguments": ""}
+                        head = {"index": k, "id": c["id"], "type": "function", "function": name}
+                        args = {"index": k, "function": {"arguments": c["function"]["arguments"]}}
+                        yield sse(reply.chunk(None, calls=[head], index=i))
+                        yield sse(reply.chunk(None, calls=[args], index=i))
                     if calls:
-                        yield sse(reply.chunk(None, calls=calls, index=i))
                         finish = "tool_calls"
                     elif holds[i].held:
                         yield sse(reply.chunk(holds[i].held, lps, index=i))

@@ -105,15 +105,20 @@ def chat(client, **kw):
     return client.chat.completions.create(model="tiny", messages=ASK, **kw)
 
 
-def streamed(client, **kw) -> tuple[str, list, str]:
-    """(content, tool_calls deltas, finish_reason) of a streamed answer."""
-    content, calls, finish = "", [], None
+def streamed(client, **kw) -> tuple[str, list[dict], str]:
+    """(content, tool calls joined from their deltas as clients join them, finish_reason) of
+    a streamed answer."""
+    content, calls, finish = "", {}, None
     for c in chat(client, stream=True, **kw):
         for choice in c.choices:
             content += choice.delta.content or ""
-            calls += choice.delta.tool_calls or []
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] = (d.function and d.function.name) or call["name"]
+                call["arguments"] += (d.function and d.function.arguments) or ""
             finish = choice.finish_reason or finish
-    return content, calls, finish
+    return content, [calls[k] for k in sorted(calls)], finish
 
 
 def test_a_named_call_validates_against_its_schema(served):
@@ -126,9 +131,8 @@ def test_a_named_call_validates_against_its_schema(served):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     content, calls, finish = streamed(client, tools=[WEATHER, TIME], tool_choice=PICK_WEATHER)
     assert content == "" and finish == "tool_calls"
-    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
-    assert calls[0].id.startswith("call_")
-    assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)
+    assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
 
 
 def test_required_calls_one_of_the_tools(served):
@@ -168,7 +172,8 @@ def test_auto_parses_a_written_call_and_streams_it_as_deltas(served):
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
     assert content == "" and finish == "tool_calls"  # the JSON never leaks as content
-    assert [c.function.name for c in calls] == ["get_weather"]
+    assert [c["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
     assert plain.choices[0].message.content == written and not plain.choices[0].message.tool_calls
     assert prose == ("It is sunny.", [], "stop")
 
