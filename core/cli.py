@@ -222,6 +222,7 @@ def _info(args: argparse.Namespace) -> None:
     state = c.state_bytes_per_sequence(size)
     if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
         print(f"state bytes  {state:,} per sequence (recurrent layers' conv + delta-rule state)")
+    print(f"decode step  {_decode_path(m)}")
     total = sum(b for _, b in formats.values())
     print(f"weights      {total:,} bytes resident")
     for kind, (n, b) in formats.items():
@@ -229,6 +230,22 @@ def _info(args: argparse.Namespace) -> None:
     if m.path.is_dir():
         files = sorted(p.name for p in m.path.iterdir() if p.is_file())
         print(f"files        {', '.join(files)}")
+
+
+def _decode_path(m) -> str:
+    """Which decode step a reply takes: the fused C blocks (CPU), or the modules and why."""
+    if m.step.compiled is not None:
+        return "compiled (torch.compile)"
+    if m.step.fused is None:
+        return f"eager modules ({m.device.type})"
+    from kernels.cpu_quant import library
+
+    why = m.step.fused.unfit
+    if why is None and library() is None:
+        why = "no C compiler for kernels/cpu_decode.c"
+    if why is None and (os.environ.get("ZOO_KERNELS") or "auto") != "auto":
+        why = f"ZOO_KERNELS={os.environ['ZOO_KERNELS']}"
+    return "eager, fused C blocks (core/cpu_step.py)" if why is None else f"eager modules ({why})"
 
 
 def _layer_kinds(c) -> str:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 from conftest import LLAMA32
 
 
-def zoo(*args: str) -> subprocess.CompletedProcess:
+def zoo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "core.cli", *args], capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-m", "core.cli", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env} if env else None,
+    )  # fmt: skip
 
 
 def test_info_describes_a_checkpoint(checkpoint):
@@ -21,6 +23,9 @@ def test_info_describes_a_checkpoint(checkpoint):
     assert "architecture llama" in out.stdout
     assert "4 heads, 2 kv heads, head_dim 16" in out.stdout
     assert "KV bytes     512 per token" in out.stdout  # 2 (K,V) * 2 layers * 2 kv heads * 16 * 4 B
+    assert "decode step  eager, fused C blocks" in out.stdout  # a plain Llama on the CPU
+    out = zoo("info", str(root), env={"ZOO_KERNELS": "torch"})
+    assert "decode step  eager modules (ZOO_KERNELS=torch)" in out.stdout
 
 
 def test_info_counts_sliding_layers_by_their_window(checkpoint):
