@@ -194,12 +194,13 @@ def load_weights(
     `ignore` holds checkpoint names to skip (any container: a set, or a rule by name).
     Parameters marked `keep_fp32` (e.g. a router's correction bias) stay in float32.
     keep_quantized: a linear or embedding weight that the checkpoint stores in a block format
-    (GGUF) becomes a `QuantWeight` of the same blocks instead of floats (core/quantize.py).
+    (GGUF; fp8 on GPUs of compute capability 8.9+) becomes a `QuantWeight` of the same blocks
+    instead of floats (core/quantize.py).
     """
     plan = plan_load(net, ckpt, weight_map, ignore)
     state: dict[str, torch.Tensor] = {}
     if keep_quantized:
-        kept, plan = quantize.split_plan(net, ckpt, plan)
+        kept, plan = quantize.split_plan(net, ckpt, plan, device)
         for target, parts in _progress(list(kept.items()), progress, "keeping quantized"):
             w = quantize.read_kept(ckpt, parts, dtype, device)
             state.update(quantize.install(net, target, w))

@@ -18,13 +18,27 @@ from torch import nn
 
 from core.errors import CheckpointError, RequestError
 from core.layers import Embedding, Linear, LMHead
-from kernels.qweight import FORMATS, QuantStack, QuantWeight, cat_rows
+from kernels.qweight import FORMATS, FP8, QuantStack, QuantWeight, cat_rows
 from kernels.qweight import quantize as quantize_tensor
 
 log = logging.getLogger("zoo")
 
 AT_LOAD = ("int8", "int4")  # load_model(quantize=...)
-KEPT = [f for f in FORMATS if f not in AT_LOAD]  # block formats a checkpoint may bring
+KEPT = [*(f for f in FORMATS if f not in AT_LOAD), FP8]  # formats a checkpoint may bring
+FP8_CAPABILITY = (8, 9)  # Ada, Hopper and later compute in e4m3 (Triton's float8e4nv)
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether fp8 weights stay fp8 on `device`: a CUDA GPU of compute capability 8.9+. On
+    other devices a block-scaled fp8 checkpoint is dequantized at load."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+def keeps(fmt: str, device: torch.device) -> bool:
+    """Whether a checkpoint's `fmt` blocks are kept on `device`: GGUF's everywhere, fp8 where
+    the GPU computes in it (`fp8_native`)."""
+    return fmt != FP8 or fp8_native(device)
 
 
 def quantizable(net: nn.Module, target: str) -> bool:
@@ -38,10 +52,12 @@ def quantizable(net: nn.Module, target: str) -> bool:
     )
 
 
-def split_plan(net: nn.Module, ckpt, plan: list) -> tuple[dict[str, list], list]:
-    """Split the loader's plan into the parameters kept quantized ({target: [(checkpoint name,
-    index)] in row order}) and the rest. A block-format tensor whose format Zoo cannot keep is
-    an error that names it (`dequantize=True` converts it to floats instead)."""
+def split_plan(
+    net: nn.Module, ckpt, plan: list, device: torch.device
+) -> tuple[dict[str, list], list]:
+    """Split the loader's plan into the parameters kept quantized on `device` ({target:
+    [(checkpoint name, index)] in row order}) and the rest. A block-format tensor whose format
+    Zoo cannot keep is an error that names it (`dequantize=True` converts it to floats)."""
     fmt_of = getattr(ckpt, "quant_format", None)
     if fmt_of is None:
         return {}, plan
@@ -53,6 +69,8 @@ def split_plan(net: nn.Module, ckpt, plan: list) -> tuple[dict[str, list], list]
         formats = [fmt_of(name) for name, _ in parts]
         if any(f is None for f in formats) or not quantizable(net, target):
             continue  # floats, or a weight that must be float: dequantized as before
+        if not all(keeps(f, device) for f in formats):
+            continue  # fp8 off a GPU that computes in it: dequantized
         for (name, _), fmt in zip(parts, formats, strict=True):
             if fmt not in KEPT:
                 stored = getattr(ckpt, "stored_name", lambda n: n)(name)

@@ -6,7 +6,11 @@ into weights in registers, never into a float copy in memory:
     w = round_to_x_dtype(scale(n, g) * (code - offset) + minimum(n, g))     (fp32 inside)
 
 with the scale two-level for the K-quants (fp16 `d` per 256 columns times a small integer per
-group). That is `QuantWeight.dequantize` followed by the reference's cast to x's dtype, so the
+group), or for block-scaled fp8 (FP8) scale(n, g) * float32(code bitcast to float8_e4m3fn), one
+fp32 product as in DeepSeek's weight_dequant. Masked code loads read 0 (+0.0 in fp8): a tile
+past the end of a row holds no NaN bit pattern that its zero x would not cancel.
+
+That is `QuantWeight.dequantize` followed by the reference's cast to x's dtype, so the
 kernels differ from `reference.quant_linear` only in the order of the fp32 sums. Every format
 parameter (bits, group, offset, minimum, super-block) is a constexpr: one specialisation per
 format. Both kernels walk K one scale group at a time (an unrolled loop inside each K tile), so
@@ -25,6 +29,8 @@ shuffle is needed.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -60,10 +66,13 @@ def _group_terms(S, MN, D, DMIN, rows, mask, c0, s_s, s_m, s_d, s_dm,
 
 
 @triton.jit
-def _weights(q, scale, mn, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr):
+def _weights(q, scale, mn, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr, FP8: tl.constexpr):
     """fp32 weights of integer codes q: scale * (q - offset) (+ minimum), rounded as
-    QuantWeight.dequantize rounds (a product, then a sum)."""
-    w = scale * (q.to(tl.int32) - OFFSET).to(tl.float32)
+    QuantWeight.dequantize rounds (a product, then a sum); FP8: q's bytes are e4m3 floats."""
+    if FP8:
+        w = scale * q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        w = scale * (q.to(tl.int32) - OFFSET).to(tl.float32)
     if HAS_MIN:
         w = w + mn
     return w
@@ -96,9 +105,10 @@ def _gemv_kernel(
     SUPER: tl.constexpr,  # columns per d (K-quants); 0: none
     OFFSET: tl.constexpr,
     HAS_MIN: tl.constexpr,
+    FP8: tl.constexpr,  # codes are float8_e4m3fn bytes (uint8)
     HAS_BIAS: tl.constexpr,
     DIRECT: tl.constexpr,
-    SUB: tl.constexpr,  # columns sharing one scale (the group; 32 with one scale per row)
+    SUB: tl.constexpr,  # columns of a tile, all in one group (see _weight_args)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -128,12 +138,13 @@ def _gemv_kernel(
                                          s_s, s_m, s_d, s_dm, GROUP, SUPER, HAS_MIN)  # fmt: skip
             # packed: byte j holds column c0 + j (low nibble) and c0 + 16 + j (high nibble)
             mask = n_mask[:, None] & (c0 + offs_w < end)[None, :]
-            raw = tl.load(C + rows[:, None] * s_c + (c0 // HALVES + offs_w)[None, :], mask=mask)
+            raw = tl.load(C + rows[:, None] * s_c + (c0 // HALVES + offs_w)[None, :], mask=mask,
+                          other=0)  # fmt: skip
             for half in tl.static_range(HALVES):
                 q = raw
                 if PACKED:
                     q = (raw >> (4 * half)) & 15
-                w = _weights(q, scale[:, None], mn[:, None], OFFSET, HAS_MIN)
+                w = _weights(q, scale[:, None], mn[:, None], OFFSET, HAS_MIN, FP8)
                 w = round_to(w, xdt).to(tl.float32)  # the reference's cast to x's dtype
                 cols = c0 + half * W + offs_w
                 x_mask = m_mask[:, None] & (cols < end)[None, :]
@@ -200,6 +211,7 @@ def _tiled_kernel(
     SUPER: tl.constexpr,
     OFFSET: tl.constexpr,
     HAS_MIN: tl.constexpr,
+    FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -226,12 +238,13 @@ def _tiled_kernel(
                 scale, mn = _group_terms(S, MN, D, DMIN, rows, n_mask, tl.minimum(c0, K - 1),
                                          s_s, s_m, s_d, s_dm, GROUP, SUPER, HAS_MIN)  # fmt: skip
             mask = (c0 + offs_w < K)[:, None] & n_mask[None, :]
-            raw = tl.load(C + rows[None, :] * s_c + (c0 // HALVES + offs_w)[:, None], mask=mask)
+            raw = tl.load(C + rows[None, :] * s_c + (c0 // HALVES + offs_w)[:, None], mask=mask,
+                          other=0)  # fmt: skip
             for half in tl.static_range(HALVES):  # packed: one dot per nibble
                 q = raw
                 if PACKED:
                     q = (raw >> (4 * half)) & 15
-                w = _weights(q, scale[None, :], mn[None, :], OFFSET, HAS_MIN)
+                w = _weights(q, scale[None, :], mn[None, :], OFFSET, HAS_MIN, FP8)
                 cols = c0 + half * W + offs_w
                 x_mask = m_mask[:, None] & (cols < K)[None, :]
                 x = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
@@ -258,8 +271,14 @@ def _check(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> None:
     fmt, (n, k) = w.fmt, w.shape
     require(x.shape[-1] == k, op, f"x {tuple(x.shape)} vs weight {w.shape}")
     require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), op, f"x is {x.dtype}")
-    step = max(fmt.group, fmt.superblock, 32 if fmt.packed else 1)
+    step = 1 if fmt.fp8 else max(fmt.group, fmt.superblock, 32 if fmt.packed else 1)
     require(k % step == 0, op, f"{fmt.name} needs in_features divisible by {step}, got {k}")
+    if fmt.fp8:  # partial edge groups: ceil(k / group) scales per row, exactly
+        want = (n, triton.cdiv(k, fmt.group))
+        got = f"{w.codes.dtype} {tuple(w.codes.shape)}"
+        ok = w.codes.dtype == torch.uint8 and w.codes.shape == (n, k)
+        require(ok, op, f"fp8 codes must be uint8 {(n, k)}, got {got}")
+        require(tuple(w.scales.shape) == want, op, f"fp8 scales {tuple(w.scales.shape)} != {want}")
     for name in ("codes", "scales", "mins", "d", "dmin"):
         t = getattr(w, name)
         if t is not None:
@@ -286,7 +305,10 @@ def _weight_args(w: QuantWeight) -> tuple[list, dict]:
         SUPER=fmt.superblock,
         OFFSET=fmt.offset,
         HAS_MIN=w.mins is not None,
-        SUB=fmt.group or 32,  # per-row scales: tiles of 32 columns
+        FP8=fmt.fp8,
+        # tiles of up to 32 columns inside one group (fp8's 128-column groups: 4 tiles, each
+        # loading its group's scale); per-row scales: 32
+        SUB=math.gcd(fmt.group, 32) if fmt.group else 32,
     )
     return tensors + strides, consts
 

@@ -11,6 +11,11 @@ One layout serves every format, so one kernel family serves them all:
   fp16 `d` per 256-column super-block multiplies: scale = float(d) * float(sub-scale), in fp32.
 - `mins` (optional): the same two forms, with `dmin`.
 
+Block-scaled fp8 (DeepSeek-V3/R1's checkpoints, `fp8_format`) uses the same layout with `codes`
+the float8_e4m3fn bytes (uint8 (out, in)) and fp32 `scales` (out, ceil(in / group)): each
+checkpoint block's scale repeated over its rows (exact), no offset or minimum:
+w[n, k] = float32(fp8[n, k]) * scale(n, k // group), DeepSeek's `weight_dequant` bit for bit.
+
 GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are repacked into this layout
 losslessly by plugins/gguf_quant.py, and `dequantize` reproduces the `gguf` package's floats bit
 for bit (the same fp32 products and sums, in the same order); `quantize` makes int8 / int4
@@ -34,6 +39,7 @@ class QFormat:
     offset: int = 0  # subtracted from each code
     minimum: bool = False  # a per-group additive term
     superblock: int = 0  # K-quants: fp16 d (and dmin) per this many columns
+    fp8: bool = False  # codes are float8_e4m3fn bytes, not integers
 
     @property
     def packed(self) -> bool:
@@ -58,6 +64,14 @@ FORMATS = {
         QFormat("int4", 4, 32, minimum=True),  # quantized at load: asymmetric, fp16 scale + min
     )
 }
+
+FP8 = "fp8_e4m3"  # a checkpoint's block-scaled fp8, kept on GPUs that compute in it
+
+
+def fp8_format(group: int) -> QFormat:
+    """The kept form of block-scaled fp8 with `group` columns per scale (the checkpoint's
+    weight_block_size[1]: DeepSeek's 128); in_features need not be a multiple of it."""
+    return QFormat(FP8, 8, group, fp8=True)
 
 
 class _Quantized(nn.Module):
@@ -130,6 +144,9 @@ class QuantWeight(_Quantized):
         """The float32 weight (or some of its rows): the reference every kernel is tested
         against, equal bit for bit to the `gguf` package's dequantization of the same blocks."""
         fmt = self.fmt
+        if fmt.fp8:  # float32(fp8) * scale: one product, as DeepSeek's weight_dequant
+            s = self.scales[rows].float().repeat_interleave(fmt.group, dim=-1)
+            return self.codes[rows].view(torch.float8_e4m3fn).float() * s[..., : self.in_features]
         q = self.int_codes(rows)
         if fmt.offset:
             q = q - fmt.offset

@@ -189,9 +189,25 @@ class SafetensorsCheckpoint:
             scales = self._read(name.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES)
             return mxfp4.dequantize(self._read(name), scales)
         t = self._read(name)
-        if self._fp8 is not None and name + SCALE_SUFFIX in self._where:
+        if self.quant_format(name) is not None:
+            self._fp8.check_values(name, t, self.path)
             return self._fp8.dequantize(t, self._read(name + SCALE_SUFFIX))
         return t
+
+    def quant_format(self, name: str) -> str | None:
+        """`fp8_e4m3` for a block-scaled fp8 weight, None for the rest (floats, MXFP4 blocks)."""
+        if self._fp8 is not None and name + SCALE_SUFFIX in self._where:
+            from kernels.qweight import FP8  # torch loads only when weights are read
+
+            return FP8
+        return None
+
+    def read_quantized(self, name: str):
+        """An fp8 weight and its scales as a `QuantWeight`, the bytes as stored (the loader
+        asks only where core/quantize.py keeps fp8: GPUs of compute capability 8.9+)."""
+        t = self._read(name)
+        self._fp8.check_values(name, t, self.path)
+        return self._fp8.keep(t, self._read(name + SCALE_SUFFIX))
 
     def read_slice(self, name: str, dim: int, ranges):
         """Parts of a tensor along `dim`, the (start, stop) `ranges` concatenated: a

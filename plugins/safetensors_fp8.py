@@ -12,10 +12,13 @@ edge blocks partial. The real weight is DeepSeek's `weight_dequant` (inference/k
     w[i, j] = float32(fp8[i, j]) * scale_inv[i // 128, j // 128]
 
 The format reader (plugins/safetensors.py) checks every pair from the header when it opens the
-checkpoint, hides the `weight_scale_inv` tensors and returns each weight dequantized to fp32, a
-strip of blocks at a time; the loader casts it to the model's dtype as it does any tensor, so
-the result equals DeepSeek's own fp8 -> bf16 conversion. Weights are not kept in fp8 yet (see
-docs/architectures.md).
+checkpoint and hides the `weight_scale_inv` tensors. On a GPU that computes in fp8 (CUDA
+compute capability 8.9+: core/quantize.py decides) the loader keeps each linear weight as it is
+stored: `keep` makes a `QuantWeight` of the fp8 bytes and the scales, and the quantized linear
+kernels multiply by it. Elsewhere `dequantize` returns it in fp32, a strip of blocks at a time,
+and the loader casts it to the model's dtype as it does any tensor: DeepSeek's own fp8 -> bf16
+conversion. e4m3 has no infinities; its NaN bytes (0x7F, 0xFF) never come out of DeepSeek's
+quantizer (it clamps to +-448), so a weight holding one is a damaged file: `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -117,6 +120,30 @@ class BlockFP8:
                 f"{source}: {len(problems)} fp8 tensor(s) do not fit quantization_config "
                 f"(weight_block_size {list(self.block)}): {'; '.join(problems[:8])}{more}"
             )
+
+    def check_values(self, name: str, w: torch.Tensor, source: Path) -> None:
+        """A weight holding e4m3 NaN bytes (0x7F, 0xFF) raises `CheckpointError` naming it."""
+        import torch
+
+        bad = int(((w.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        if bad:
+            raise CheckpointError(
+                f"{source}: fp8 tensor {name!r} holds {bad} NaN value(s) (bytes 0x7F / 0xFF), "
+                "which a quantized checkpoint never contains: the file is damaged; download it "
+                "again"
+            )
+
+    def keep(self, w: torch.Tensor, scale_inv: torch.Tensor):
+        """fp8 (out, in) x its block scales -> a `QuantWeight` of the same bytes, each block's
+        scale repeated over its rows in fp32 (exact): (out, ceil(in / cols)) scales."""
+        import torch
+
+        from kernels.qweight import QuantWeight, fp8_format
+
+        rows, cols = self.block
+        scales = scale_inv.float().repeat_interleave(rows, dim=0)[: w.shape[0]].contiguous()
+        codes = w.contiguous().view(torch.uint8)
+        return QuantWeight(fp8_format(cols), tuple(w.shape), codes, scales)
 
     def dequantize(self, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """fp8 (out, in) x its block scales -> fp32 (out, in), one strip of blocks at a time,
