@@ -311,3 +311,16 @@ def test_a_gguf_rank_dequantizes_then_slices():
         assert torch.equal(ckpt.read(down).float(), inner.read(down).float()[:, 1024:])
     finally:
         inner.close()
+
+
+def test_a_layer_kind_without_a_split_rule_is_refused_by_name():
+    """A plugin's own attention kind (or a linear-attention layer) has no split rule."""
+    import dataclasses
+
+    class OwnAttentionSpec:
+        num_heads = 4
+
+    cfg = LlamaConfig.from_dict(LLAMA32).to_runtime()
+    odd = dataclasses.replace(cfg, attention_layers=(cfg.attention, OwnAttentionSpec()))
+    with pytest.raises(ConfigError, match=r"layer 1's OwnAttentionSpec is not a kind .* tp=1"):
+        tp_mod.check(odd, 2, "config.json")
