@@ -1,7 +1,8 @@
 """The safetensors checkpoint format: a hub-style folder with config.json and one
 `model.safetensors` or shards listed in `model.safetensors.index.json`. Memory-mapped; never
-unpickles anything. Block-scaled fp8 weights (DeepSeek-V3/R1) are dequantized as they are read
-(plugins/safetensors_fp8.py)."""
+unpickles anything. Block-scaled fp8 weights (DeepSeek-V3/R1) are offered kept
+(`quant_format` / `read_quantized`, taken on CUDA sm89+: core/quantize.py) or dequantized as
+they are read (plugins/safetensors_fp8.py)."""
 
 from __future__ import annotations
 
