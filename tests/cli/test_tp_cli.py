@@ -158,6 +158,7 @@ def test_bench_tp2_measures_rank_0s_part(folder):
     from core.tp import resident_bytes
 
     args = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "4", "--repeat", "1"]
+    args += ["--peak-gbps", "10"]  # no 1 GiB bandwidth probe
     split = run("-m", "core.cli", "bench", str(folder), "--tp", "2", "--json", "-", *args)
     assert split.returncode == 0, split.stderr
     report = json.loads(split.stdout[split.stdout.index("{") :])
