@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from core.layers import GatedMLP, GQAAttention, RMSNorm
+from core.layers import GatedMLP, GQAAttention, LMHead, RMSNorm
 from core.modeling import CausalLM, DecoderBlock
 from kernels.cpu_decode import ACTS, Block, Blocks
 from kernels.cpu_quant import MAX_ROWS
@@ -90,7 +90,9 @@ def blocks(net: CausalLM) -> Blocks | None:
     tied = net.lm_head.tied_to[0]
     final = net.model.norm
     head = None
-    if type(final) is RMSNorm:  # the final norm and the head join the call where they fit
+    # the final norm and the head join the call where they are the core's own (a subclass,
+    # such as tensor parallelism's gathering head, runs as a module after the call)
+    if type(final) is RMSNorm and type(net.lm_head) is LMHead:
         head = (
             _norm_weight(final),
             final.eps,
