@@ -330,7 +330,13 @@ def create_app(
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = template_messages(req.messages)
         tools = _tool_use(req, model)
-        extra = {"tools": tools.tools} if tools else {}
+        extra = dict(req.chat_template_kwargs or {})
+        taken = sorted({"messages", "add_generation_prompt", "tools"} & set(extra))
+        if taken:
+            message = f"chat_template_kwargs cannot set {taken}: they are the request's own"
+            raise ApiError(400, message, param="chat_template_kwargs")
+        if tools:
+            extra["tools"] = tools.tools
         # the template writes the special tokens; encode_prompt checks the ids against the vocab
         render = lambda: tok.apply_chat_template(messages, **extra)  # noqa: E731
         ids = _encoded(lambda: model.encode_prompt(render()), "messages")

@@ -133,6 +133,8 @@ class ChatRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: "required" writes exactly one call
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, a date_string...)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def structure(self) -> dict[str, Any]:
         """The SamplingParams fields of response_format (none for text)."""

@@ -169,6 +169,22 @@ def test_echo_puts_the_prompt_first(tiny, alone):
     assert err.value.param == "echo"
 
 
+def test_chat_template_kwargs_reach_the_template(tiny, alone):
+    """vLLM's chat_template_kwargs: Llama 3.1's template writes its date_string variable."""
+    kw = dict(model="tiny", messages=ASK, max_tokens=1)
+    plain = tiny.chat.completions.create(**kw)
+    dated = tiny.chat.completions.create(
+        **kw, extra_body={"chat_template_kwargs": {"date_string": "1 January 2031"}}
+    )
+    want = alone.tokenizer.apply_chat_template(ASK, date_string="1 January 2031")
+    assert dated.usage.prompt_tokens == len(want) != plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        tiny.chat.completions.create(
+            **kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}
+        )
+    assert err.value.param == "chat_template_kwargs" and "add_generation_prompt" in str(err.value)
+
+
 # --- fields Zoo does not implement ------------------------------------------------------------
 def test_unknown_fields_are_400_and_harmless_extras_pass(tiny):
     with pytest.raises(openai.BadRequestError) as err:
