@@ -60,7 +60,9 @@ def browser():
 def page(browser):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    server = Server(create_app(load_model("smollm2", max_seq_len=512), "smollm2"))
+    model = load_model("smollm2", max_seq_len=512)
+    server = Server(create_app(model, "smollm2"))
+    server.model = model
     browser.get(server.url + "/")
     yield browser, server
     server.close()
@@ -107,6 +109,45 @@ def test_a_question_is_answered_by_streaming(page):
     assert "Paris" in answer.text
     if os.environ.get("ZOO_SCREENSHOT"):  # docs/chat_page.png is made this way
         driver.save_screenshot(os.environ["ZOO_SCREENSHOT"])
+
+
+def prompt_tokens(server) -> float:
+    """The server's vllm:prompt_tokens_total."""
+    import http.client
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    families = text_string_to_metric_families(text)
+    samples = [s for f in families for s in f.samples if s.name == "vllm:prompt_tokens_total"]
+    return samples[0].value
+
+
+def test_the_system_prompt_is_sent(page):
+    """The server counts the prompt the page sent: the system prompt's turn and the question,
+    through the model's template (vllm:prompt_tokens_total)."""
+    from selenium.webdriver.common.by import By
+
+    driver, server = page
+    system = driver.find_element(By.ID, "system")
+    system.send_keys("Answer in one word.")
+    before = prompt_tokens(server)
+    answer = ask(driver, "Capital of Italy?")
+    assert finished(answer) == "done"
+    sent = prompt_tokens(server) - before
+    history = [{"role": "system", "content": "Answer in one word."}]
+    for div in driver.find_elements(By.CSS_SELECTOR, ".msg")[:-1]:  # all but this answer
+        if "user" in div.get_attribute("class"):
+            history.append({"role": "user", "content": div.text})
+        else:
+            text = div.find_element(By.CLASS_NAME, "answer").text
+            history.append({"role": "assistant", "content": text})
+    tok = server.model.tokenizer
+    assert sent == len(tok.apply_chat_template(history))
+    system.clear()
 
 
 def test_stop_cancels_the_answer_and_frees_its_row(page):
