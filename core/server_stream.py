@@ -16,7 +16,7 @@ from core.generation import GenerationResult, TokenLogprob
 from core.reasoning import Reasoner
 from core.scheduler import Job
 from core.server_schemas import Reply, as_api_error, error_body
-from core.tool_calls import ToolUse
+from core.tool_calls import ToolUse, call_id
 
 
 class EventStream(StreamingResponse):
@@ -101,10 +101,13 @@ async def events(
     of its tokens) and a last chunk with its finish_reason; then a usage chunk if asked, and
     [DONE]. `echo` (completions) is each choice's first text. With `tools`, text from where a
     call may start is held back; at the end each call goes out as OpenAI streams one: a delta
-    with its index, id and name, then one with its arguments (or the
-    held text as content, if it was no call). With a `reasoner`, thinking goes out as
+    with its index, id and name, then one with its arguments (or the held text as content, if
+    it was no call); a named forced call's arguments stream as they are written. With a
+    `reasoner`, thinking goes out as
     reasoning_content deltas (a harmony answer's, at its end)."""
-    holds = [tools.hold() for _ in jobs] if tools else None
+    # a named forced call's answer is its arguments' JSON: streamed as argument deltas as written
+    live = [None] * len(jobs) if tools and tools.forced and tools.named else None
+    holds = [tools.hold() for _ in jobs] if tools and not live else None
     splits = [reasoner.stream() for _ in jobs] if reasoner else None
     for i in range(len(jobs)):
         if reply.kind == "chat":
@@ -126,6 +129,16 @@ async def events(
                         yield sse(reply.chunk(None, reasoning=thought, index=i))
                     if not value:
                         continue
+                if live:
+                    if live[i] is None:  # the call's head: index, id, type, name
+                        live[i] = call_id()
+                        name = {"name": tools.named, "arguments": ""}
+                        head = {"index": 0, "id": live[i], "type": "function", "function": name}
+                        yield sse(reply.chunk(None, calls=[head], index=i))
+                    args = {"index": 0, "function": {"arguments": value}}
+                    yield sse(reply.chunk(None, lps, calls=[args], index=i))
+                    pending[i], sent[i] = [], sent[i] + len(value)
+                    continue
                 if holds:
                     value = holds[i].feed(value)
                     if not value:
@@ -149,6 +162,8 @@ async def events(
                         rest = holds[i].feed(rest)
                     if rest:
                         yield sse(reply.chunk(rest, index=i))
+                if live and tools.answer(value)[1]:
+                    finish = "tool_calls"  # (its arguments went out as they came)
                 if holds:
                     _, calls = tools.answer(value)
                     for k, c in enumerate(calls or []):

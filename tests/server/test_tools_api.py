@@ -133,6 +133,14 @@ def test_a_named_call_validates_against_its_schema(served):
     assert content == "" and finish == "tool_calls"
     assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["id"].startswith("call_")
     assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
+    pieces = [  # a named call's arguments stream in pieces, as OpenAI's do
+        d.function.arguments
+        for c in chat(client, stream=True, tools=[WEATHER, TIME], tool_choice=PICK_WEATHER)
+        for ch in c.choices
+        for d in ch.delta.tool_calls or []
+        if d.function and d.function.arguments
+    ]
+    assert len(pieces) > 3 and "".join(pieces) == calls[0]["arguments"]
 
 
 def test_required_calls_one_of_the_tools(served):
