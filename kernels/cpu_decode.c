@@ -11,13 +11,25 @@
 // (rope, cache write) and of the query heads (attention), with a barrier where one part
 // reads what another wrote. The arithmetic is the separate ops' (zoo_qgemv_rows,
 // zoo_rms_norm, zoo_rope, zoo_attend), so the result equals the eager step's to rounding.
+#define _GNU_SOURCE
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define WAIT(p, v) syscall(SYS_futex, p, FUTEX_WAIT_PRIVATE, v, NULL, NULL, 0)
+#define WAKE(p) syscall(SYS_futex, p, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0)
+#else  // elsewhere a waiter that spun long yields its CPU instead of sleeping
+#include <sched.h>
+#define WAIT(p, v) sched_yield()
+#define WAKE(p) (void)0
+#endif
 
 #include "zoo_cpu.h"
 
@@ -87,13 +99,15 @@ static int64_t scratch_floats(const zlinear_t *l) {
     return n;
 }
 
-// The threads meet between the parts of a block by spinning on a shared counter: an OpenMP
-// barrier may put a waiting thread to sleep (the default wait policy spins only so long, and
-// less where libgomp counts more threads than CPUs), and waking it costs more than the part
-// it waited for; steps then took 2-5x as long in some processes and not in others. A waiter
-// that has spun for long (another process holds the core it needs) yields the CPU.
+// The threads meet between the parts of a block on a shared counter, spinning first: an
+// OpenMP barrier may put a waiting thread to sleep at once (libgomp spins less where it counts
+// more threads than CPUs), and waking it costs more than the part it waited for; steps then
+// took 2-5x as long in some processes and not in others. A waiter that has spun ~4k pauses
+// (tens of microseconds: another process holds the CPU the last thread needs) sleeps on a
+// futex until the last one arrives, instead of spinning away its time slice at each of a
+// step's ~180 meetings.
 typedef struct {
-    atomic_int arrived, round;
+    atomic_int arrived, round, sleepers;
 } spin_barrier_t;
 
 static inline void cpu_relax(void) {
@@ -103,17 +117,22 @@ static inline void cpu_relax(void) {
 }
 
 static void meet(spin_barrier_t *b, int64_t T) {
-    const int round = atomic_load_explicit(&b->round, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == T - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->round, 1, memory_order_release);
+    const int round = atomic_load(&b->round);
+    if (atomic_fetch_add(&b->arrived, 1) == T - 1) {
+        atomic_store(&b->arrived, 0);
+        atomic_fetch_add(&b->round, 1);  // seq_cst: a sleeper counted before it is seen here
+        if (atomic_load(&b->sleepers) > 0)
+            WAKE(&b->round);
         return;
     }
-    for (int64_t spins = 0; atomic_load_explicit(&b->round, memory_order_acquire) == round;)
-        if (++spins < (1 << 16))
-            cpu_relax();
-        else
-            sched_yield();
+    for (int spins = 0; spins < 4096; spins++) {
+        if (atomic_load_explicit(&b->round, memory_order_acquire) != round) return;
+        cpu_relax();
+    }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->round) == round)  // returns at once if the round moved meanwhile
+        WAIT(&b->round, round);
+    atomic_fetch_sub(&b->sleepers, 1);
 }
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -163,6 +182,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     spin_barrier_t bar;
     atomic_init(&bar.arrived, 0);
     atomic_init(&bar.round, 0);
+    atomic_init(&bar.sleepers, 0);
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
