@@ -5,12 +5,15 @@ A quantizable weight is the `weight` of a `Linear` (fused ones too), of the LM h
 token embedding, unless its module says `quantizable = False` (MLA's kv_b_proj, which attention
 reads as a matrix). Such a parameter is swapped for a `QuantWeight` submodule of the same name
 (gpt-fast's module swap, done on the weight instead of the layer), so the layers' code does not
-change: `kernels.linear` dispatches on the weight's type.
+change: `kernels.linear` dispatches on the weight's type. A MoE layer's stacked routed experts
+stored as fp8 blocks are kept the same way, as one `QuantExperts` (`stacked_fp8`), which
+`kernels.moe_experts` reads.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter, defaultdict
 
 import torch
@@ -18,7 +21,8 @@ from torch import nn
 
 from core.errors import CheckpointError, RequestError
 from core.layers import Embedding, Linear, LMHead
-from kernels.qweight import FORMATS, FP8, QuantStack, QuantWeight, cat_rows
+from core.layers.moe import StackedLinear
+from kernels.qweight import FORMATS, FP8, QuantExperts, QuantStack, QuantWeight, cat_rows
 from kernels.qweight import quantize as quantize_tensor
 
 log = logging.getLogger("zoo")
@@ -67,7 +71,8 @@ def split_plan(
     kept: dict[str, list] = {}
     for target, parts in by_target.items():
         formats = [fmt_of(name) for name, _ in parts]
-        if any(f is None for f in formats) or not quantizable(net, target):
+        experts = stacked_fp8(net, target, formats)
+        if any(f is None for f in formats) or not (experts or quantizable(net, target)):
             continue  # floats, or a weight that must be float: dequantized as before
         if not all(keeps(f, device) for f in formats):
             continue  # fp8 off a GPU that computes in it: dequantized
@@ -79,14 +84,41 @@ def split_plan(
                     f"keep quantized (it keeps {', '.join(f.upper() for f in KEPT)}); "
                     "load with dequantize=True (zoo --dequantize) to convert it to floats"
                 )
-        kept[target] = sorted(parts, key=lambda p: p[1][0].start if p[1] else 0)
+        if experts:  # shards (e, rows) or (e,): by expert, then rows
+            kept[target] = sorted(parts, key=lambda p: (p[1][0], _start(p[1][1:])))
+        else:
+            kept[target] = sorted(parts, key=lambda p: _start(p[1]))
     return kept, [p for p in plan if p[1] not in kept]
 
 
+def _start(index: tuple) -> int:
+    return index[0].start if index else 0
+
+
+def stacked_fp8(net: nn.Module, target: str, formats: list) -> bool:
+    """Whether `target` is a MoE layer's stacked routed experts (no biases) stored as fp8
+    blocks, one matrix per expert: kept as a `QuantExperts` (GGUF's stacked experts are not)."""
+    module_name, _, leaf = target.rpartition(".")
+    module = net.get_submodule(module_name)
+    return (
+        leaf == "weight"
+        and isinstance(module, StackedLinear)
+        and not hasattr(module, "bias")
+        and all(f == FP8 for f in formats)
+    )
+
+
 def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
-    """One parameter's blocks, its shards stacked in row order, on `device`."""
+    """One parameter's blocks, its shards stacked in row order, on `device`; stacked experts'
+    shards ((e, rows) indices) become one `QuantExperts`."""
     ws = [ckpt.read_quantized(name) for name, _ in parts]
-    w = cat_rows(ws).to(device)
+    if parts[0][1] and isinstance(parts[0][1][0], int):  # stacked experts, sorted by expert
+        per_expert = defaultdict(list)
+        for (_, index), w in zip(parts, ws, strict=True):
+            per_expert[index[0]].append(w)
+        w = QuantExperts([cat_rows(per_expert[e]) for e in sorted(per_expert)]).to(device)
+    else:
+        w = cat_rows(ws).to(device)
     for m in w.modules():
         m.dtype = dtype
     return w
@@ -133,8 +165,8 @@ def weight_formats(net: nn.Module) -> dict[str, tuple[int, int]]:
     out: Counter = Counter()
     nbytes: Counter = Counter()
     for m in net.modules():  # each module once, a tied embedding too
-        if isinstance(m, QuantWeight):
-            out[m.fmt.name] += m.shape[0] * m.shape[1]
+        if isinstance(m, QuantWeight | QuantExperts):
+            out[m.fmt.name] += math.prod(m.shape)
             nbytes[m.fmt.name] += m.nbytes
     for _, p in net.named_parameters():
         kind = str(p.dtype).removeprefix("torch.")

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kernels.casting import mma, round_to
 from kernels.dispatch import interpreting, kernel_module, require
+from kernels.qweight import QuantExperts
 
 INTERPRETED = interpreting()
 _silu_mul = kernel_module("kernels.silu_mul")  # via dispatch: re-decorated if stale
@@ -28,7 +29,8 @@ _silu_mul = kernel_module("kernels.silu_mul")  # via dispatch: re-decorated if s
 @triton.jit
 def _grouped_gemm_kernel(
     A,  # (rows, Kdim): x (rows indexed by pair // a_div) or the per-pair activations
-    W,  # (E, Nout, Kdim)
+    W,  # (E, Nout, Kdim): floats, or fp8 codes (uint8) when FP8
+    S,  # (E, Nout, cdiv(Kdim, GROUP)) fp32 scales, when FP8
     C,  # (N*K, Nout), row per (token, slot) pair
     SORTED,  # (n_blocks * BLOCK_M,) pair ids grouped by expert; n_pairs marks padding
     BLOCK_EXPERT,  # (n_blocks,) the expert of each block; >= n_experts: unused block
@@ -41,8 +43,12 @@ def _grouped_gemm_kernel(
     s_am,
     s_we,
     s_wn,
+    s_se,
+    s_sn,
     s_cm,
     MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr,  # W holds float8_e4m3fn bytes, times S's scale of their (row, k-group)
+    GROUP: tl.constexpr,  # columns per scale, when FP8
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -59,11 +65,16 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = A + a_rows[:, None] * s_am + offs_k[None, :]
     w_ptr = W + expert.to(tl.int64) * s_we + offs_n[None, :] * s_wn + offs_k[:, None]
+    s_ptr = S + expert.to(tl.int64) * s_se + offs_n[None, :] * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         k_mask = (k0 + offs_k) < k_dim
+        w_mask = k_mask[:, None] & n_mask[None, :]
         a = tl.load(a_ptr + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + k0, mask=w_mask, other=0)  # masked fp8 bytes: 0, never a NaN
+        if FP8:  # float32(e4m3) * scale, rounded to x's dtype: the reference's weights
+            scale = tl.load(s_ptr + ((k0 + offs_k) // GROUP)[:, None], mask=w_mask, other=0.0)
+            w = round_to(w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, a.dtype)
         acc += mma(a, w)  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N)
     if MUL_WEIGHT:
         acc = acc * tl.load(PAIR_W + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -99,9 +110,13 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m)
     n_out, k_dim = w.shape[1], w.shape[2]
     block_n, block_k = 64, 64
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
+    fp8 = isinstance(w, QuantExperts)
+    group = w.fmt.group if fp8 else 0
+    w, s = (w.codes, w.scales) if fp8 else (w, w)  # s: never read without FP8
     _grouped_gemm_kernel[grid](
         a,
         w,
+        s,
         out,
         sorted_pairs,
         block_expert,
@@ -114,14 +129,28 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m)
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        s.stride(0),
+        s.stride(1),
         out.stride(0),
         MUL_WEIGHT=pair_w is not None,
+        FP8=fp8,
+        GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,
         num_stages=2,
     )
+
+
+def _check_fp8(w: QuantExperts, name: str) -> None:
+    e, n, k = w.shape
+    want = (e, n, triton.cdiv(k, w.fmt.group))
+    got = (w.codes.dtype, tuple(w.codes.shape))
+    op, scales = "moe_experts", (tuple(w.scales.shape), w.scales.dtype)
+    require(got == (torch.uint8, (e, n, k)), op, f"{name}: fp8 codes {got}")
+    require(scales == (want, torch.float32), op, f"{name}: fp8 scales {scales}, want {want} fp32")
+    require(w.codes.is_contiguous() and w.scales.is_contiguous(), op, f"{name}: not contiguous")
 
 
 def moe_experts(
@@ -134,7 +163,8 @@ def moe_experts(
     """sum_k w[n,k] * down[e] @ swiglu(gate_up[e] @ x[n]) with e = ids[n,k].
 
     x (N, H); topk_ids (N, K) int; topk_weights (N, K); gate_up (E, 2I, H) stacked [gate | up];
-    down (E, H, I). Returns (N, H) in x's dtype.
+    down (E, H, I). Either weight may be a `QuantExperts` (fp8 codes + fp32 scales per row and
+    k-group): the GEMM widens each tile in registers (W8A16). Returns (N, H) in x's dtype.
     """
     op = "moe_experts"
     require(x.ndim == 2 and topk_ids.ndim == 2, op, "x must be (N, H) and topk_ids (N, K)")
@@ -153,10 +183,12 @@ def moe_experts(
     for name, t in (("gate_up", gate_up), ("down", down)):
         require(t.dtype == x.dtype, op, f"{name} is {t.dtype}, x is {x.dtype}")
         require(t.device == x.device, op, f"{name} on {t.device}, x on {x.device}")
+        if isinstance(t, QuantExperts):
+            _check_fp8(t, name)
     if n == 0 or n_topk == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
+    gate_up, down = (w if isinstance(w, QuantExperts) else w.contiguous() for w in (gate_up, down))
     pairs = n * n_topk
     # rows per block: about the mean number of tokens an expert receives, at least 16 (tl.dot)
     block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(pairs, e))))

@@ -186,6 +186,31 @@ class QuantStack(_Quantized):
         return torch.cat([p.dequantize() for p in self.parts])[rows]
 
 
+class QuantExperts(_Quantized):
+    """E fp8 weights of one shape stacked, (E, out, in): a MoE layer's routed experts kept as
+    their checkpoint stores them. codes uint8 (E, out, in), scales fp32 (E, out, ceil(in /
+    group)), each expert's as in `QuantWeight`; `kernels.moe_experts` reads them."""
+
+    def __init__(self, parts: list[QuantWeight]):
+        super().__init__()
+        first = parts[0]
+        if not first.fmt.fp8 or any(p.fmt != first.fmt or p.shape != first.shape for p in parts):
+            raise ValueError("QuantExperts stacks fp8 weights of one format and shape")
+        self.fmt, self.dtype = first.fmt, first.dtype
+        self.shape = (len(parts), *first.shape)
+        self.register_buffer("codes", torch.stack([p.codes for p in parts]))
+        self.register_buffer("scales", torch.stack([p.scales for p in parts]))
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, shape={self.shape}"
+
+    def dequantize(self, experts: int | slice = slice(None)) -> torch.Tensor:
+        """The float32 weights of one expert (out, in), or of a slice of them: float32(fp8) *
+        scale, DeepSeek's weight_dequant bit for bit."""
+        s = self.scales[experts].repeat_interleave(self.fmt.group, dim=-1)
+        return self.codes[experts].view(torch.float8_e4m3fn).float() * s[..., : self.shape[2]]
+
+
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight | QuantStack:
     """Stack weights along the output dimension (fused q|k|v, gate|up): one `QuantWeight`
     when they share a format, a `QuantStack` otherwise."""

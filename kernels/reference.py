@@ -194,20 +194,27 @@ def moe_experts(
     x (N, H); topk_ids (N, K) int; topk_weights (N, K); gate_up (E, 2I, H) stacked [gate | up];
     down (E, H, I). Optional per-expert biases gate_up_bias (E, 2I), down_bias (E, H); `clamp`
     = (alpha, limit) makes the activation `clamped_swiglu` over interleaved (gate, up) rows
-    (gpt-oss). Returns (N, H) in x's dtype. Loops over the experts that received tokens.
+    (gpt-oss). Either weight may be a `QuantExperts` (fp8 kept): each expert that runs is
+    dequantized to float32, then cast to x's dtype. Returns (N, H) in x's dtype. Loops over
+    the experts that received tokens.
     """
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = x[token] @ gate_up[e].T
+        h = x[token] @ _expert(gate_up, e, x.dtype).T
         if gate_up_bias is not None:
             h = h + gate_up_bias[e]
         h = swiglu(h) if clamp is None else clamped_swiglu(h, *clamp)
-        h = h @ down[e].T
+        h = h @ _expert(down, e, x.dtype).T
         if down_bias is not None:
             h = h + down_bias[e]
         out.index_add_(0, token, h * topk_weights[token, slot, None].to(x.dtype))
     return out
+
+
+def _expert(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's (out, in) matrix of stacked weights, a tensor or a `QuantExperts`."""
+    return w[e] if isinstance(w, torch.Tensor) else w.dequantize(e).to(dtype)
 
 
 def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

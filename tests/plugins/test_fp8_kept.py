@@ -1,9 +1,10 @@
 """DeepSeek's block-scaled fp8 weights kept in fp8 (on GPUs of compute capability 8.9+) rather
 than dequantized at load: the choice (core/quantize.py), and the tiny V3 of test_fp8.py loaded
-with fp8 kept, its fp8 linear weights run by the Triton kernels (kernels/quant_matmul.py, under
-the interpreter on CPU tensors), against the same checkpoint dequantized and against
-transformers. The other ops run their torch references (ZOO_KERNELS=torch), which keeps the
-interpreter's time to the fp8 matmuls and the comparison to them alone."""
+with fp8 kept, its fp8 linear weights run by the Triton kernels (kernels/quant_matmul.py) and
+its fp8 routed experts by the grouped GEMMs (kernels/moe.py), under the interpreter on CPU
+tensors, against the same checkpoint dequantized and against transformers. The other ops run
+their torch references (ZOO_KERNELS=torch), which keeps the interpreter's time to the fp8 ops
+and the comparison to them alone."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from test_fp8 import make_fp8
 from core import CheckpointError, load_model, quantize
 from core.cli import main
 from kernels import dispatch, quant_matmul, reference
-from kernels.qweight import FP8, QuantWeight
+from kernels.dispatch import kernel_module
+from kernels.qweight import FP8, QuantExperts, QuantWeight
 
 pytest.importorskip("triton")
 
@@ -29,23 +31,32 @@ def fp8_checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def kept(monkeypatch) -> list:
-    """fp8 kept as if on an sm89+ GPU, the quantized linears through the Triton kernels (the
-    interpreter here); returns the list of their calls' weights."""
+    """fp8 kept as if on an sm89+ GPU, the quantized linears and the fp8 experts through the
+    Triton kernels (the interpreter here); returns the list of their calls' weights."""
     calls = []
+    moe, torch_moe = kernel_module("kernels.moe"), reference.moe_experts
 
     def triton_quant_linear(x, w, bias=None):
         calls.append(w)
         return quant_matmul.quant_linear(x, w, bias)
 
+    def triton_moe_experts(x, ids, weights, gate_up, down, *rest):
+        if not isinstance(gate_up, QuantExperts):  # the dequantized model: the reference
+            return torch_moe(x, ids, weights, gate_up, down, *rest)
+        assert not rest  # DeepSeek's experts: no biases, plain SwiGLU
+        calls.extend([gate_up, down])
+        return moe.moe_experts(x, ids, weights, gate_up, down)
+
     monkeypatch.setattr(quantize, "fp8_native", lambda device: True)
     monkeypatch.setenv("ZOO_KERNELS", "torch")
     monkeypatch.setattr(dispatch, "_chosen", {})
     monkeypatch.setattr(reference, "quant_linear", triton_quant_linear)
+    monkeypatch.setattr(reference, "moe_experts", triton_moe_experts)
     return calls
 
 
-def fp8_weights(m) -> list[QuantWeight]:
-    return [w for w in m.net.modules() if isinstance(w, QuantWeight)]
+def fp8_weights(m) -> list[QuantWeight | QuantExperts]:
+    return [w for w in m.net.modules() if isinstance(w, QuantWeight | QuantExperts)]
 
 
 @pytest.mark.parametrize(
@@ -69,16 +80,28 @@ def test_kept_fp8_matches_the_dequantized_model(fp8_checkpoint, kept):
     root, ref, deq, _ = fp8_checkpoint
     m = load_model(root, max_seq_len=64, max_batch_size=2)
     ws = fp8_weights(m)
-    # every projection but MLA's kv_b_proj (read as a matrix) and the stacked routed experts
+    # every projection but MLA's kv_b_proj (read as a matrix)
     attn = m.net.model.layers[0].self_attn
     assert isinstance(attn.q_a_proj.weight, QuantWeight) and attn.q_a_proj.weight.fmt.name == FP8
     assert isinstance(attn.kv_b_proj.weight, torch.nn.Parameter)
     assert torch.equal(
         attn.o_proj.weight.dequantize(), deq["model.layers.0.self_attn.o_proj.weight"]
     )
+    # the routed experts too, stacked (E, out, in): expert 5's gate and up rows, its down
+    experts = m.net.model.layers[1].mlp.experts
+    gate_up, down = experts.gate_up_proj.weight, experts.down_proj.weight
+    assert isinstance(gate_up, QuantExperts) and isinstance(down, QuantExperts)
+    assert gate_up.codes.shape == (16, 48, 136) and gate_up.scales.shape == (16, 48, 2)
+    name = "model.layers.1.mlp.experts.5.{}_proj.weight"
+    assert torch.equal(
+        gate_up.dequantize(5), torch.cat([deq[name.format(p)] for p in ("gate", "up")])
+    )
+    assert torch.equal(down.dequantize(5), deq[name.format("down")])
     assert ws and all(w.fmt.name == FP8 and w.codes.dtype == torch.uint8 for w in ws)
     n, nbytes = quantize.weight_formats(m.net)[FP8]
     assert n == sum(w.codes.numel() for w in ws) and n < nbytes < 1.2 * n  # + fp32 scales
+    routed = sum(w.codes.numel() for w in ws if isinstance(w, QuantExperts))
+    assert routed == 2 * 16 * 3 * 24 * 136  # 2 MoE layers, 16 experts: gate, up, down
 
     x = ids(VOCAB, 2, 40)
     plain = load_model(root, max_seq_len=64, max_batch_size=2, dequantize=True)
@@ -88,6 +111,7 @@ def test_kept_fp8_matches_the_dequantized_model(fp8_checkpoint, kept):
     assert rel_err(got, want) < 1e-5  # the same fp32 weights; only the sums' order differs
     assert rel_err(got, hf) < 1e-4  # transformers on the dequantized weights
     assert {id(w) for w in kept} == {id(w) for w in ws}  # every fp8 weight ran in Triton
+    assert sum(isinstance(w, QuantExperts) for w in kept) == 4  # 2 MoE layers' grouped GEMMs
     check_greedy(m, ref, ids(VOCAB, 1, 7, seed=3), n=6)  # decode steps: the split-K GEMV
 
 
