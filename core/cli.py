@@ -238,13 +238,7 @@ def _decode_path(m) -> str:
         return "compiled (torch.compile)"
     if m.step.fused is None:
         return f"eager modules ({m.device.type})"
-    from kernels.cpu_quant import library
-
-    why = m.step.fused.unfit
-    if why is None and library() is None:
-        why = "no C compiler for kernels/cpu_decode.c"
-    if why is None and (os.environ.get("ZOO_KERNELS") or "auto") != "auto":
-        why = f"ZOO_KERNELS={os.environ['ZOO_KERNELS']}"
+    why = m.step.fused.why_not()
     return "eager, fused C blocks (core/cpu_step.py)" if why is None else f"eager modules ({why})"
 
 

@@ -17,7 +17,7 @@ import torch
 from core.layers import GatedMLP, GQAAttention, LMHead, RMSNorm
 from core.modeling import CausalLM, DecoderBlock
 from kernels.cpu_decode import ACTS, Block, Blocks
-from kernels.cpu_quant import MAX_ROWS
+from kernels.cpu_quant import MAX_ROWS, library
 from kernels.qweight import QuantStack, QuantWeight
 
 
@@ -28,14 +28,15 @@ def why_not(net: CausalLM) -> str | None:
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return f"weights are {w.dtype} on {w.device.type}, not float32 on the CPU"
     for i, layer in enumerate(net.model.layers):
-        if type(layer) is not DecoderBlock or layer.post_norms:
-            return f"block {i} is {type(layer).__name__}{' with post-norms' * layer.post_norms}"
+        post = getattr(layer, "post_norms", False)
+        if type(layer) is not DecoderBlock or post:
+            return f"block {i} is {type(layer).__name__}{' with post-norms' * post}"
         attn, mlp = layer.self_attn, layer.mlp
-        for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
-            if type(part) not in (GQAAttention, GatedMLP, RMSNorm):
-                return f"block {i} has a {type(part).__name__}"
-        if type(attn) is not GQAAttention or type(mlp) is not GatedMLP:
-            return f"block {i}'s attention / MLP kinds are not GQA / gated"
+        kinds = ((attn, GQAAttention), (mlp, GatedMLP), (layer.input_layernorm, RMSNorm),
+                 (layer.post_attention_layernorm, RMSNorm))  # fmt: skip
+        for part, kind in kinds:
+            if type(part) is not kind:  # a subclass may compute more (tensor parallelism's sum)
+                return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
         if attn.spec.qk_norm is not None:
             return f"block {i} norms q and k"
         if mlp.act not in ACTS:
@@ -44,13 +45,13 @@ def why_not(net: CausalLM) -> str | None:
 
 
 def _norm_weight(norm: RMSNorm) -> torch.Tensor:
-    # Gemma's (offset + w) as the module computes it, in fp32
-    return norm.weight if not norm.offset else (norm.weight.float() + norm.offset).contiguous()
+    return norm.scale().contiguous()
 
 
 def blocks(net: CausalLM) -> Blocks | None:
-    """The C view of net's blocks, or None where the fused step cannot run them."""
-    if net.kv_cache is None or why_not(net) is not None:
+    """The C view of net's blocks (which `why_not` passed), or None where some tensor does
+    not fit the C step."""
+    if net.kv_cache is None:
         return None
     out = []
     for i, layer in enumerate(net.model.layers):
@@ -118,31 +119,36 @@ class FusedStep:
         self._built: tuple | None = None  # (the tensors the view was built from, the view)
 
     def _blocks(self) -> Blocks | None:
-        if self.unfit is not None:
-            return None
         # rebuilt if the cache or the weights were replaced (the view holds their addresses)
         key = (self.net.kv_cache, _first_weight(self.net).data_ptr())
         if self._built is None or self._built[0] != key:
             self._built = (key, blocks(self.net))
         return self._built[1]
 
+    def why_not(self, rows: int = 1) -> str | None:
+        """Why a step of `rows` rows runs the modules now (None: it runs fused)."""
+        mode = os.environ.get("ZOO_KERNELS") or "auto"
+        if self.unfit is not None:
+            return self.unfit
+        if rows > MAX_ROWS:
+            return f"{rows} rows, more than the C products take ({MAX_ROWS})"
+        if mode != "auto":
+            return f"ZOO_KERNELS={mode}"
+        if library() is None:
+            return "no C compiler for kernels/cpu_decode.c"
+        if self._blocks() is None:
+            return "a weight or cache tensor the C step cannot read"
+        return None
+
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, end: int
     ) -> torch.Tensor | None:
         b = tokens.shape[0]
-        if b > MAX_ROWS or (os.environ.get("ZOO_KERNELS") or "auto") != "auto":
+        if self.why_not(b) is not None:
             return None
-        fused = self._blocks()
-        if fused is None:
-            return None
-        net = self.net
+        net, fused = self.net, self._built[1]  # why_not built (or checked) it just now
         h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
         pos = positions.to(torch.int64).contiguous()
         tables = [tuple(t.contiguous() for t in rotary(pos, 1, end)) for rotary in net.rotaries]
         logits = fused(h, pos, tables)
-        if logits is None:
-            return net.head(h[:, None])[:, -1]
-        scale, cap = net.config.logits_scale, net.config.final_softcap  # as CausalLM.head
-        if scale != 1.0:
-            logits = logits * scale
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        return net.head(h[:, None])[:, -1] if logits is None else net.scale_logits(logits)

@@ -157,7 +157,10 @@ class CausalLM(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last blocks' output (B, T, hidden) -> logits: final norm, LM head, scale, cap."""
-        logits = self.lm_head(self.model.norm(x))
+        return self.scale_logits(self.lm_head(self.model.norm(x)))
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output times the config's logits scale, then soft-capped."""
         scale, cap = self.config.logits_scale, self.config.final_softcap
         if scale != 1.0:
             logits = logits * scale

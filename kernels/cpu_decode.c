@@ -137,6 +137,24 @@ static void meet(spin_barrier_t *b, int64_t T) {
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a block's residual add
+static void add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
+                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf, float *sc) {
+    prepare(l, x, M, px, buf);
+    linear_rows(l, px, y, H, M, n0, n1, sc);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t n = n0; n < n1; n++) h[r * H + n] += y[r * H + n];
+}
+
+// Rotate one head (x: head_dim floats) of row r by the block's rope table for this step.
+static void rotate(const zblock_t *b, float *x, int64_t r, const float *const *cos,
+                   const float *const *sin, const int64_t *cstride) {
+    if (b->rope < 0) return;  // a layer without rope
+    const int64_t at = r * cstride[b->rope];
+    zoo_rope(x, 1, 1, 1, 0, 0, 0, cos[b->rope] + at, sin[b->rope] + at, 0, b->half,
+             (int)b->interleaved);
+}
+
 static inline float activate(float g, int64_t act) {
     if (act == 0) return g / (1.0f + expf(-g));  // SiLU
     const float c = 0.7978845608028654f;         // GELU, tanh form: sqrt(2 / pi)
@@ -207,18 +225,14 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 float *kc = b->k + r * b->ksb + j * b->ksh + slot * b->kss;
                 memcpy(kc, kr, b->d * sizeof(float));
                 memcpy(b->v + r * b->vsb + j * b->vsh + slot * b->vss, vr, b->d * sizeof(float));
-                if (b->rope >= 0)
-                    zoo_rope(kc, 1, 1, 1, 0, 0, 0, cos[b->rope] + r * cstride[b->rope],
-                             sin[b->rope] + r * cstride[b->rope], 0, b->half, (int)b->interleaved);
+                rotate(b, kc, r, cos, sin, cstride);
             }
             meet(&bar, T);
             // each query head of each row: rotated, then attends to the row's filled slots
             for (int64_t u = M * b->hq * t / T; u < M * b->hq * (t + 1) / T; u++) {
                 const int64_t r = u / b->hq, j = u % b->hq, kh = j / group;
                 memcpy(q, qkv + r * nq + j * b->d, b->d * sizeof(float));
-                if (b->rope >= 0)
-                    zoo_rope(q, 1, 1, 1, 0, 0, 0, cos[b->rope] + r * cstride[b->rope],
-                             sin[b->rope] + r * cstride[b->rope], 0, b->half, (int)b->interleaved);
+                rotate(b, q, r, cos, sin, cstride);
                 const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
                 zoo_attend(q, b->k + r * b->ksb + kh * b->ksh, b->kss,
                            b->v + r * b->vsb + kh * b->vsh, b->vss, 0, seen, b->d, b->d,
@@ -227,10 +241,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             }
             meet(&bar, T);
             // h += o(attention): this thread's columns of h
-            prepare(&b->o, att, M, px, buf);
-            linear_rows(&b->o, px, y, H, M, h0, h1, sc);
-            for (int64_t r = 0; r < M; r++)
-                for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
+            add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, sc);
             meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
@@ -242,10 +253,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 for (int64_t i = i0; i < i1; i++)
                     act[r * I + i] = activate(gu[r * 2 * I + i], b->act) * gu[r * 2 * I + I + i];
             meet(&bar, T);
-            prepare(&b->down, act, M, px, buf);
-            linear_rows(&b->down, px, y, H, M, h0, h1, sc);
-            for (int64_t r = 0; r < M; r++)
-                for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
+            add_product(&b->down, act, h, y, M, H, h0, h1, px, buf, sc);
             meet(&bar, T);
         }
         if (hd) {  // the vocabulary's rows split over the threads

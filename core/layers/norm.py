@@ -15,10 +15,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) - offset)  # identity at init
         self.eps, self.offset = spec.eps, offset
 
+    def scale(self) -> torch.Tensor:
+        """What the normed x is multiplied by: the weight, or Gemma's (offset + w) in fp32."""
+        return self.weight if not self.offset else self.weight.float() + self.offset
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.offset:
             return kernels.rms_norm(x, self.weight, self.eps)
         # Gemma: (offset + w) and the product in fp32, cast back once (the kernel's rounding
         # casts before scaling); in fp32 the two agree
-        w = self.weight.float() + self.offset
-        return kernels.rms_norm(x.float(), w, self.eps).to(x.dtype)
+        return kernels.rms_norm(x.float(), self.scale(), self.eps).to(x.dtype)
