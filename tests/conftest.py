@@ -117,6 +117,25 @@ def save_in_memory_names(root: Path, ref, drop: tuple[str, ...] = ()) -> dict:
     return state
 
 
+def chat_llama_folder(root: Path) -> Path:
+    """A tiny Llama 3.2 with a Llama 3 chat tokenizer in `root` (its vocabulary of 320 covers
+    the tokenizer's ids) and an empty generation_config.json: what the server and `zoo --tp`
+    tests serve."""
+    from fixtures.chat_tokenizers import build_tokenizer_folder
+
+    special = build_tokenizer_folder(root, "llama3")
+    spec = dict(
+        LLAMA32,
+        vocab_size=320,
+        max_position_embeddings=256,
+        bos_token_id=special["<|begin_of_text|>"],
+        eos_token_id=special["<|eot_id|>"],
+    )
+    make_checkpoint(root, spec, seed=2)
+    (root / "generation_config.json").write_text("{}")
+    return root
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     """Factory fixture: checkpoint(spec, **kw) -> (folder, reference model)."""

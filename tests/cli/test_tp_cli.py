@@ -14,26 +14,14 @@ import time
 import urllib.request
 
 import pytest
-from conftest import LLAMA32, make_checkpoint
-from fixtures.chat_tokenizers import build_tokenizer_folder
+from conftest import chat_llama_folder
 
 ARGS = ["--raw", "-p", "The sky is", "--max-new-tokens", "12", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-tp")
-    special = build_tokenizer_folder(root, "llama3")
-    spec = dict(
-        LLAMA32,
-        vocab_size=320,
-        max_position_embeddings=256,
-        bos_token_id=special["<|begin_of_text|>"],
-        eos_token_id=special["<|eot_id|>"],
-    )
-    make_checkpoint(root, spec, seed=2)
-    (root / "generation_config.json").write_text("{}")
-    return root
+    return chat_llama_folder(tmp_path_factory.mktemp("tiny-tp"))
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:

@@ -20,8 +20,7 @@ import openai
 import pytest
 import torch
 import uvicorn
-from conftest import LLAMA32, make_checkpoint
-from fixtures.chat_tokenizers import build_tokenizer_folder
+from conftest import chat_llama_folder
 
 from core import load_model
 from core.decode_step import DecodeStep
@@ -95,18 +94,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    special = build_tokenizer_folder(root, "llama3")
-    spec = dict(
-        LLAMA32,
-        vocab_size=320,
-        max_position_embeddings=256,
-        bos_token_id=special["<|begin_of_text|>"],
-        eos_token_id=special["<|eot_id|>"],
-    )
-    make_checkpoint(root, spec, seed=2)
-    (root / "generation_config.json").write_text("{}")
-    return root
+    return chat_llama_folder(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
