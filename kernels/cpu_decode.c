@@ -168,7 +168,7 @@ typedef struct {
     zlinear_t head;
 } zhead_t;
 
-// The L blocks on h (M, H) in place, for M <= MAX_BF16_ROWS rows at positions pos (M,), then
+// The L blocks on h (M, H) in place, for M <= MAX_ROWS rows at positions pos (M,), then
 // (where hd is given) the logits (M, V) of the result. cos[j], sin[j]: rope table j for this
 // step, (1 or M, half) with row stride cstride[j].
 void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, int64_t H,

@@ -137,7 +137,7 @@ static inline void codes4(const uint8_t *p, vf *lo, vf *hi) {
 }
 #endif
 
-// Row n of W as floats (a row fits in L1 and then serves every row of x).
+// Row n of W as floats (zoo_dequantize: prefill's many rows go to the BLAS with them).
 static void dequantize_row(const qweight_t *w, int64_t n, const float *s, const float *m,
                            float *out) {
     const int64_t K = w->K, gs = w->gs, G = K / gs;
@@ -185,35 +185,57 @@ static float dot4(const float *a, const float *b, int64_t K) {
     return total;
 }
 
-// One output row against one row of x, straight from the codes (decode: x has one row).
-static float row_dot(const qweight_t *w, int64_t n, const float *xr, const float *xsr,
-                     const float *s, const float *m) {
+// Row n of W against the M <= MAX_ROWS rows of x, straight from the codes: each vector of
+// codes is widened to floats once and serves every row of x, into one accumulator per row
+// (a single horizontal sum each). M is a constant where rows_dot_m calls this, so the
+// accumulators stay in registers.
+static inline __attribute__((always_inline)) void rows_dot(const qweight_t *w, int64_t n,
+                                                           const float *x, const float *xs,
+                                                           int64_t M, int bits, const float *s,
+                                                           const float *m, float *out) {
     const int64_t K = w->K, gs = w->gs, G = K / gs;
-    vf acc = VZERO();
-    if (w->bits == 4) {  // groups of 32: byte j holds column j (low) and j + 16 (high)
-        const uint8_t *c = (const uint8_t *)w->codes + n * (K / 2);
-        for (int64_t g = 0; g < G; g++) {
-            vf part = VZERO(), lo, hi;
+    vf acc[MAX_ROWS];
+    for (int64_t r = 0; r < M; r++) acc[r] = VZERO();
+    for (int64_t g = 0; g < G; g++) {
+        vf part[MAX_ROWS];
+        for (int64_t r = 0; r < M; r++) part[r] = VZERO();
+        if (bits == 4) {  // groups of 32: byte j holds column j (low) and j + 16 (high)
+            const uint8_t *c = (const uint8_t *)w->codes + n * (K / 2) + g * 16;
             for (int j = 0; j < 16; j += W) {
-                codes4(c + g * 16 + j, &lo, &hi);
-                part = VFMA(lo, VLOADX(xr + g * 32 + j), part);
-                part = VFMA(hi, VLOADX(xr + g * 32 + 16 + j), part);
+                vf lo, hi;
+                codes4(c + j, &lo, &hi);
+                for (int64_t r = 0; r < M; r++) {
+                    const float *xr = x + r * K + g * 32 + j;
+                    part[r] = VFMA(hi, VLOADX(xr + 16), VFMA(lo, VLOADX(xr), part[r]));
+                }
             }
-            acc = VFMA(part, VSET(s[g]), acc);
+        } else {
+            const int8_t *c = (const int8_t *)w->codes + n * K;
+            for (int64_t j = g * gs; j < (g + 1) * gs; j += W) {
+                const vf q = codes8(c + j);
+                for (int64_t r = 0; r < M; r++) part[r] = VFMA(q, VLOADX(x + r * K + j), part[r]);
+            }
         }
-    } else {
-        const int8_t *c = (const int8_t *)w->codes + n * K;
-        for (int64_t g = 0; g < G; g++) {
-            vf part = VZERO();
-            for (int64_t j = g * gs; j < (g + 1) * gs; j += W)
-                part = VFMA(codes8(c + j), VLOADX(xr + j), part);
-            acc = VFMA(part, VSET(s[g]), acc);
-        }
+        const vf sg = VSET(s[g]);
+        for (int64_t r = 0; r < M; r++) acc[r] = VFMA(part[r], sg, acc[r]);
     }
-    float total = VSUM(acc);
-    if (w->offset) total -= (float)w->offset * dot(s, xsr, G);
-    if (w->mins) total += dot(m, xsr, G);
-    return total;
+    for (int64_t r = 0; r < M; r++) {
+        float total = VSUM(acc[r]);
+        if (w->offset) total -= (float)w->offset * dot(s, xs + r * G, G);
+        if (w->mins) total += dot(m, xs + r * G, G);
+        out[r] = total;
+    }
+}
+
+static void rows_dot_m(const qweight_t *w, int64_t n, const float *x, const float *xs,
+                       int64_t M, const float *s, const float *m, float *out) {
+    switch (M * (w->bits == 4 ? -1 : 1)) {  // 4-bit codes: negative
+#define ROWS(k)                                                    \
+    case k: rows_dot(w, n, x, xs, k, 8, s, m, out); break;         \
+    case -k: rows_dot(w, n, x, xs, k, 4, s, m, out); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+    }
 }
 
 // 4-bit codes against bf16-rounded x (CPUs with AVX512-BF16): two multiply-adds per
@@ -288,7 +310,7 @@ static inline __attribute__((always_inline)) void row_dot_bf16(
     const int64_t rest = (K % CHUNK) / 2;  // bytes of codes in a last, partial chunk
     const __mmask64 tail = rest ? (__mmask64)-1 >> (64 - rest) : 0;
     const int mins = mh || m;
-    __m512 acc[MAX_BF16_ROWS], sblock = _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS], sblock = _mm512_setzero_ps();
     for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t ch = 0; ch < chunks; ch++) {
         if (ch % 4 == 0) {  // the next 16 groups: their offset and minimum terms
@@ -324,8 +346,8 @@ static inline __attribute__((always_inline)) void row_dot_bf16(
 #endif
 
 // y (M, N) = x (M, K) @ W.T; gs must be a multiple of W (16 covers every format).
-// One row of x: dot products straight from the codes. More: each row of W is dequantized once
-// into a buffer and dotted with every row of x. x is prepared once per product (zoo_qx_prepare:
+// Dot products straight from the codes, each row of W against every row of x while its codes
+// sit in registers (rows_dot, row_dot_bf16). x is prepared once per product (zoo_qx_prepare:
 // its bf16 copy, or its group sums), then any thread computes any range of W's rows from it
 // (zoo_qgemv_rows): zoo_qgemv splits them over its threads, a fused decode step
 // (cpu_decode.c) over the threads it already runs.
@@ -334,13 +356,13 @@ static inline __attribute__((always_inline)) void row_dot_bf16(
 #define PARALLEL_WORK (1 << 18)
 
 static inline int uses_bf16(const qweight_t *w, int64_t M) {
-    return BF16_CODES && w->bits == 4 && w->gs == 32 && M <= MAX_BF16_ROWS;
+    return BF16_CODES && w->bits == 4 && w->gs == 32 && M <= MAX_ROWS;
 }
 
 int64_t zoo_qx_bytes(const qweight_t *w, int64_t M) {
     const int64_t G = w->K / w->gs, chunks = (w->K + CHUNK - 1) / CHUNK;
     if (uses_bf16(w, M)) return M * (chunks * CHUNK * (int64_t)sizeof(uint16_t) + (G + 16) * 4);
-    return M == 1 && w->bits != 32 ? G * (int64_t)sizeof(float) : 0;
+    return w->bits != 32 ? M * G * (int64_t)sizeof(float) : 0;
 }
 
 void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, qx_t *px, void *buf) {
@@ -358,9 +380,9 @@ void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, qx_t *px, voi
             prepare_bf16(x + r * K, K, px->r[r]);
 #endif
         }
-    } else if (M == 1 && w->bits != 32) {  // per group: the sum of x (offset, minimum terms)
+    } else if (w->bits != 32) {  // per row and group: the sum of x (offset, minimum terms)
         px->xs = (float *)buf;
-        for (int64_t g = 0; g < G; g++) {
+        for (int64_t g = 0; g < M * G; g++) {
             float t = 0;
             for (int64_t j = 0; j < gs; j++) t += x[g * gs + j];
             px->xs[g] = t;
@@ -368,18 +390,16 @@ void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, qx_t *px, voi
     }
 }
 
-int64_t zoo_qgemv_scratch(const qweight_t *w) {  // s, m (G each) and a dequantized row (K)
-    return 2 * (w->K / w->gs) + w->K;
+int64_t zoo_qgemv_scratch(const qweight_t *w) {  // a row's scales and minimums (G each)
+    return 2 * (w->K / w->gs);
 }
 
 void zoo_qgemv_rows(const qweight_t *w, const qx_t *px, float *y, int64_t ldy, int64_t n0,
                     int64_t n1, float *scratch) {
     const int64_t K = w->K, G = K / w->gs, M = px->M;
     const float *x = px->x;
-    float *s = scratch, *m = scratch + G, *row = scratch + 2 * G;
-#if BF16_CODES
-    float dots[MAX_BF16_ROWS];
-#endif
+    float *s = scratch, *m = scratch + G;
+    float dots[MAX_ROWS];
     for (int64_t n = n0; n < n1; n++) {
         if (w->bits == 32) {  // plain fp32 weight
             const float *wn = (const float *)w->codes + n * K;
@@ -404,12 +424,8 @@ void zoo_qgemv_rows(const qweight_t *w, const qx_t *px, float *y, int64_t ldy, i
         }
         row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
         if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
-        if (M == 1) {
-            y[n] = row_dot(w, n, x, px->xs, s, m);
-        } else {
-            dequantize_row(w, n, s, m, row);
-            for (int64_t r = 0; r < M; r++) y[r * ldy + n] = dot(row, x + r * K, K);
-        }
+        rows_dot_m(w, n, x, px->xs, M, s, m, dots);
+        for (int64_t r = 0; r < M; r++) y[r * ldy + n] = dots[r];
     }
 }
 

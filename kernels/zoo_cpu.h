@@ -14,7 +14,7 @@ typedef struct {
     int64_t scale_kind, min_kind;  // 0 fp32, 1 fp16, 2 int8, 3 uint8
 } qweight_t;
 
-#define MAX_BF16_ROWS 8
+#define MAX_ROWS 8  // rows of x one product takes (kernels/cpu_quant.py's MAX_ROWS)
 
 // A row of x as the bf16 loop reads it (qgemv.c's prepare_bf16).
 typedef struct {
@@ -27,7 +27,7 @@ typedef struct {
     const float *x;
     int64_t M;
     int bf16;        // the 4-bit codes multiply bf16(x) (AVX512-BF16 builds)
-    bf16_row r[MAX_BF16_ROWS];
+    bf16_row r[MAX_ROWS];
     float *xs;       // one row, fp32 loop: each group's sum of x
 } qx_t;
 
