@@ -85,7 +85,7 @@ class _Row:
         self.constraint = c  # the grammar this row's answer follows, if any
         self.out: list[int] = []
         self.text: list[str] = []
-        self.decoder = StreamDecoder(tok) if tok else None
+        self.decoder = StreamDecoder(tok, p.skip_special_tokens) if tok else None
         self.stops = _StopStrings(p.stop)
         self.logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
         self.finish: str | None = None

@@ -105,12 +105,57 @@ class Reasoner:
         harmony = FinalChannel.for_tokenizer(tok) is not None
         return cls(tok, prompt, harmony) if harmony or thinks(tok) else None
 
-    def answer(self, result: Any, text: str) -> tuple[str, str]:
-        """(reasoning, content) of a finished answer whose visible text is `text`."""
-        if self.harmony:  # the channels are special tokens: read them from the raw answer
-            return split_harmony(self.tok.decode(result.token_ids, skip_special_tokens=False))
-        return split(text, self.opened)
-
     def stream(self) -> ThinkSplitter | None:
-        """A splitter for streamed text; None for harmony (its split waits for the end)."""
+        """A splitter for streamed text; None for harmony (its channels are special tokens:
+        see core.harmony.HarmonyReader)."""
         return None if self.harmony else ThinkSplitter(self.opened)
+
+
+class Reader:
+    """One answer read as it streams into deltas (core.tool_calls.Delta): its thinking apart,
+    then the rest as content or, with a tool-call reader, as content and calls."""
+
+    def __init__(self, think: ThinkSplitter | None, calls: Any = None):
+        self.think, self.reader = think, calls
+        self.calls = calls.calls if calls else []
+
+    def feed(self, piece: str) -> list:
+        thought, text = self.think.feed(piece) if self.think else ("", piece)
+        return self._out(thought, text)
+
+    def finish(self) -> list:
+        thought, text = self.think.flush() if self.think else ("", "")
+        out = self._out(thought, text)
+        return out + self.reader.finish() if self.reader else out
+
+    def complete(self) -> bool:
+        return self.reader.complete() if self.reader else False
+
+    def _out(self, thought: str, text: str) -> list:
+        out = [("reasoning", thought, None)] if thought else []
+        if text:
+            out += self.reader.feed(text) if self.reader else [("content", text, None)]
+        return out
+
+
+def reader(reasoner: Reasoner | None, tools: Any = None) -> Any:
+    """A fresh reader of one answer (a choice) of a chat request: a harmony answer's channels,
+    or a think block; and, with `tools` (a core.tool_calls.ToolUse), the calls."""
+    if tools is not None and tools.forced:  # the answer is the call's JSON from its start
+        return Reader(None, tools.stream())
+    if reasoner is not None and reasoner.harmony:
+        from core.harmony import HarmonyReader
+
+        return HarmonyReader(tools=tools is not None)
+    return Reader(reasoner and reasoner.stream(), tools and tools.stream())
+
+
+def read_whole(rd: Any, text: str) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, calls as (name, arguments' text), reasoning) of a whole answer, as the deltas
+    of its stream join; calls that are not whole (cut short) leave their text as content."""
+    deltas = rd.feed(text) + rd.finish()
+    content = "".join(t for kind, t, _ in deltas if kind == "content")
+    calls = [(name, args) for name, args in rd.calls]
+    if calls and not rd.complete():
+        content, calls = rd.reader.text, []  # (all the text the call reader was fed)
+    return content, calls, "".join(t for kind, t, _ in deltas if kind == "reasoning").strip()

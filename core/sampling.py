@@ -39,6 +39,9 @@ class SamplingParams(BaseModel):
     # or its JSON text), or any JSON object
     json_schema: str | None = None
     json_object: bool = False
+    # vLLM's: False keeps special tokens in the text (the server reads tool-call markers and
+    # gpt-oss's channels from it)
+    skip_special_tokens: bool = True
 
     @field_validator("logit_bias", mode="before")
     @classmethod

@@ -46,7 +46,7 @@ from core.server_schemas import (
     model_list,
     validation_error,
 )
-from core.server_stream import EventStream, events, results
+from core.server_stream import EventStream, Reading, events, results
 from core.structured import schema_text
 from core.tool_calls import ToolUse, family
 
@@ -99,10 +99,8 @@ def _tool_use(req: ChatRequest, model: Model) -> ToolUse | None:
     if choice != "auto" and req.response_format is not None:
         message = "response_format cannot be combined with a forced tool call (tool_choice)"
         raise ApiError(400, message, param="response_format")
-    tok = model.tokenizer
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-    fam, parallel = family(tok.chat_template), req.parallel_tool_calls is not False
-    return ToolUse(tools, choice, fam, decode, model.eos_token_ids, parallel)
+    fam, parallel = family(model.tokenizer.chat_template), req.parallel_tool_calls is not False
+    return ToolUse(tools, choice, fam, parallel)
 
 
 def _msg(e: dict) -> str:
@@ -222,8 +220,7 @@ def create_app(
         reply: Reply,
         fmt,
         echo: str = "",
-        tools: ToolUse | None = None,
-        reasoner: Reasoner | None = None,
+        reading: Reading | None = None,
     ):
         """Queue a request's jobs (one per choice, together) and answer when they are done, or
         stream them."""
@@ -238,18 +235,10 @@ def create_app(
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             reply.include_usage = usage
-            return EventStream(jobs, events(jobs, reply, fmt, usage, echo, tools, reasoner))
+            return EventStream(jobs, events(jobs, reply, fmt, usage, echo, reading))
         done = await results(jobs, request)
         lps = [fmt(r.logprobs, len(echo)) if r.logprobs is not None else None for r in done]
-        answers = None
-        if tools or reasoner:
-            answers = []
-            for r in done:  # the call first (the text before it may hold the thinking)
-                text, calls = tools.answer(r) if tools else (r.text, None)
-                thought = None
-                if reasoner:
-                    thought, text = reasoner.answer(r, text or "")
-                answers.append((text or None if calls else text, calls, thought))
+        answers = [reading.whole(r) for r in done] if reading else None
         return JSONResponse(reply.full(done, lps, echo, answers))
 
     @app.get("/", response_class=HTMLResponse)
@@ -335,8 +324,8 @@ def create_app(
         if taken:
             message = f"chat_template_kwargs cannot set {taken}: they are the request's own"
             raise ApiError(400, message, param="chat_template_kwargs")
-        if tools:
-            extra["tools"] = tools.tools
+        if tools:  # as transformers and vLLM hand them to templates
+            extra["tools"] = [{"type": "function", "function": t} for t in tools.tools]
         # the template writes the special tokens; encode_prompt checks the ids against the vocab
         render = lambda: tok.apply_chat_template(messages, **extra)  # noqa: E731
         ids = _encoded(lambda: model.encode_prompt(render()), "messages")
@@ -347,11 +336,14 @@ def create_app(
         names = {**names, "logprobs": "top_logprobs"}
         names["json_schema"] = "response_format.json_schema.schema"
         structure = tools.structure() if tools else req.structure()
+        reasoner = Reasoner.for_request(tok, ids)
+        if reasoner and reasoner.harmony:  # its channels are special tokens
+            structure["skip_special_tokens"] = False
         jobs = prepare(req, ids, max_tokens, logprobs, names, **structure)
         fmt = lambda lps, _offset: chat_logprobs(tok, lps)  # noqa: E731
-        reasoner = Reasoner.for_request(tok, ids)
+        reading = Reading(reasoner, tools) if reasoner or tools else None
         reply = Reply("chat", name)
-        return await respond(jobs, req, request, reply, fmt, tools=tools, reasoner=reasoner)
+        return await respond(jobs, req, request, reply, fmt, reading=reading)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from core.generation import GenerationResult, TokenLogprob
-from core.reasoning import Reasoner
+from core.reasoning import Reasoner, read_whole, reader
 from core.scheduler import Job
 from core.server_schemas import Reply, as_api_error, error_body
 from core.tool_calls import ToolUse, call_id
@@ -88,27 +88,67 @@ async def results(jobs: list[Job], request: Request) -> list[GenerationResult]:
             job.cancelled = True  # no-op once done; frees the rows if this handler was cancelled
 
 
+class Reading:
+    """How a chat request's answers are read: its model's reasoning (a think block, gpt-oss's
+    channels) and its tools' calls; a fresh reader per choice (`reader`)."""
+
+    def __init__(self, reasoner: Reasoner | None, tools: ToolUse | None):
+        self.reasoner, self.tools = reasoner, tools
+
+    def reader(self):
+        return reader(self.reasoner, self.tools)
+
+    def call_id(self) -> str:
+        return call_id(self.tools.fam if self.tools else None)
+
+    def whole(self, result: GenerationResult) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content, tool_calls, reasoning) of a finished answer: what its stream would say."""
+        content, calls, thought = read_whole(self.reader(), result.text)
+        tool_calls = [
+            {"id": self.call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in calls
+        ]
+        if tool_calls:
+            return content or None, tool_calls, thought if self.reasoner else None
+        return content, None, thought if self.reasoner else None
+
+
+def _chunks(reply: Reply, deltas: list, i: int, lps, ids: dict[int, str], reading: Reading):
+    """A reader's deltas as stream chunks of choice i (the logprobs ride on the first); a call
+    goes out as OpenAI streams one: a head with its index, id, type and name (arguments ""),
+    then pieces of its arguments."""
+    for kind, text, k in deltas:
+        if kind == "content":
+            yield sse(reply.chunk(text, lps, index=i))
+        elif kind == "reasoning":
+            yield sse(reply.chunk(None, lps, reasoning=text, index=i))
+        elif kind == "call":
+            ids[k] = reading.call_id()
+            head = {"index": k, "id": ids[k], "type": "function"}
+            head["function"] = {"name": text, "arguments": ""}
+            yield sse(reply.chunk(None, lps, calls=[head], index=i))
+        else:
+            args = {"index": k, "function": {"arguments": text}}
+            yield sse(reply.chunk(None, lps, calls=[args], index=i))
+        lps = None
+
+
 async def events(
     jobs: list[Job],
     reply: Reply,
     fmt: Callable,
     usage: bool,
     echo: str = "",
-    tools: ToolUse | None = None,
-    reasoner: Reasoner | None = None,
+    reading: Reading | None = None,
 ) -> AsyncIterator[str]:
     """The SSE stream of a request's jobs: per choice a chunk per text piece (with the logprobs
     of its tokens) and a last chunk with its finish_reason; then a usage chunk if asked, and
-    [DONE]. `echo` (completions) is each choice's first text. With `tools`, text from where a
-    call may start is held back; at the end each call goes out as OpenAI streams one: a delta
-    with its index, id and name, then one with its arguments (or the held text as content, if
-    it was no call); a named forced call's arguments stream as they are written. With a
-    `reasoner`, thinking goes out as
-    reasoning_content deltas (a harmony answer's, at its end)."""
-    # a named forced call's answer is its arguments' JSON: streamed as argument deltas as written
-    live = [None] * len(jobs) if tools and tools.forced and tools.named else None
-    holds = [tools.hold() for _ in jobs] if tools and not live else None
-    splits = [reasoner.stream() for _ in jobs] if reasoner else None
+    [DONE]. `echo` (completions) is each choice's first text. With a `reading` (a chat
+    request's reasoning and tools), each piece goes through the choice's reader: thinking as
+    reasoning_content deltas, tool calls as OpenAI streams them (see `_chunks`), text that may
+    still be a call's marker held back until the reader can tell."""
+    readers = [reading.reader() for _ in jobs] if reading else None
+    ids: list[dict[int, str]] = [{} for _ in jobs]
     for i in range(len(jobs)):
         if reply.kind == "chat":
             yield sse(reply.chunk("", role=True, index=i))
@@ -123,27 +163,14 @@ async def events(
                 pending[i].append(value)
             elif kind == "text":
                 lps = fmt(pending[i], sent[i]) if pending[i] else None
-                if reasoner:
-                    thought, value = splits[i].feed(value) if splits[i] else ("", "")
-                    if thought:
-                        yield sse(reply.chunk(None, reasoning=thought, index=i))
-                    if not value:
-                        continue
-                if live:
-                    if live[i] is None:  # the call's head: index, id, type, name
-                        live[i] = call_id()
-                        name = {"name": tools.named, "arguments": ""}
-                        head = {"index": 0, "id": live[i], "type": "function", "function": name}
-                        yield sse(reply.chunk(None, calls=[head], index=i))
-                    args = {"index": 0, "function": {"arguments": value}}
-                    yield sse(reply.chunk(None, lps, calls=[args], index=i))
-                    pending[i], sent[i] = [], sent[i] + len(value)
-                    continue
-                if holds:
-                    value = holds[i].feed(value)
-                    if not value:
+                if readers:
+                    deltas = readers[i].feed(value)
+                    if not deltas:
                         continue  # (its logprobs go out with the next text)
-                yield sse(reply.chunk(value, lps, index=i))
+                    for chunk in _chunks(reply, deltas, i, lps, ids[i], reading):
+                        yield chunk
+                else:
+                    yield sse(reply.chunk(value, lps, index=i))
                 pending[i], sent[i] = [], sent[i] + len(value)
             elif kind == "error":
                 yield sse(error_body(as_api_error(value)))
@@ -151,32 +178,12 @@ async def events(
             else:
                 lps = fmt(pending[i], sent[i]) if pending[i] else None
                 finish = value.finish_reason
-                if reasoner:
-                    if splits[i]:
-                        thought, rest = splits[i].flush()
-                    else:
-                        thought, rest = reasoner.answer(value, value.text)
-                    if thought:
-                        yield sse(reply.chunk(None, reasoning=thought, index=i))
-                    if rest and holds:
-                        rest = holds[i].feed(rest)
-                    if rest:
-                        yield sse(reply.chunk(rest, index=i))
-                if live and tools.answer(value)[1]:
-                    finish = "tool_calls"  # (its arguments went out as they came)
-                if holds:
-                    _, calls = tools.answer(value)
-                    for k, c in enumerate(calls or []):
-                        name = {"name": c["function"]["name"], "arguments": ""}
-                        head = {"index": k, "id": c["id"], "type": "function", "function": name}
-                        args = {"index": k, "function": {"arguments": c["function"]["arguments"]}}
-                        yield sse(reply.chunk(None, calls=[head], index=i))
-                        yield sse(reply.chunk(None, calls=[args], index=i))
-                    if calls:
-                        finish = "tool_calls"
-                    elif holds[i].held:
-                        yield sse(reply.chunk(holds[i].held, lps, index=i))
+                if readers:
+                    for chunk in _chunks(reply, readers[i].finish(), i, lps, ids[i], reading):
                         lps = None
+                        yield chunk
+                    if readers[i].calls and readers[i].complete():
+                        finish = "tool_calls"
                 text = None if reply.kind == "chat" else ""
                 yield sse(reply.chunk(text, lps, finish=finish, index=i))
                 done.append(value)

@@ -1,6 +1,6 @@
-"""Tool calls: what a model writes when it calls a function, per family, back into OpenAI's
-`tool_calls`; and the JSON schemas that force a call (`tool_choice` "required" or a named
-function), as vLLM forces them.
+"""Tool calls: what a model writes when it calls a function, per family, read back into OpenAI's
+`tool_calls` as it streams; and the JSON schemas that force a call (`tool_choice` "required" or
+a named function), as vLLM forces them.
 
 Each family writes its calls its own way (the chat template tells the model how):
 - Hermes / Qwen2.5 / Qwen3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (with
@@ -12,117 +12,360 @@ Each family writes its calls its own way (the chat template tells the model how)
 - DeepSeek V3 / R1: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function
   <｜tool▁sep｜>name` + a ```json block + `<｜tool▁call▁end｜>` (V3.1: `<｜tool▁call▁begin｜>name
   <｜tool▁sep｜>{...}<｜tool▁call▁end｜>`), then `<｜tool▁calls▁end｜>`
-Parsers read the answer with its special tokens kept (the markers are special tokens in some
-families) and return (content before the calls, calls); text that is not a well-formed call
-stays content.
+A `CallStream` reads an answer (special tokens kept: some families' markers are special tokens)
+piece by piece, as vLLM's tool parsers do: text before a call goes out as content, text that
+may still be a call's marker is held back until decided, a call goes out as a head (its name)
+once its name is read, then its arguments' JSON text piece by piece as written. Text that turns
+out to be no call goes out as content.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 Call = dict[str, Any]  # {"name": str, "arguments": dict}
+# what a reader says, piece by piece: ("content" | "reasoning", text, None), ("call", name, k)
+# (call k begins), ("args", text, k) (the next piece of call k's arguments)
+Delta = tuple[str, str, int | None]
 
-DS_CALLS = "<｜tool▁calls▁begin｜>"
-DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.S)
-DS_FENCED = re.compile(r"\s*([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*$", re.S)
-HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+DS_CALLS, DS_CALL = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
+DS_SEP, DS_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 MISTRAL = "[TOOL_CALLS]"
+NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what OpenAI accepts as a function's name
 
 
-def _call(obj: Any) -> Call | None:
-    """{"name", "arguments" | "parameters"} -> a Call, or None when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return {"name": obj["name"], "arguments": args} if isinstance(args, dict) else None
+class NoCall(Exception):
+    """The text being read is not (or no longer) a well-formed call."""
+
+
+Grammar = Callable[["CallStream"], Generator[None, None, None]]
+
+
+class CallStream:
+    """Reads one answer as it streams (`feed`, then `finish`) into deltas, by a family's
+    grammar: a generator over this reader's helpers that yields whenever it needs more text."""
+
+    def __init__(self, grammar: Grammar):
+        self.text, self.i, self.sent = "", 0, 0  # all text fed; the grammar's cursor; content out
+        self.eof = False
+        self.calls: list[list[str]] = []  # [name, arguments' text so far] per call
+        self.out: list[Delta] = []
+        self.prose = False  # no call (any more): the rest is content
+        self._run: Generator | None = grammar(self)
+
+    def feed(self, piece: str) -> list[Delta]:
+        self.text += piece
+        return self._step()
+
+    def finish(self) -> list[Delta]:
+        self.eof = True
+        return self._step()
+
+    def complete(self) -> bool:
+        """Whether the calls read are whole: each one's arguments a JSON object."""
+        return bool(self.calls) and all(isinstance(_json(a), dict) for _, a in self.calls)
+
+    def _step(self) -> list[Delta]:
+        if self._run is not None:
+            try:
+                next(self._run)  # runs until it needs more text
+            except StopIteration:  # the calls are over: what follows them is dropped
+                self._run = None
+            except NoCall:
+                self._run, self.prose = None, not self.calls  # (after a call: dropped)
+        if self.prose and self.sent < len(self.text):
+            self._content(len(self.text))
+        out, self.out = self.out, []
+        return out
+
+    # --- helpers the grammars use (generators: `yield from` them) --------------------------------
+    def _content(self, end: int) -> None:
+        if end > self.sent:
+            self.out.append(("content", self.text[self.sent : end], None))
+            self.sent = end
+
+    def wait(self, n: int = 1) -> Generator:
+        """Until n characters past the cursor have arrived (or the answer ended)."""
+        while len(self.text) - self.i < n and not self.eof:
+            yield
+
+    def ws(self) -> Generator:
+        """Skip whitespace."""
+        while True:
+            while self.i < len(self.text) and self.text[self.i].isspace():
+                self.i += 1
+            if self.i < len(self.text) or self.eof:
+                return
+            yield
+
+    def at(self, s: str) -> Generator[None, None, bool]:
+        """Whether the text at the cursor starts with `s` (waits until it can tell)."""
+        while True:
+            got = self.text[self.i : self.i + len(s)]
+            if got == s:
+                return True
+            if not s.startswith(got) or self.eof:
+                return False
+            yield
+
+    def take(self, s: str) -> Generator:
+        """`s` must come next (else: no call)."""
+        if not (yield from self.at(s)):
+            raise NoCall
+        self.i += len(s)
+
+    def upto(self, marker: str) -> Generator[None, None, str]:
+        """The text up to `marker` (consumed, marker included)."""
+        while (cut := self.text.find(marker, self.i)) < 0:
+            if self.eof:
+                raise NoCall
+            yield
+        text, self.i = self.text[self.i : cut], cut + len(marker)
+        return text
+
+    def content_until(self, marker: str) -> Generator[None, None, bool]:
+        """Content up to `marker` (consumed); False when the answer ends without one. A tail
+        that may be the marker's start, and whitespace before it, are held back meanwhile."""
+        while (cut := self.text.find(marker, self.i)) < 0:
+            if self.eof:
+                self._content(len(self.text))
+                return False
+            end = len(self.text)
+            end -= max(
+                (k for k in range(1, len(marker)) if self.text.endswith(marker[:k])), default=0
+            )
+            self._content(len(self.text[:end].rstrip()))
+            self.i = self.sent
+            yield
+        self._content(len(self.text[:cut].rstrip()))
+        self.i = cut + len(marker)
+        return True
+
+    def head(self, name: str) -> None:
+        """A call begins: its name goes out."""
+        if not NAME.fullmatch(name):
+            raise NoCall
+        self.sent = len(self.text)  # (what lay between the content and the call is no content)
+        self.out.append(("call", name, len(self.calls)))
+        self.calls.append([name, ""])
+
+    def _args(self, piece: str) -> None:
+        if piece:
+            self.out.append(("args", piece, len(self.calls) - 1))
+            self.calls[-1][1] += piece
+
+    def value(self, stream: bool = False) -> Generator[None, None, str]:
+        """One JSON value's text; with `stream`, sent out as the current call's arguments as
+        it arrives (not a JSON string: see `arguments`)."""
+        yield from self.ws()
+        yield from self.wait()
+        start = done = self.i
+        first = self.text[start : start + 1]
+        stream = stream and first != '"'
+        depth, quoted, escaped = 0, False, False
+        while True:
+            end = None
+            while self.i < len(self.text):
+                c = self.text[self.i]
+                if quoted:
+                    escaped, quoted = (False, True) if escaped else (c == "\\", c != '"')
+                elif c == '"':
+                    quoted = True
+                elif c in "{[":
+                    depth += 1
+                elif depth == 0 and (c in "}],;<" or c.isspace()):  # a bare number ends
+                    end = self.i
+                    break
+                elif c in "}]":
+                    depth -= 1
+                self.i += 1
+                if depth == 0 and not quoted and first in '{["':
+                    end = self.i
+                    break
+            if stream:
+                self._args(self.text[done : self.i])
+                done = self.i
+            if end is None and self.eof and depth == 0 and not quoted:
+                end = self.i  # a bare number at the very end
+            if end is not None:
+                if end == start:
+                    raise NoCall
+                return self.text[start:end]
+            if self.eof:
+                raise NoCall
+            yield
+
+    def arguments(self) -> Generator:
+        """The current call's arguments (a JSON value) streamed as they are written (a JSON
+        string holding them, as some models write: decoded, sent whole at its end)."""
+        raw = yield from self.value(stream=True)
+        if raw.startswith('"'):
+            args = _json(raw)
+            self._args(args if isinstance(args, str) else raw)
+
+    def call_object(self) -> Generator:
+        """`{"name": ..., "arguments" | "parameters": {...}}`: the head once the name is read,
+        then the arguments as they are written (held until the name, if written first)."""
+        yield from self.ws()
+        yield from self.take("{")
+        name, seen, early = None, False, None
+        while True:
+            yield from self.ws()
+            if (yield from self.at("}")):
+                self.i += 1
+                break
+            key = _json((yield from self.value()))
+            yield from self.ws()
+            yield from self.take(":")
+            if key == "name" and name is None:
+                name = _json((yield from self.value()))
+                if not isinstance(name, str):
+                    raise NoCall
+                self.head(name)
+                if early is not None:
+                    self._args(early)
+            elif key in ("arguments", "parameters") and not seen:
+                seen = True
+                if name is not None:
+                    yield from self.arguments()
+                else:
+                    raw = yield from self.value()
+                    decoded = _json(raw) if raw.startswith('"') else None
+                    early = decoded if isinstance(decoded, str) else raw
+            elif name is None:  # an object that does not start as a call
+                raise NoCall
+            else:
+                yield from self.value()
+            yield from self.ws()
+            if (yield from self.at(",")):
+                self.i += 1
+        if name is None:
+            raise NoCall
+        if not seen:  # no arguments written: none
+            self._args("{}")
 
 
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, TypeError):
         return None
 
 
-def _all(objs: list[Any]) -> list[Call] | None:
-    calls = [_call(o) for o in objs]
-    return calls if calls and all(calls) else None
+# --- each family's grammar --------------------------------------------------------------------
+def hermes(s: CallStream):
+    if not (yield from s.content_until("<tool_call>")):
+        return
+    while True:
+        yield from s.call_object()
+        yield from s.ws()
+        if (yield from s.at("</tool_call>")):
+            s.i += len("</tool_call>")
+        yield from s.ws()
+        if not (yield from s.at("<tool_call>")):
+            return
+        s.i += len("<tool_call>")
 
 
-def parse_hermes(text: str) -> tuple[str, list[Call]]:
-    start = text.find("<tool_call>")
-    if start < 0:
-        return text, []
-    calls = _all([_json(body) for body in HERMES.findall(text[start:])])
-    return (text[:start].strip(), calls) if calls else (text, [])
+def llama3(s: CallStream):
+    yield from s.ws()
+    if (yield from s.at("<|python_tag|>")):
+        s.i += len("<|python_tag|>")
+        yield from s.ws()
+    if not (yield from s.at("{")):
+        raise NoCall
+    while True:
+        yield from s.call_object()
+        yield from s.ws()
+        if not (yield from s.at(";")):
+            return
+        s.i += 1
 
 
-def parse_llama3(text: str) -> tuple[str, list[Call]]:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return text, []
-    whole = _json(body)
-    parts = [whole] if whole is not None else [_json(p) for p in body.split(";")]
-    calls = _all(parts)
-    return ("", calls) if calls else (text, [])
+def mistral(s: CallStream):
+    if not (yield from s.content_until(MISTRAL)):
+        return
+    yield from s.ws()
+    if (yield from s.at("[")):  # v0.3: one JSON list
+        yield from listed(s)
+        return
+    while True:  # v11+: name[ARGS]{...}, each after its own [TOOL_CALLS]
+        s.head((yield from s.upto("[ARGS]")).strip())
+        yield from s.arguments()
+        yield from s.ws()
+        if not (yield from s.at(MISTRAL)):
+            return
+        s.i += len(MISTRAL)
 
 
-def parse_mistral(text: str) -> tuple[str, list[Call]]:
-    start = text.find(MISTRAL)
-    if start < 0:
-        return text, []
-    body = text[start + len(MISTRAL) :].strip()
-    if body.startswith("["):  # v0.3: one JSON list
-        listed = _json(body)
-        calls = _all(listed) if isinstance(listed, list) else None
-    else:  # v11+: name[ARGS]{...}, each after its own [TOOL_CALLS]
-        pieces = [p.split("[ARGS]", 1) for p in body.split(MISTRAL)]
-        ok = all(len(p) == 2 for p in pieces)
-        calls = _all(
-            [{"name": p[0].strip(), "arguments": _json(p[1])} for p in pieces] if ok else []
-        )
-    return (text[:start].strip(), calls) if calls else (text, [])
+def deepseek(s: CallStream):
+    if not (yield from s.content_until(DS_CALLS)):
+        return
+    while True:
+        yield from s.ws()
+        if not (yield from s.at(DS_CALL)):
+            return
+        s.i += len(DS_CALL)
+        name = (yield from s.upto(DS_SEP)).strip()
+        if name == "function":  # V3 / R1: the name on its line, then a ```json block
+            name = (yield from s.upto("\n")).strip()
+            yield from s.upto("```")
+            yield from s.upto("\n")
+        s.head(name)
+        yield from s.arguments()
+        yield from s.upto(DS_END)
 
 
-def parse_deepseek(text: str) -> tuple[str, list[Call]]:
-    start = text.find(DS_CALLS)
-    if start < 0:
-        return text, []
-    objs = []
-    for kind, rest in DS_CALL.findall(text[start:]):
-        fenced = DS_FENCED.match(rest) if kind.strip() == "function" else None
-        if fenced:  # V3 / R1: the name, then the arguments in a ```json block
-            objs.append({"name": fenced[1].strip(), "arguments": _json(fenced[2])})
-        else:  # V3.1: the name before the separator
-            objs.append({"name": kind.strip(), "arguments": _json(rest)})
-    calls = _all(objs)
-    return (text[:start].strip(), calls) if calls else (text, [])
+def listed(s: CallStream):
+    """A JSON list of call objects (Mistral v0.3; "required" forced calls)."""
+    yield from s.ws()
+    yield from s.take("[")
+    while True:
+        yield from s.call_object()
+        yield from s.ws()
+        if not (yield from s.at(",")):
+            return
+        s.i += 1
 
 
-PARSERS: dict[str, Callable[[str], tuple[str, list[Call]]]] = {
-    "hermes": parse_hermes,
-    "llama3": parse_llama3,
-    "mistral": parse_mistral,
-    "deepseek": parse_deepseek,
+def named(name: str) -> Grammar:
+    """A call forced by name: the whole answer is its arguments."""
+
+    def grammar(s: CallStream):
+        s.head(name)
+        yield from s.arguments()
+
+    return grammar
+
+
+GRAMMARS: dict[str, Grammar] = {
+    "hermes": hermes,
+    "llama3": llama3,
+    "mistral": mistral,
+    "deepseek": deepseek,
 }
-# where a family's calls may start, in text without special tokens (for streaming: text from
-# there on is held back until the answer ends); "^": only at the answer's start
-STARTS = {
-    "hermes": ("<tool_call>",),
-    "llama3": ("^{",),
-    "mistral": ("^[", MISTRAL),
-    "deepseek": (DS_CALLS,),
-}
+
+
+def read(grammar: Grammar, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments' JSON text)]) of a whole answer; text whose calls are not
+    whole (cut short, arguments that are no JSON object) is all content."""
+    s = CallStream(grammar)
+    deltas = s.feed(text) + s.finish()
+    if not s.complete():
+        return text, []
+    return "".join(t for kind, t, _ in deltas if kind == "content"), [tuple(c) for c in s.calls]
+
+
+def parse(fam: str, text: str) -> tuple[str, list[Call]]:
+    """(content, calls with their arguments parsed) of a whole answer of a family."""
+    content, calls = read(GRAMMARS[fam], text)
+    return content, [{"name": n, "arguments": json.loads(a)} for n, a in calls]
 
 
 def family(chat_template: str | None) -> str:
@@ -139,20 +382,11 @@ def family(chat_template: str | None) -> str:
     return "hermes"
 
 
-def call_id() -> str:
+def call_id(fam: str | None = None) -> str:
+    """A call's id; Mistral's templates accept only 9 letters and digits (as vLLM writes them)."""
+    if fam == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def openai_calls(calls: list[Call]) -> list[dict]:
-    """Calls as OpenAI's message.tool_calls (arguments as a JSON string)."""
-    return [
-        {
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
-        }
-        for c in calls
-    ]
 
 
 # --- forcing a call ---------------------------------------------------------------------------
@@ -176,84 +410,25 @@ def forced_schema(tools: list[dict], choice: str | None, parallel: bool = True) 
     return calls if parallel else {**calls, "maxItems": 1}
 
 
-def forced_calls(text: str, choice: str | None) -> list[Call]:
-    """The calls of an answer written under `forced_schema` (empty if cut short)."""
-    value = _json(text)
-    if choice is not None:
-        return [{"name": choice, "arguments": value}] if isinstance(value, dict) else []
-    return (_all(value) or []) if isinstance(value, list) else []
-
-
-class HoldBack:
-    """Streams an answer's text but holds it back from where a tool call may start (a family's
-    marker, or a character the answer may start a call with); `held` is what was kept."""
-
-    def __init__(self, fam: str | None):
-        """fam None: hold everything (a forced call is JSON from its first character)."""
-        starts = STARTS[fam] if fam else ()
-        self.anywhere = [m for m in starts if not m.startswith("^")]
-        self.first = [m[1:] for m in starts if m.startswith("^")]
-        self.sent, self.held, self.holding = "", "", fam is None
-
-    def feed(self, piece: str) -> str:
-        """Text that may go out now."""
-        if self.holding:
-            self.held += piece
-            return ""
-        text = self.held + piece
-        if not self.sent.strip() and any(text.lstrip().startswith(m) for m in self.first):
-            self.held, self.holding = text, True
-            return ""
-        for m in self.anywhere:
-            if m in text:
-                cut = text.index(m)
-                self.held, self.holding = text[cut:], True
-                self.sent += text[:cut]
-                return text[:cut]
-        # keep back a tail that may be the start of a marker
-        keep = max(
-            (k for m in self.anywhere for k in range(1, len(m)) if text.endswith(m[:k])), default=0
-        )
-        out, self.held = text[: len(text) - keep], text[len(text) - keep :]
-        self.sent += out
-        return out
-
-
 class ToolUse:
-    """One chat request's tools: the schema forcing a call (if forced), and how its answers are
-    streamed (held back from a possible call on) and read back into tool_calls."""
+    """One chat request's tools: the schema forcing a call (if forced), and the grammar its
+    answers are read by (`stream`)."""
 
-    def __init__(
-        self,
-        tools: list[dict],
-        choice: str,
-        fam: str,
-        decode: Callable,
-        stops: set,
-        parallel: bool = True,
-    ):
-        self.tools, self.parallel = tools, parallel
+    def __init__(self, tools: list[dict], choice: str, fam: str, parallel: bool = True):
+        self.tools, self.parallel, self.fam = tools, parallel, fam
         self.named = None if choice in ("auto", "required") else choice
         self.forced = choice != "auto"
-        self.fam, self.decode, self.stops = fam, decode, stops
 
     def structure(self) -> dict:
-        """SamplingParams fields that force the call."""
+        """SamplingParams fields that force the call (special tokens kept in the text: some
+        families' markers are special tokens)."""
         schema = forced_schema(self.tools, self.named, self.parallel)
-        return {"json_schema": schema} if self.forced else {}
+        return {"json_schema": schema} if self.forced else {"skip_special_tokens": False}
 
-    def hold(self) -> HoldBack:
-        return HoldBack(None if self.forced else self.fam)
+    def grammar(self) -> Grammar:
+        if self.named:
+            return named(self.named)
+        return listed if self.forced else GRAMMARS[self.fam]
 
-    def answer(self, result) -> tuple[str | None, list[dict] | None]:
-        """(content, tool_calls or None) of a GenerationResult."""
-        if self.forced:
-            calls = forced_calls(result.text, self.named)
-            return (None, openai_calls(calls)) if calls else (result.text, None)
-        ids = result.token_ids
-        if ids and ids[-1] in self.stops:
-            ids = ids[:-1]
-        content, calls = PARSERS[self.fam](self.decode(ids))
-        if not calls:
-            return result.text, None
-        return content or None, openai_calls(calls)
+    def stream(self) -> CallStream:
+        return CallStream(self.grammar())

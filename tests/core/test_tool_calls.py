@@ -1,5 +1,6 @@
-"""Tool-call parsing per family, format detection from the real chat templates, the stream's
-hold-back, and the schemas that force a call."""
+"""Tool-call reading per family (whole answers, and streams cut anywhere: content first, a call's
+head, its arguments in pieces that join into the whole answer's), format detection from the real
+chat templates, and the schemas that force a call."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import pytest
 from fixtures.chat_tokenizers import LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, QWEN25_TEMPLATE
 
 from core.tool_calls import (
-    PARSERS,
-    HoldBack,
+    GRAMMARS,
+    CallStream,
+    call_id,
     family,
-    forced_calls,
     forced_schema,
-    openai_calls,
+    listed,
+    named,
+    parse,
+    read,
 )
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -77,10 +81,79 @@ CASES = [(fam, *case) for fam, cases in WRITTEN.items() for case in cases]
 
 @pytest.mark.parametrize(("fam", "text", "content", "calls"), CASES)
 def test_each_family_parses_its_calls(fam, text, content, calls):
-    assert PARSERS[fam](text) == (content, calls)
+    assert parse(fam, text) == (content, calls)
 
 
-@pytest.mark.parametrize("fam", list(PARSERS))
+def streamed(grammar, text: str, size: int) -> tuple[str, list[tuple[str, str]], list]:
+    """(content, [(name, arguments)], deltas) of `text` fed in pieces of `size` characters."""
+    s = CallStream(grammar)
+    deltas = [d for i in range(0, len(text), size) for d in s.feed(text[i : i + size])]
+    deltas += s.finish()
+    content = "".join(t for kind, t, _ in deltas if kind == "content")
+    names = [t for kind, t, _ in deltas if kind == "call"]
+    args = [
+        "".join(t for kind, t, k in deltas if kind == "args" and k == n) for n in range(len(names))
+    ]
+    return content, list(zip(names, args, strict=True)), deltas
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize(("fam", "text", "content", "calls"), CASES)
+def test_a_stream_cut_anywhere_reads_as_the_whole_answer(fam, text, content, calls, size):
+    got_content, got_calls, deltas = streamed(GRAMMARS[fam], text, size)
+    assert (got_content, got_calls) == read(GRAMMARS[fam], text)
+    assert [(n, json.loads(a)) for n, a in got_calls] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
+    heads = [k for kind, _, k in deltas if kind == "call"]
+    assert heads == list(range(len(calls)))  # one head per call, indexed 0, 1, ...
+    for k in heads:  # each call's head comes before its arguments, content before all calls
+        first = [j for j, (kind, _, i) in enumerate(deltas) if i == k]
+        assert deltas[first[0]][0] == "call"
+    kinds = [kind for kind, _, _ in deltas]
+    if "content" in kinds and "call" in kinds:
+        assert max(j for j, kind in enumerate(kinds) if kind == "content") < kinds.index("call")
+
+
+def test_long_arguments_stream_in_pieces_as_written():
+    args = json.dumps({"text": "word " * 60, "n": [1, 2, {"a": "}{]["}]})
+    text = f'Sure.\n<tool_call>\n{{"name": "write", "arguments": {args}}}\n</tool_call>'
+    _, calls, deltas = streamed(GRAMMARS["hermes"], text, 4)
+    pieces = [t for kind, t, _ in deltas if kind == "args"]
+    assert len(pieces) > 20 and calls == [("write", args)]  # the written text, exactly
+    # the name goes out before the arguments are complete
+    head = next(j for j, d in enumerate(deltas) if d[0] == "call")
+    assert head < len(deltas) - 5
+
+
+def test_held_back_text_goes_out_once_decided():
+    s = CallStream(GRAMMARS["hermes"])
+    assert s.feed("Let me ") == [("content", "Let me", None)]  # a space may precede a call
+    assert s.feed("check <") == [("content", " check", None)]  # "<" may start <tool_call>
+    assert s.feed("b") == [("content", " <b", None)]  # it did not
+    s = CallStream(GRAMMARS["llama3"])  # a call may only start the answer
+    assert s.feed("\n") == [] and s.feed("Hi {x}") == [("content", "\nHi {x}", None)]
+    s = CallStream(GRAMMARS["llama3"])  # JSON that is no call: released when that is clear
+    assert s.feed('{"temp') == [] and s.feed('erature": 21}') == [
+        ("content", '{"temperature": 21}', None)
+    ]
+    s = CallStream(GRAMMARS["mistral"])
+    assert s.feed("[TOOL_CALLS]get_") == [] and s.feed("time[ARGS]{") == [
+        ("call", "get_time", 0),
+        ("args", "{", 0),
+    ]
+
+
+def test_forced_answers_stream_as_calls():
+    _, calls, deltas = streamed(named("get_weather"), ARGS, 3)
+    assert deltas[0] == ("call", "get_weather", 0) and calls == [("get_weather", ARGS)]
+    two = '[{"name": "get_time", "parameters": {"zone": "CET"}}, '
+    two += '{"name": "get_time", "parameters": {}}]'
+    assert streamed(listed, two, 5)[1] == [("get_time", '{"zone": "CET"}'), ("get_time", "{}")]
+    assert read(listed, '[{"name": "get_ti') == ('[{"name": "get_ti', [])  # cut short
+
+
+@pytest.mark.parametrize("fam", list(GRAMMARS))
 @pytest.mark.parametrize(
     "text",
     [
@@ -91,7 +164,7 @@ def test_each_family_parses_its_calls(fam, text, content, calls):
     ],
 )
 def test_text_that_is_no_call_stays_content(fam, text):
-    assert PARSERS[fam](text) == (text, [])
+    assert parse(fam, text) == (text, [])
 
 
 def test_the_real_templates_name_their_family():
@@ -102,28 +175,10 @@ def test_the_real_templates_name_their_family():
     assert family("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek"
 
 
-def test_openai_calls_carry_json_arguments_and_ids():
-    (call,) = openai_calls([WEATHER])
-    assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"] == {"name": "get_weather", "arguments": ARGS}
-
-
-def feed_all(hold: HoldBack, pieces: list[str]) -> str:
-    return "".join(hold.feed(p) for p in pieces)
-
-
-def test_hold_back_streams_content_and_keeps_the_call():
-    hold = HoldBack("hermes")
-    out = feed_all(hold, ["Let me ", "check.\n<tool", "_call>\n{", '"name": ...}', "</tool_call>"])
-    assert out == "Let me check.\n"
-    assert hold.held == '<tool_call>\n{"name": ...}</tool_call>'
-    hold = HoldBack("hermes")  # a '<' that starts no marker goes out in the end
-    assert feed_all(hold, ["a <", "b"]) == "a <b"
-    hold = HoldBack("llama3")
-    assert feed_all(hold, ["\n", '{"na', 'me"}']) == "\n" and hold.held == '{"name"}'
-    assert feed_all(HoldBack("llama3"), ["Hi ", "{x}"]) == "Hi {x}"  # "{" mid-answer: no call
-    hold = HoldBack(None)  # a forced call: all of it
-    assert feed_all(hold, ["[", "{}]"]) == "" and hold.held == "[{}]"
+def test_call_ids():
+    assert call_id().startswith("call_") and call_id() != call_id()
+    mistral = call_id("mistral")  # Mistral's templates refuse any other id
+    assert len(mistral) == 9 and mistral.isalnum()
 
 
 TOOLS = [
@@ -153,6 +208,3 @@ def test_forced_schemas_accept_calls_and_refuse_others():
     jsonschema.validate(two, required)
     with pytest.raises(jsonschema.ValidationError):  # parallel_tool_calls: false
         jsonschema.validate(two, forced_schema(TOOLS, None, parallel=False))
-    assert forced_calls(ARGS, "get_weather") == [WEATHER]
-    assert forced_calls('[{"name": "get_time", "parameters": {"zone": "CET"}}]', None) == [TIME]
-    assert forced_calls('[{"name": "get_ti', None) == []  # cut short by max_tokens

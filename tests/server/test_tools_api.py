@@ -166,12 +166,12 @@ def test_auto_parses_a_written_call_and_streams_it_as_deltas(served):
     client, model, script = served
     written = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
     try:
-        script_answer(model, script, written, [WEATHER["function"]])
+        script_answer(model, script, written, [WEATHER])
         r = chat(client, tools=[WEATHER])  # tool_choice defaults to auto
         content, calls, finish = streamed(client, tools=[WEATHER])
         script_answer(model, script, written, [])  # "none": the tools are not in the prompt
         plain = chat(client, tools=[WEATHER], tool_choice="none")
-        script_answer(model, script, "It is sunny.", [WEATHER["function"]])
+        script_answer(model, script, "It is sunny.", [WEATHER])
         prose = streamed(client, tools=[WEATHER])
     finally:
         script.ids = None
@@ -218,10 +218,10 @@ def test_tool_results_flow_back_through_the_template(served):
             }
         ],
     }
-    text = model.tokenizer.render_chat(rendered, tools=[WEATHER["function"]])
+    text = model.tokenizer.render_chat(rendered, tools=[WEATHER])  # as transformers hands them
     assert "ipython<|end_header_id|>" in text and "temperature" in text  # the tool's result
     assert '"parameters": {"city": "Paris"' in text  # the call
-    want = model.tokenizer.apply_chat_template(rendered, tools=[WEATHER["function"]])
+    want = model.tokenizer.apply_chat_template(rendered, tools=[WEATHER])
     assert r.usage.prompt_tokens == len(want)
 
 
