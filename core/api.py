@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from core.errors import CheckpointError, RequestError
+from core.hugepages import move_to_huge_pages
 from core.loader import load_weights
 from core.model import Model
 from core.modeling import CausalLM
@@ -148,6 +149,8 @@ def load_model(
             quantize_model(net, quantize)
         if check_finite:
             _check_finite(net, path)
+        if dev.type == "cpu":  # decode streams every weight: fewer TLB misses in 2 MiB pages
+            move_to_huge_pages(net)
         tokenizer = ckpt.tokenizer()
         gen_config = ckpt.generation_config()
     finally:

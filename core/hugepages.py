@@ -1,0 +1,80 @@
+"""A CPU model's weights in transparent huge pages.
+
+Decode streams every weight once per token. With the kernel's 4 KiB pages, a 540 MB fp32
+model spans 130k pages, far more than the TLB holds, so the stream also walks page tables;
+with 2 MiB pages it spans 260. Linux gives huge pages to an anonymous mapping that asks for
+them (madvise MADV_HUGEPAGE; `/sys/kernel/mm/transparent_hugepage/enabled` = madvise, the
+common default, gives them to no one else), and torch's allocator does not ask. Measured on
+an AMD EPYC (2 vCPUs), SmolLM2-135M's fused decode step: fp32 16.2 -> 14.9 ms, Q4_1 kept
+5.6 -> 5.2 ms (benchmarks/huge_pages.py).
+
+`move_to_huge_pages` copies each large weight of a model into one private anonymous mapping
+that asks for huge pages, 2 MiB aligned: the values and shapes are unchanged, only where they
+live. Where the platform has no such advice, or huge pages are off, it does nothing.
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HUGE = 2 << 20  # bytes in a huge page (x86-64, arm64 with 4 KiB base pages)
+PAGE = 4096
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def available() -> bool:
+    """Whether this process can have transparent huge pages by asking."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only
+        return False
+    try:
+        return "[never]" not in THP.read_text()
+    except OSError:
+        return False
+
+
+def _round(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def move_to_huge_pages(net: nn.Module, min_bytes: int = PAGE) -> int:
+    """Move net's CPU parameters and buffers of at least `min_bytes` that own their whole
+    storage into huge pages, packed one after another (tensors sharing a storage, such as tied
+    embeddings, go on sharing it); returns the bytes moved (0 where huge pages are not
+    available)."""
+    if not available():
+        return 0
+    uses: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
+    for mod in net.modules():
+        for kind in (mod._parameters, mod._buffers):
+            for name, t in kind.items():
+                if t is None or t.device.type != "cpu" or not t.is_contiguous():
+                    continue
+                storage = t.untyped_storage()
+                whole = t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+                if whole and storage.nbytes() >= min_bytes:
+                    uses.setdefault(storage.data_ptr(), []).append((mod, name, t))
+    if not uses:
+        return 0
+    sizes = {key: places[0][2].untyped_storage().nbytes() for key, places in uses.items()}
+    total = sum(_round(n, PAGE) for n in sizes.values())
+    area = mmap.mmap(-1, _round(total, HUGE) + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)
+    # the tensors made from it keep the mapping alive (torch.frombuffer holds the buffer)
+    arena = torch.frombuffer(area, dtype=torch.uint8)
+    at = (-arena.data_ptr()) % HUGE
+    for key, places in uses.items():
+        n = sizes[key]
+        raw = arena[at : at + n]
+        raw.copy_(places[0][2].view(-1).view(torch.uint8))
+        at += _round(n, PAGE)
+        for mod, name, t in places:
+            new = raw.view(t.dtype).view(t.shape)
+            if name in mod._parameters:
+                mod._parameters[name].data = new
+            else:
+                mod._buffers[name] = new
+    return total
