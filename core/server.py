@@ -265,6 +265,8 @@ def create_app(
         messages = []
         for i, m in enumerate(given):
             msg = m.model_dump(exclude_none=True)
+            if msg.get("tool_calls") and "content" not in msg:
+                msg["content"] = None  # (DeepSeek's templates test `content is none`)
             if isinstance(m.content, list):
                 if any(part.type != "text" for part in m.content):
                     raise ApiError(400, "only text content parts are supported", param="messages")
