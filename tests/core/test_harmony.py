@@ -5,60 +5,16 @@ only (the analysis channel never reaches stdout nor the chat history)."""
 from __future__ import annotations
 
 import pytest
+from fixtures.chat_tokenizers import template
 
 from core import RequestError
 from core.cli import _answer
-from core.harmony import FinalChannel
+from core.harmony import FinalChannel, HarmonyReader
 from core.tokenizer import StreamDecoder, Tokenizer
 
 # condensed from gpt-oss's template: a macro for the system header, strftime_now, namespace,
 # the system/developer split, analysis kept only after the last user turn, final vs return
-HARMONY_TEMPLATE = """\
-{%- macro render_system(reasoning_effort) -%}
-You are ChatGPT, a large language model trained by OpenAI.
-Knowledge cutoff: 2024-06
-Current date: {{ strftime_now("%Y-%m-%d") }}
-
-Reasoning: {{ reasoning_effort }}
-
-# Valid channels: analysis, commentary, final. Channel must be included for every message.
-{%- endmacro -%}
-{%- if reasoning_effort is not defined %}{%- set reasoning_effort = "medium" %}{%- endif %}
-{{- "<|start|>system<|message|>" + render_system(reasoning_effort) + "<|end|>" }}
-{%- if messages[0].role == "developer" or messages[0].role == "system" %}
-    {%- set developer_message = messages[0].content %}
-    {%- set loop_messages = messages[1:] %}
-{%- else %}
-    {%- set developer_message = "" %}
-    {%- set loop_messages = messages %}
-{%- endif %}
-{%- if developer_message %}
-    {{- "<|start|>developer<|message|># Instructions\\n\\n" + developer_message + "\\n\\n<|end|>" }}
-{%- endif %}
-{%- set last_user = namespace(idx=-1) %}
-{%- for message in loop_messages %}
-    {%- if message.role == "user" %}{%- set last_user.idx = loop.index0 %}{%- endif %}
-{%- endfor %}
-{%- for message in loop_messages -%}
-    {%- if message.role == "assistant" -%}
-        {%- if message.thinking is defined and loop.index0 > last_user.idx %}
-            {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
-        {%- endif %}
-        {%- if loop.last and not add_generation_prompt %}
-            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
-        {%- else %}
-            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
-        {%- endif %}
-    {%- elif message.role == "user" -%}
-        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
-    {%- else -%}
-        {{- raise_exception("Unexpected message role: " + message.role) }}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-<|start|>assistant
-{%- endif -%}
-"""
+HARMONY_TEMPLATE = template("gpt_oss_condensed")
 MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
 CHAT = [
     {"role": "system", "content": "Answer briefly."},
@@ -150,3 +106,48 @@ def test_other_chats_and_raw_prompts_print_everything(harmony_folder, capsys):
     assert "SECRET" in capsys.readouterr().out
     plain = Tokenizer.from_folder(harmony_folder)  # Llama's template: no channels
     assert FinalChannel.for_tokenizer(plain) is None
+
+
+CALLING = (
+    "<|channel|>analysis<|message|>The user wants the weather: call get_weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris"}'
+)
+
+
+def read(text: str, size: int, tools: bool = True) -> tuple[dict[str, str], list]:
+    """{kind: joined text} and the deltas of a harmony answer fed in pieces of `size`."""
+    reader = HarmonyReader(tools)
+    deltas = [d for i in range(0, len(text), size) for d in reader.feed(text[i : i + size])]
+    deltas += reader.finish()
+    joined: dict[str, str] = {}
+    for kind, text_, _ in deltas:
+        joined[kind] = joined.get(kind, "") + text_
+    return joined, deltas
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_a_streamed_harmony_answer_splits_by_channel_in_any_cut(size):
+    joined, deltas = read(GENERATED, size)
+    assert joined == {"reasoning": "SECRET reasoning about 3+3.", "content": "It is 6."}
+    kinds = [kind for kind, _, _ in deltas]
+    assert kinds.index("content") > max(i for i, k in enumerate(kinds) if k == "reasoning")
+    joined, deltas = read(CALLING, size)  # a commentary message to a function: a tool call
+    assert joined == {
+        "reasoning": "The user wants the weather: call get_weather.",
+        "call": "get_weather",
+        "args": '{"city": "Paris"}',
+    }
+    assert [d for d in deltas if d[0] == "call"] == [("call", "get_weather", 0)]
+    if size < 5:  # the arguments go out as they come
+        assert len([d for d in deltas if d[0] == "args"]) > 3
+
+
+def test_other_harmony_messages():
+    preamble = "<|channel|>commentary<|message|>Checking the weather.<|end|>"
+    assert read(preamble, 3)[0] == {"content": "Checking the weather."}  # shown to the user
+    assert read(CALLING, 3, tools=False)[0] == {  # no tools offered: no call
+        "reasoning": "The user wants the weather: call get_weather."
+    }
+    assert read("no channels at all", 4)[0] == {"content": "no channels at all"}
+    assert read("<|channel|>final<|message|>a < b <|", 2)[0] == {"content": "a < b <|"}
