@@ -8,14 +8,9 @@ with `<think>\\n`; so does Qwen3's when thinking is on): the answer then starts 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 OPEN, CLOSE = "<think>", "</think>"
-# a harmony message: <|channel|>name ...<|message|>text, up to the next marker or the end
-HARMONY = re.compile(
-    r"<\|channel\|>(\w+)[^<]*<\|message\|>(.*?)(?=<\|(?:end|return|call|start)\|>|$)", re.S
-)
 
 
 def thinks(tok: Any) -> bool:
@@ -80,14 +75,6 @@ def split(text: str, opened: bool = False) -> tuple[str, str]:
     r1, c1 = s.feed(text)
     r2, c2 = s.flush()
     return (r1 + r2).strip(), c1 + c2
-
-
-def split_harmony(raw: str) -> tuple[str, str]:
-    """(analysis, final) of a harmony answer decoded with its special tokens."""
-    parts: dict[str, list[str]] = {}
-    for channel, text in HARMONY.findall(raw):
-        parts.setdefault(channel, []).append(text)
-    return "".join(parts.get("analysis", [])), "".join(parts.get("final", []))
 
 
 class Reasoner:

@@ -1,11 +1,11 @@
-"""Reasoning split from answers: think blocks (streamed in any cut, or opened by the prompt) and
-gpt-oss's analysis channel."""
+"""Reasoning split from answers: think blocks (streamed in any cut, or opened by the prompt);
+gpt-oss's analysis channel: tests/core/test_harmony.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from core.reasoning import ThinkSplitter, split, split_harmony
+from core.reasoning import ThinkSplitter, split
 
 ANSWER = "<think>\nThe capital of France... Paris.\n</think>\n\nParis."
 
@@ -26,12 +26,3 @@ def test_whole_answers():
     assert split("Paris. <think> is a tag") == ("", "Paris. <think> is a tag")  # not at the start
     assert split("<think>cut short by max_tokens") == ("cut short by max_tokens", "")
     assert split("a < b") == ("", "a < b")
-
-
-def test_harmony_channels():
-    raw = (
-        "<|channel|>analysis<|message|>3+3 is 6.<|end|><|start|>assistant"
-        "<|channel|>final<|message|>6<|return|>"
-    )
-    assert split_harmony(raw) == ("3+3 is 6.", "6")
-    assert split_harmony("<|channel|>analysis<|message|>still think") == ("still think", "")

@@ -152,6 +152,14 @@ def test_required_calls_one_of_the_tools(served):
         args = json.loads(call.function.arguments)
         if call.function.name == "get_weather":
             jsonschema.validate(args, WEATHER["function"]["parameters"])
+    # streamed: each call's head, then its arguments in pieces as written (greedy: the same)
+    chunks = chat(served[0], tools=[WEATHER, TIME], tool_choice="required", stream=True)
+    deltas = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []]
+    for k, call in enumerate(calls):
+        head, *pieces = [d for d in deltas if d.index == k]
+        assert head.function.name == call.function.name and head.function.arguments == ""
+        assert "".join(d.function.arguments for d in pieces) == call.function.arguments
+    assert len(deltas) > len(calls) * 2  # more than one piece of arguments per call
 
 
 def script_answer(model, script, text: str, tools: list) -> None:
