@@ -1,8 +1,9 @@
-"""gpt-oss's harmony format through HTTP with the openai client: a tiny Llama with gpt-oss's
-markers (special tokens) and a condensed gpt-oss template, its network scripted to write an
-analysis message then a final one, or a commentary message to a function. The analysis streams
-as reasoning_content deltas while it is written and the final channel as content deltas after
-it (no marker leaks); a commentary call comes back as tool_calls, streamed in pieces."""
+"""gpt-oss's harmony format through HTTP with the openai client: a tiny gpt-oss checkpoint
+(sliding and full layers, experts) with gpt-oss's markers as special tokens and a condensed
+gpt-oss template, its network scripted to write an analysis message then a final one, or a
+commentary message to a function. The analysis streams as reasoning_content deltas while it is
+written and the final channel as content deltas after it (no marker leaks); a commentary call
+comes back as tool_calls, streamed in pieces."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import shutil
 import openai
 import pytest
 import torch
-from conftest import LLAMA32, make_checkpoint
+from conftest import make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
 from fixtures.tool_templates import GPT_OSS
 from test_server import KEY, Server
@@ -41,7 +42,24 @@ def served(tmp_path_factory):
     special = build_tokenizer_folder(root, GPT_OSS)
     # gpt-oss's generation_config: a turn ends at <|return|> or <|call|>
     stops = [special["<|return|>"], special["<|call|>"]]
-    spec = dict(LLAMA32, vocab_size=320, max_position_embeddings=256, eos_token_id=stops)
+    spec = dict(
+        model_type="gpt_oss",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=stops,
+        pad_token_id=special["<|endoftext|>"],
+    )
     make_checkpoint(root, spec, seed=2)
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     model = load_model(root, max_batch_size=2, max_seq_len=512)
