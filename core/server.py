@@ -48,7 +48,7 @@ from core.server_schemas import (
 )
 from core.server_stream import EventStream, Reading, events, results
 from core.structured import schema_text
-from core.tool_calls import ToolUse, family
+from core.tool_calls import ToolUse, family, template_arguments
 
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # GET /
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)
@@ -261,7 +261,8 @@ def create_app(
 
     def template_messages(given) -> list[dict]:
         """Chat messages as the template takes them (content parts joined: text only; a tool
-        call's arguments as an object, as templates write them with `tojson`)."""
+        call's arguments as an object, as templates write them with `tojson`, that joins to
+        strings as its JSON text, as DeepSeek's templates join it)."""
         messages = []
         for i, m in enumerate(given):
             msg = m.model_dump(exclude_none=True)
@@ -275,7 +276,7 @@ def create_app(
                 f = call.get("function", {}) if isinstance(call, dict) else {}
                 if isinstance(f.get("arguments"), str):
                     try:
-                        f["arguments"] = json.loads(f["arguments"])
+                        f["arguments"] = template_arguments(f["arguments"])
                     except json.JSONDecodeError:
                         where = f"messages.{i}.tool_calls"
                         raise ApiError(

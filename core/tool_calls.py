@@ -389,6 +389,32 @@ def call_id(fam: str | None = None) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+class _Arguments(dict):
+    """A call's arguments as chat templates take them: an object (`tojson`, `.items()`) that
+    becomes its JSON text as written where a template joins it to strings (DeepSeek V3 / R1:
+    `'```json' + '\\n' + tool['function']['arguments']`) or prints it."""
+
+    def __init__(self, value: dict, text: str):
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: str) -> str:
+        return self.text + other
+
+    def __radd__(self, other: str) -> str:
+        return other + self.text
+
+
+def template_arguments(text: str) -> Any:
+    """An earlier call's JSON-string arguments as templates take them (JSONDecodeError if
+    they are no JSON)."""
+    value = json.loads(text)
+    return _Arguments(value, text) if isinstance(value, dict) else value
+
+
 # --- forcing a call ---------------------------------------------------------------------------
 def forced_schema(tools: list[dict], choice: str | None, parallel: bool = True) -> dict:
     """The JSON schema an answer must match when a call is forced (as vLLM forces it): a named

@@ -20,6 +20,7 @@ from core.tool_calls import (
     named,
     parse,
     read,
+    template_arguments,
 )
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -208,3 +209,14 @@ def test_forced_schemas_accept_calls_and_refuse_others():
     jsonschema.validate(two, required)
     with pytest.raises(jsonschema.ValidationError):  # parallel_tool_calls: false
         jsonschema.validate(two, forced_schema(TOOLS, None, parallel=False))
+
+
+def test_earlier_arguments_reach_templates_as_objects_that_join_as_written():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    written = '{"city":"Paris",  "unit": "celsius"}'  # as the model wrote it
+    args = template_arguments(written)
+    template = "{{ 'json\\n' + a + '\\n' }}|{{ a | tojson }}|{{ a.city }}|{{ a | length }}"
+    out = ImmutableSandboxedEnvironment().from_string(template).render(a=args)
+    assert out == f'json\n{written}\n|{{"city": "Paris", "unit": "celsius"}}|Paris|2'
+    assert template_arguments("[1, 2]") == [1, 2]  # (not an object: as parsed)

@@ -1,10 +1,10 @@
 """`auto` tool calls end to end per family, through HTTP with the openai client: a tiny Llama
-under each family's real chat template (Llama 3.1's, Mistral v0.3's, DeepSeek V3.1's tool
-template: tests/fixtures) renders the tools into the prompt; a scripted network writes text,
-then two calls (one with long arguments) in the family's format; the answer comes back as
-tool_calls, and streamed as OpenAI streams them (content, then per call a head with index, id
-and name, then its arguments in pieces that join into the non-streamed arguments); the calls and
-the tools' results go back through the template."""
+under each family's real chat template (Llama 3.1's, Mistral v0.3's, DeepSeek-V3's, and the
+DeepSeek V3.1 tool template vLLM ships: tests/fixtures) renders the tools into the prompt; a
+scripted network writes text, then two calls (one with long arguments) in the family's format;
+the answer comes back as tool_calls, and streamed as OpenAI streams them (content, then per
+call a head with index, id and name, then its arguments in pieces that join into the
+non-streamed arguments); the calls and the tools' results go back through the template."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ import pytest
 import torch
 from conftest import LLAMA32, chat_llama_folder, make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
-from fixtures.tool_templates import DEEPSEEK_V31, MISTRAL_V03
+from fixtures.tool_templates import DEEPSEEK_V3, DEEPSEEK_V31, MISTRAL_V03
 from test_server import KEY, Server
 from test_tools_api import WEATHER, scripted
 from transformers import AutoTokenizer
 
 from core import load_model
 from core.server import create_app
+from core.tool_calls import template_arguments
 
 NOTE = {
     "type": "function",
@@ -56,6 +57,18 @@ FAMILIES = {
         ['[TOOL_CALLS] [{"', '"name": "get_weather"', '{"city": "Paris", "unit": "celsius"}'],
         ['[TOOL_RESULTS] {"content": 21, "call_id": "'],
     ),
+    "deepseek-v3": (  # its template writes no tools, and an earlier call only without content
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        f"{P}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>write_note\n"
+        f"```json\n{L}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        None,
+        ["<｜User｜>What is the weather in Paris?<｜Assistant｜>"],
+        [  # the arguments joined to strings as the model wrote them
+            "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+            f"get_weather\n```json\n{P}\n```<｜tool▁call▁end｜>"
+        ],
+        ["<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>21<｜tool▁output▁end｜>"],
+    ),
     "deepseek": (
         "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
         f"{P}<｜tool▁call▁end｜><｜tool▁call▁begin｜>write_note<｜tool▁sep｜>{L}"
@@ -72,7 +85,8 @@ def family_folder(root, name: str):
     """The tiny chat Llama, its tokenizer and template those of the family `name`."""
     if name == "llama3":
         return chat_llama_folder(root)
-    family = {"mistral": MISTRAL_V03, "deepseek": DEEPSEEK_V31}[name]
+    families = {"mistral": MISTRAL_V03, "deepseek": DEEPSEEK_V31, "deepseek-v3": DEEPSEEK_V3}
+    family = families[name]
     special = build_tokenizer_folder(root, family)
     assert special["vocab_size"] <= 320
     spec = dict(LLAMA32, vocab_size=320, max_position_embeddings=256)
@@ -160,16 +174,22 @@ def test_calls_and_results_go_back_through_the_template(served):
         "tool_calls": [
             {
                 **c,
-                "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])},
+                "function": {
+                    **c["function"],
+                    "arguments": template_arguments(c["function"]["arguments"]),
+                },
             }
             for c in calls
         ],
     }
     text = model.tokenizer.render_chat(rendered, tools=TOOLS)
     assert all(piece in text for piece in FAMILIES[fam][3] + FAMILIES[fam][4])
-    hf = AutoTokenizer.from_pretrained(model.path)  # Zoo's sandbox renders as transformers
-    assert text == hf.apply_chat_template(
-        rendered, tools=TOOLS, tokenize=False, add_generation_prompt=True
-    )
+    if fam != "deepseek-v3":  # Zoo's sandbox renders as transformers (which drops a null
+        # content, so DeepSeek-V3's template, testing `content is none`, fails there)
+        hf = AutoTokenizer.from_pretrained(model.path)
+        want = hf.apply_chat_template(
+            rendered, tools=TOOLS, tokenize=False, add_generation_prompt=True
+        )
+        assert text == want
     want = model.tokenizer.apply_chat_template(rendered, tools=TOOLS)
     assert again.usage.prompt_tokens == len(want)
