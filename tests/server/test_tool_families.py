@@ -1,10 +1,11 @@
 """`auto` tool calls end to end per family, through HTTP with the openai client: a tiny Llama
-under each family's real chat template (Llama 3.1's, Mistral v0.3's, DeepSeek-V3's, and the
-DeepSeek V3.1 tool template vLLM ships: tests/fixtures) renders the tools into the prompt; a
-scripted network writes text, then two calls (one with long arguments) in the family's format;
-the answer comes back as tool_calls, and streamed as OpenAI streams them (content, then per
-call a head with index, id and name, then its arguments in pieces that join into the
-non-streamed arguments); the calls and the tools' results go back through the template."""
+under each family's real chat template (Llama 3.1's, Qwen2.5's, Mistral v0.3's, DeepSeek-V3's,
+and the DeepSeek V3.1 tool template vLLM ships: tests/fixtures) renders the tools into the
+prompt; a scripted network writes text, then two calls (one with long arguments) in the
+family's format; the answer comes back as tool_calls, and streamed as OpenAI streams them
+(content, then per call a head with index, id and name, then its arguments in pieces that join
+into the non-streamed arguments); the calls and the tools' results go back through the
+template."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import openai
 import pytest
 import torch
 from conftest import LLAMA32, chat_llama_folder, make_checkpoint
-from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.chat_tokenizers import QWEN2, build_tokenizer_folder
 from fixtures.tool_templates import DEEPSEEK_V3, DEEPSEEK_V31, MISTRAL_V03
 from test_server import KEY, Server
 from test_tools_api import WEATHER, scripted
@@ -48,6 +49,14 @@ FAMILIES = {
         ['"name": "get_weather"', "Environment: ipython"],
         ['"name": "get_weather", "parameters": {"city": "Paris"'],
         ['<|start_header_id|>ipython<|end_header_id|>\n\n"21"'],
+    ),
+    "hermes": (  # Qwen2.5's template
+        f'Let me check.\n<tool_call>\n{{"name": "get_weather", "arguments": {P}}}\n</tool_call>\n'
+        f'<tool_call>\n{{"name": "write_note", "arguments": {L}}}\n</tool_call>',
+        "Let me check.",
+        ['<tools>\n{"type": "function", "function": {"name": "get_weather"'],
+        ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"'],
+        ["<|im_start|>user\n<tool_response>\n21\n</tool_response>\n<tool_response>\n21\n"],
     ),
     "mistral": (
         f'Sure. [TOOL_CALLS] [{{"name": "get_weather", "arguments": {P}}}, '
@@ -85,12 +94,12 @@ def family_folder(root, name: str):
     """The tiny chat Llama, its tokenizer and template those of the family `name`."""
     if name == "llama3":
         return chat_llama_folder(root)
-    families = {"mistral": MISTRAL_V03, "deepseek": DEEPSEEK_V31, "deepseek-v3": DEEPSEEK_V3}
-    family = families[name]
+    families = {"hermes": QWEN2, "mistral": MISTRAL_V03, "deepseek": DEEPSEEK_V31}
+    family = {**families, "deepseek-v3": DEEPSEEK_V3}[name]
     special = build_tokenizer_folder(root, family)
     assert special["vocab_size"] <= 320
     spec = dict(LLAMA32, vocab_size=320, max_position_embeddings=256)
-    spec.update(bos_token_id=special[family.bos], eos_token_id=special[family.eos])
+    spec.update(bos_token_id=special.get(family.bos), eos_token_id=special[family.eos])
     make_checkpoint(root, spec, seed=2)
     (root / "generation_config.json").write_text("{}")
     return root
