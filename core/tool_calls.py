@@ -446,8 +446,8 @@ class ToolUse:
         self.forced = choice != "auto"
 
     def structure(self) -> dict:
-        """SamplingParams fields that force the call (special tokens kept in the text: some
-        families' markers are special tokens)."""
+        """SamplingParams fields: the schema forcing a call; for `auto`, special tokens kept
+        in the text (some families' markers are special tokens)."""
         schema = forced_schema(self.tools, self.named, self.parallel)
         return {"json_schema": schema} if self.forced else {"skip_special_tokens": False}
 
