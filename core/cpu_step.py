@@ -110,8 +110,9 @@ def _first_weight(net: CausalLM) -> torch.Tensor:
 
 
 class FusedStep:
-    """`step(tokens (B,), positions (B,), end) -> logits (B, vocab)` through the C blocks, or
-    None from `__call__` where they cannot run this call (the caller runs the modules)."""
+    """`step(tokens (B,), positions (B,), end, rows=None) -> logits (B, vocab)` through the C
+    blocks, or None from `__call__` where they cannot run this call (the caller runs the
+    modules). rows: the cache rows the tokens belong to (B,); None: rows 0..B-1."""
 
     def __init__(self, net: CausalLM):
         self.net = net
@@ -141,14 +142,23 @@ class FusedStep:
         return None
 
     def __call__(
-        self, tokens: torch.Tensor, positions: torch.Tensor, end: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        end: int,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         b = tokens.shape[0]
         if self.why_not(b) is not None:
             return None
         net, fused = self.net, self._built[1]  # why_not built (or checked) it just now
+        if rows is not None:  # the C step writes where these point: check them first
+            rows = rows.to(torch.int64).contiguous()
+            top = net.kv_cache.max_batch_size
+            if rows.shape != (b,) or not 0 <= int(rows.min()) <= int(rows.max()) < top:
+                raise IndexError(f"cache rows {rows.tolist()} for {b} tokens ({top} rows)")
         h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
         pos = positions.to(torch.int64).contiguous()
         tables = [tuple(t.contiguous() for t in rotary(pos, 1, end)) for rotary in net.rotaries]
-        logits = fused(h, pos, tables)
+        logits = fused(h, pos, tables, rows)
         return net.head(h[:, None])[:, -1] if logits is None else net.scale_logits(logits)

@@ -65,7 +65,24 @@ class DecodeStep:
             self.compiled = torch.compile(net.forward, dynamic=False, mode=mode)
             log.info("zoo: decode step compiled with torch.compile (mode=%s)", mode or "default")
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
+    def takes_rows(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens may name the cache rows they belong to (`rows=` of
+        `__call__`): the fused CPU step computes just those; the others compute rows [:B]."""
+        fused = self.fused is not None and self.compiled is None
+        return fused and self.fused.why_not(rows) is None
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        end: int,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """rows: the cache rows of the B tokens (where `takes_rows(B)`); None: rows 0..B-1."""
+        if rows is not None:
+            if not self.takes_rows(len(tokens)):
+                raise ValueError("this decode step computes cache rows 0..B-1 only")
+            return self.fused(tokens, positions, end, rows)
         ids = tokens[:, None]
         if self.compiled is not None:
             if self.cuda_graphs:  # the last replay's outputs may be overwritten now

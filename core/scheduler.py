@@ -223,25 +223,34 @@ class Scheduler:
                 seq.first(logits[:, 0].float(), self.counts, self.seen)
 
     def _decode(self) -> None:
-        """One token for every decoding row, through rows [:k] of the cache. A row in [:k]
-        that is not decoding (free, or between prefill chunks) takes a placeholder token at
-        its next position, which it has not filled yet: what it holds stays intact (in a ring,
-        that slot holds the position one window back, which no later query of the row reads;
-        a row that held a whole window is not reused)."""
+        """One token for every decoding row. Where the step takes a list of cache rows (the
+        fused CPU step), it computes just those. Otherwise it runs rows [:k] of the cache,
+        and a row in [:k] that is not decoding (free, or between prefill chunks) takes a
+        placeholder token at its next position, which it has not filled yet: what it holds
+        stays intact (in a ring, that slot holds the position one window back, which no later
+        query of the row reads; a row that held a whole window is not reused)."""
         rows = [s for s in self.running if s.decoding and not s.finish]
         if not rows:
             return
-        k = max(s.row for s in rows) + 1
-        if self.model.step.compiled is not None:  # a few batch sizes to compile: powers of two
-            k = min(1 << (k - 1).bit_length(), self.model.max_batch_size)
-        fed = self.slots.fed
-        tokens, pos = [0] * k, [len(fed[r]) for r in range(k)]
-        for s in rows:
-            tokens[s.row] = s.last
-        dev = self.model.device
+        fed, dev = self.slots.fed, self.model.device
+        if self.model.step.takes_rows(len(rows)):
+            at = [s.row for s in rows]
+            tokens, pos, where = [s.last for s in rows], [len(fed[r]) for r in at], at
+        else:
+            k = max(s.row for s in rows) + 1
+            if self.model.step.compiled is not None:  # a few batch sizes to compile: 2^n
+                k = min(1 << (k - 1).bit_length(), self.model.max_batch_size)
+            tokens, pos, where = [0] * k, [len(fed[r]) for r in range(k)], None
+            for s in rows:
+                tokens[s.row] = s.last
         logits = self.model.step(
-            torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev), max(pos) + 1
+            torch.tensor(tokens, device=dev),
+            torch.tensor(pos, device=dev),
+            max(pos) + 1,
+            rows=None if where is None else torch.tensor(where, device=dev),
         )
         for s in rows:
             fed[s.row].append(s.last)
-        Seq.sample(rows, logits, self.counts, self.seen)
+        Seq.sample(
+            rows, logits, self.counts, self.seen, None if where is None else list(range(len(rows)))
+        )

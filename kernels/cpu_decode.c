@@ -168,12 +168,13 @@ typedef struct {
     zlinear_t head;
 } zhead_t;
 
-// The L blocks on h (M, H) in place, for M <= MAX_ROWS rows at positions pos (M,), then
-// (where hd is given) the logits (M, V) of the result. cos[j], sin[j]: rope table j for this
-// step, (1 or M, half) with row stride cstride[j].
+// The L blocks on h (M, H) in place, for M <= MAX_ROWS rows at positions pos (M,) in the
+// cache rows `rows` (M,; NULL: rows 0..M-1), then (where hd is given) the logits (M, V) of the
+// result. cos[j], sin[j]: rope table j for this step, (1 or M, half) with row stride cstride[j].
 void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, int64_t H,
-                       const int64_t *pos, const float *const *cos, const float *const *sin,
-                       const int64_t *cstride, const zhead_t *hd, float *logits, int threads) {
+                       const int64_t *pos, const int64_t *rows, const float *const *cos,
+                       const float *const *sin, const int64_t *cstride, const zhead_t *hd,
+                       float *logits, int threads) {
     int64_t arena = 0, scratch = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1;
     if (hd) {
         arena = prepare_bytes(&hd->head, M);
@@ -221,21 +222,23 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
                 const int64_t r = u / b->hkv, j = u % b->hkv;
                 const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
+                const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
                 const float *kr = qkv + r * nq + (b->hq + j) * b->d, *vr = kr + b->hkv * b->d;
-                float *kc = b->k + r * b->ksb + j * b->ksh + slot * b->kss;
+                float *kc = b->k + c * b->ksb + j * b->ksh + slot * b->kss;
                 memcpy(kc, kr, b->d * sizeof(float));
-                memcpy(b->v + r * b->vsb + j * b->vsh + slot * b->vss, vr, b->d * sizeof(float));
+                memcpy(b->v + c * b->vsb + j * b->vsh + slot * b->vss, vr, b->d * sizeof(float));
                 rotate(b, kc, r, cos, sin, cstride);
             }
             meet(&bar, T);
             // each query head of each row: rotated, then attends to the row's filled slots
             for (int64_t u = M * b->hq * t / T; u < M * b->hq * (t + 1) / T; u++) {
                 const int64_t r = u / b->hq, j = u % b->hq, kh = j / group;
+                const int64_t c = rows ? rows[r] : r;
                 memcpy(q, qkv + r * nq + j * b->d, b->d * sizeof(float));
                 rotate(b, q, r, cos, sin, cstride);
                 const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-                zoo_attend(q, b->k + r * b->ksb + kh * b->ksh, b->kss,
-                           b->v + r * b->vsb + kh * b->vsh, b->vss, 0, seen, b->d, b->d,
+                zoo_attend(q, b->k + c * b->ksb + kh * b->ksh, b->kss,
+                           b->v + c * b->vsb + kh * b->vsh, b->vss, 0, seen, b->d, b->d,
                            b->scale, b->softcap, b->sinks ? b->sinks + j : NULL, p,
                            att + (r * b->hq + j) * b->d);
             }

@@ -167,14 +167,21 @@ class Blocks:
         return cls(arr, hidden, c_head, keep)
 
     def __call__(
-        self, h: torch.Tensor, positions: torch.Tensor, tables: list[tuple[torch.Tensor, ...]]
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        tables: list[tuple[torch.Tensor, ...]],
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Run every block on h (M, hidden) fp32 contiguous, in place, for M <= MAX_ROWS rows
-        at positions (M,) int64; tables: per rope, (cos, sin) of (1 or M, 1, half). Returns
-        the logits (M, vocab) where the head was built in, else None."""
+        at positions (M,) int64 in the cache rows `rows` (M,) int64 (None: rows 0..M-1);
+        tables: per rope, (cos, sin) of (1 or M, 1, half). Returns the logits (M, vocab) where
+        the head was built in, else None."""
         m = h.shape[0]
         assert h.is_contiguous() and h.shape[1] == self.hidden and m <= MAX_ROWS
         assert positions.dtype == torch.int64 and positions.is_contiguous()
+        if rows is not None:
+            assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.shape == (m,)
         n = len(tables)
         cos, sin, stride = (_ptr * n)(), (_ptr * n)(), (_i64 * n)()
         for j, (c, s) in enumerate(tables):
@@ -183,7 +190,7 @@ class Blocks:
         logits = torch.empty(m, self.vocab) if self._head is not None else None
         library().zoo_decode_blocks(
             self._blocks, len(self._blocks), h.data_ptr(), m, self.hidden,
-            positions.data_ptr(), cos, sin, stride,
+            positions.data_ptr(), None if rows is None else rows.data_ptr(), cos, sin, stride,
             ctypes.byref(self._head) if self._head is not None else None,
             logits.data_ptr() if logits is not None else None, torch.get_num_threads(),
         )  # fmt: skip

@@ -112,7 +112,7 @@ def build(march: str) -> ctypes.CDLL | None:
                                          ctypes.c_float, ptr, ctypes.c_int]  # fmt: skip
     lib.zoo_decode_attention.restype = None
     lib.zoo_decode_blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                                      ctypes.c_int]  # fmt: skip
+                                      ptr, ctypes.c_int]  # fmt: skip
     lib.zoo_decode_blocks.restype = None
     return lib
 

@@ -147,3 +147,33 @@ def test_what_the_fused_step_does_not_take(checkpoint, monkeypatch):
     gemma2 = dict(CASES["gemma"], model_type="gemma2", query_pre_attn_scalar=16)
     m2 = load_model(checkpoint(gemma2)[0], max_seq_len=64)
     assert "post-norms" in why_not(m2.net)
+
+
+def test_a_step_of_named_cache_rows_computes_just_those(checkpoint):
+    """The server steps the rows that decode, wherever they lie in the cache: rows (2, 0) of
+    three give the logits and cache writes of those rows in a step of all three, and row 1
+    is left as it was."""
+    root, _ = checkpoint(CASES["mistral-window"])  # a ring that wraps, too
+    m = load_model(root, max_batch_size=3, max_seq_len=64)
+    prompts = [*PROMPTS, [17, 4, 60, 2, 9, 33]]
+    ids = torch.zeros(3, max(map(len, prompts)), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p)
+    m.forward(ids, 0, lengths=[len(p) for p in prompts])
+    before = [t.clone() for bufs in m.net.kv_cache.layers for t in bufs]
+    tokens, pos = torch.tensor([12, 50, 31]), torch.tensor([len(p) for p in prompts])
+    with torch.inference_mode():
+        want = m.net(tokens[:, None], pos, end=int(pos.max()) + 1)[:, -1]
+        after = [t.clone() for bufs in m.net.kv_cache.layers for t in bufs]
+        for t, b in zip((t for bufs in m.net.kv_cache.layers for t in bufs), before, strict=True):
+            t.copy_(b)
+        pick = torch.tensor([2, 0])
+        assert m.step.takes_rows(2)
+        got = m.step(tokens[pick], pos[pick], int(pos.max()) + 1, rows=pick)
+    assert rel_err(got, want[pick]) < 1e-5
+    caches = [t for bufs in m.net.kv_cache.layers for t in bufs]
+    for t, b, a in zip(caches, before, after, strict=True):
+        assert torch.equal(t[1], b[1])  # untouched
+        assert rel_err(t[pick], a[pick]) < 1e-5
+    with pytest.raises(IndexError, match="cache rows"):
+        m.step(tokens[:1], pos[:1], 10, rows=torch.tensor([3]))

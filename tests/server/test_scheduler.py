@@ -168,7 +168,9 @@ def test_requests_join_a_busy_batch_and_answer_as_alone(sched, alone):
     for (ids, p), got in zip(requests, results, strict=True):
         same_as_alone(alone, ids, p, got)
         assert got.cached_tokens == 0 and got.usage["prompt_tokens_details"]["cached_tokens"] == 0
-    assert ended[-1] == 0  # the 40-token row was joined, not waited for
+    # the 40-token row was joined, not waited for: the short rows beside it end first (the
+    # fifth request, which waits for a row and then behind two prompts' chunks, may not)
+    assert ended.index(0) > max(ended.index(1), ended.index(3))
     assert not sched.running and sched.queued == 0 and all(not b for b in sched.slots.busy)
 
 
@@ -301,11 +303,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(sched, alone)
         def __getattr__(self, name):
             return getattr(net, name)
 
-    def decode(*args):
+    def decode(*args, **kw):
         calls.append("decode")
-        return step(*args)
+        return step(*args, **kw)
 
-    decode.compiled = None
+    decode.compiled, decode.takes_rows = None, step.takes_rows
     sched.model.net, sched.model.step, sched.chunk = Recorder(), decode, 8
     long = prompt(40, 60)
     requests = [(prompt(3, 61), params(max_new_tokens=30)), (long, params(max_new_tokens=3))]
