@@ -79,7 +79,7 @@ static void linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ld
 
 static void prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena) {
     for (int64_t i = 0; i < l->parts; i++) {
-        zoo_qx_prepare(&l->part[i], x, M, &px[i], arena);
+        zoo_qx_prepare(&l->part[i], x, M, 1, &px[i], arena);  // decode: bf16(x) where it pays
         arena += (zoo_qx_bytes(&l->part[i], M) + 63) / 64 * 64;
     }
 }

@@ -7,9 +7,13 @@ use with the machine's C compiler (`cc -O3 -march=native -fopenmp`, ~1 s) into a
 and loaded with ctypes; where no compiler works, the torch reference runs instead and the reason
 is logged once. Prefill (many rows) is compute-bound: the dequantized weight feeds the BLAS.
 
-On CPUs with AVX512-BF16 (AMD Zen 4+, Intel Sapphire Rapids+), 4-bit codes multiply x rounded
-to bf16 (`rounds_x_to_bf16`): one instruction multiplies and adds 32 pairs, and a code becomes
-a bf16 number with one byte shuffle, so a row costs about half the instructions of fp32.
+On CPUs with AVX512-BF16 (AMD Zen 4+, Intel Sapphire Rapids+), decode's 4-bit codes multiply x
+rounded to bf16 (`rounds_x_to_bf16`): one instruction multiplies and adds 32 pairs, and a code
+becomes a bf16 number with one byte shuffle, so a row costs about half the instructions of
+fp32. Prefill (x of more than one position) multiplies fp32 x however few its rows: the keys
+and values of a prompt's tokens then do not depend on how the prompt was cut into chunks (a
+server that reuses a cached prefix prefills only the rest, a few tokens), and the answer does
+not change with the reuse.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ def build(march: str) -> ctypes.CDLL | None:
             so.replace(out)  # atomic: concurrent builders each write their own temporary
     lib = ctypes.CDLL(str(out))
     lib.zoo_qgemv.argtypes = [ctypes.POINTER(_QWeight), ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_int64, ctypes.c_int]  # fmt: skip
+                              ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # fmt: skip
     lib.zoo_qgemv.restype = None
     lib.zoo_dequantize.argtypes = [ctypes.POINTER(_QWeight), ctypes.c_void_p, ctypes.c_int]
     lib.zoo_dequantize.restype = None
@@ -117,18 +121,25 @@ def build(march: str) -> ctypes.CDLL | None:
     return lib
 
 
-def rounds_x_to_bf16(w: QuantWeight, rows: int, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the kernel multiplies w's codes by bf16-rounded x for `rows` rows: 4-bit codes
-    in groups of 32, at most 8 rows, on CPUs with AVX512-BF16 (where the same rows in fp32 are
-    twice as many instructions). Its result then equals F.linear(bf16(x), W) to fp32
-    rounding, which is within bf16 rounding of F.linear(x, W)."""
+def decodes(x: torch.Tensor) -> bool:
+    """Whether x holds one position per row (a decode step: (..., 1, K), or rows (M, K))
+    rather than a prompt's positions (prefill: (..., T > 1, K))."""
+    return x.dim() < 3 or x.shape[-2] == 1
+
+
+def rounds_x_to_bf16(w: QuantWeight, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `quant_linear(x, w)` multiplies w's codes by bf16-rounded x: 4-bit codes in
+    groups of 32, a decode step of at most 8 rows, on CPUs with AVX512-BF16 (where the same
+    rows in fp32 are twice as many instructions). Its result then equals F.linear(bf16(x), W)
+    to fp32 rounding, which is within bf16 rounding of F.linear(x, W)."""
     lib = lib or library()
     return (
         lib is not None
         and bool(lib.zoo_qgemv_bf16())
         and w.fmt.packed
         and w.fmt.group_of(w.in_features) == 32
-        and rows <= MAX_ROWS
+        and x.numel() // w.in_features <= MAX_ROWS
+        and decodes(x)
     )
 
 
@@ -189,11 +200,11 @@ def _tensors(w: QuantWeight) -> tuple:
 
 
 def _run(x2: torch.Tensor, fmt, in_features: int, *tensors, lib=None) -> torch.Tensor:
-    """x2 (M, K) @ W.T straight from the codes."""
+    """x2 (M, K) @ W.T straight from the codes, for M rows of a decode step."""
     y = torch.empty(x2.shape[0], tensors[0].shape[0], dtype=torch.float32)
     (lib or library()).zoo_qgemv(
         ctypes.byref(_desc(fmt, in_features, tensors)), x2.data_ptr(), y.data_ptr(),
-        x2.shape[0], torch.get_num_threads(),
+        x2.shape[0], torch.get_num_threads(), 1,
     )  # fmt: skip
     return y
 
@@ -281,7 +292,9 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
             return F.linear(x, dequantize(w), bias)
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], w.out_features)
-        _built[0].zoo_qgemv(desc, x.data_ptr(), y.data_ptr(), rows, torch.get_num_threads())
+        _built[0].zoo_qgemv(
+            desc, x.data_ptr(), y.data_ptr(), rows, torch.get_num_threads(), int(decodes(x))
+        )
         return y if bias is None else y.add_(bias)
     if not _traceable(x, w):
         return F.linear(x, w.dequantize().to(x.dtype), bias)

@@ -365,11 +365,12 @@ int64_t zoo_qx_bytes(const qweight_t *w, int64_t M) {
     return w->bits != 32 ? M * G * (int64_t)sizeof(float) : 0;
 }
 
-void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, qx_t *px, void *buf) {
+void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, int bf16_ok, qx_t *px,
+                    void *buf) {
     const int64_t K = w->K, gs = w->gs, G = K / gs, chunks = (K + CHUNK - 1) / CHUNK;
     px->x = x;
     px->M = M;
-    px->bf16 = uses_bf16(w, M);
+    px->bf16 = bf16_ok && uses_bf16(w, M);
     px->xs = NULL;
     if (px->bf16) {  // one buffer: each row of x's bf16 values and group sums
         const int64_t each = chunks * CHUNK * sizeof(uint16_t) + (G + 16) * sizeof(float);
@@ -429,11 +430,13 @@ void zoo_qgemv_rows(const qweight_t *w, const qx_t *px, float *y, int64_t ldy, i
     }
 }
 
-void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
+// bf16_ok: 4-bit codes may multiply bf16(x) (decode); 0: fp32 x (prefill, whose keys and values
+// must not depend on how a prompt was cut into chunks: a reused prefix then answers the same).
+void zoo_qgemv(const qweight_t *w, const float *x, float *y, int64_t M, int threads, int bf16_ok) {
     if (w->N * w->K * M < PARALLEL_WORK) threads = 1;
     qx_t px;
     void *buf = malloc(zoo_qx_bytes(w, M) + 64);
-    zoo_qx_prepare(w, x, M, &px, buf);
+    zoo_qx_prepare(w, x, M, bf16_ok, &px, buf);
 #pragma omp parallel num_threads(threads)
     {
         float *scratch = (float *)malloc(zoo_qgemv_scratch(w) * sizeof(float));

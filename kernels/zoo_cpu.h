@@ -34,7 +34,9 @@ typedef struct {
 // Bytes of buffer zoo_qx_prepare needs for w and M rows of x.
 int64_t zoo_qx_bytes(const qweight_t *w, int64_t M);
 // Prepare x (M, K) for w's row products into buf (zoo_qx_bytes of it); x must outlive px.
-void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, qx_t *px, void *buf);
+// bf16_ok: 4-bit codes may multiply bf16(x) (where the CPU has AVX512-BF16); 0: fp32 x.
+void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, int bf16_ok, qx_t *px,
+                    void *buf);
 // Floats of scratch zoo_qgemv_rows needs for w.
 int64_t zoo_qgemv_scratch(const qweight_t *w);
 // y[r * ldy + n] = x_r . W[n] for the rows n0 <= n < n1 of W, on the calling thread.

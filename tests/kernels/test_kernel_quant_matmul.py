@@ -118,7 +118,7 @@ def test_linear_dispatch_on_cpu(monkeypatch, policy, module):
     w, x = quant_weight("q4_0", n=8, k=64), randn(2, 64)
     got = kernels.linear(x, w)
     ran = [m.__name__ for m in calls]
-    if policy == "auto" and cpu_quant.rounds_x_to_bf16(w, 2):
+    if policy == "auto" and cpu_quant.rounds_x_to_bf16(w, x):
         x = x.bfloat16().float()  # the C kernel's 4-bit codes multiply bf16(x) on this CPU
     check(got, reference.quant_linear(x, w))
     if module == "kernels.quant_matmul":

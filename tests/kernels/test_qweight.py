@@ -120,7 +120,7 @@ def expected(x: torch.Tensor, w: QuantWeight, bias=None, lib=None) -> torch.Tens
     bf16 where it multiplies 4-bit codes in bf16 (the ISA and the row count decide)."""
     from kernels import cpu_quant
 
-    if cpu_quant.rounds_x_to_bf16(w, x.numel() // w.in_features, lib):
+    if cpu_quant.rounds_x_to_bf16(w, x, lib):
         x = x.bfloat16().float()
     return F.linear(x, w.dequantize(), bias)
 
@@ -185,7 +185,7 @@ def test_bf16_codes_path(kind, inp):
         w = quantize_weight(torch.randn(37, inp, generator=torch.Generator().manual_seed(5)), kind)
     else:
         w = repack(kind, random_blocks(kind, 37, inp, seed=inp, edge=True), (37, inp))
-    if not cpu_quant.rounds_x_to_bf16(w, 1):
+    if not cpu_quant.rounds_x_to_bf16(w, torch.zeros(1, inp)):
         pytest.skip("this CPU has no AVX512-BF16: the fp32 path runs (tested above)")
     wd = w.dequantize().double()
     for rows in (1, 2, 8):
