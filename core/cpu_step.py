@@ -154,9 +154,9 @@ class FusedStep:
         net, fused = self.net, self._built[1]  # why_not built (or checked) it just now
         if rows is not None:  # the C step writes where these point: check them first
             rows = rows.to(torch.int64).contiguous()
-            top = net.kv_cache.max_batch_size
-            if rows.shape != (b,) or not 0 <= int(rows.min()) <= int(rows.max()) < top:
-                raise IndexError(f"cache rows {rows.tolist()} for {b} tokens ({top} rows)")
+            at, top = rows.tolist(), net.kv_cache.max_batch_size
+            if len(at) != b or len(set(at)) != b or not 0 <= min(at) <= max(at) < top:
+                raise IndexError(f"cache rows {at} for {b} tokens ({top} rows, each once)")
         h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
         pos = positions.to(torch.int64).contiguous()
         tables = [tuple(t.contiguous() for t in rotary(pos, 1, end)) for rotary in net.rotaries]

@@ -16,6 +16,7 @@ import logging
 import torch
 
 import kernels.cpu
+import kernels.cpu_quant
 import kernels.dispatch
 from core.config import DynamicRope
 from core.cpu_step import FusedStep
@@ -79,6 +80,10 @@ class DecodeStep:
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """rows: the cache rows of the B tokens (where `takes_rows(B)`); None: rows 0..B-1."""
+        with kernels.cpu_quant.decoding():  # 4-bit CPU products may take bf16(x) (not prefill)
+            return self._step(tokens, positions, end, rows)
+
+    def _step(self, tokens, positions, end, rows) -> torch.Tensor:
         if rows is not None:
             if not self.takes_rows(len(tokens)):
                 raise ValueError("this decode step computes cache rows 0..B-1 only")

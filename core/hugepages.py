@@ -5,12 +5,14 @@ model spans 130k pages, far more than the TLB holds, so the stream also walks pa
 with 2 MiB pages it spans 260. Linux gives huge pages to an anonymous mapping that asks for
 them (madvise MADV_HUGEPAGE; `/sys/kernel/mm/transparent_hugepage/enabled` = madvise, the
 common default, gives them to no one else), and torch's allocator does not ask. Measured on
-an AMD EPYC (2 vCPUs), SmolLM2-135M's fused decode step: fp32 16.2 -> 14.9 ms, Q4_1 kept
-5.6 -> 5.2 ms (benchmarks/huge_pages.py).
+an AMD EPYC (2 vCPUs), SmolLM2-135M's fused decode step: fp32 22.2 -> 20.6 ms, Q4_1 kept
+6.9 -> 6.1 ms (benchmarks/huge_pages.py; docs/benchmarks.md).
 
-`move_to_huge_pages` copies each large weight of a model into one private anonymous mapping
-that asks for huge pages, 2 MiB aligned: the values and shapes are unchanged, only where they
-live. Where the platform has no such advice, or huge pages are off, it does nothing.
+`move_to_huge_pages` copies a model's weights into one private anonymous mapping that asks for
+huge pages, 2 MiB aligned, each weight still its own storage over its part of it: the values
+and shapes are unchanged, only where they live. Call it before anything holds the weights'
+addresses (load_model does, before the decode step is built). Where the platform has no such
+advice, huge pages are off, or the mapping cannot be had, it does nothing.
 """
 
 from __future__ import annotations
@@ -63,15 +65,18 @@ def move_to_huge_pages(net: nn.Module, min_bytes: int = PAGE) -> int:
         return 0
     sizes = {key: places[0][2].untyped_storage().nbytes() for key, places in uses.items()}
     total = sum(_round(n, PAGE) for n in sizes.values())
-    area = mmap.mmap(-1, _round(total, HUGE) + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
-    # the tensors made from it keep the mapping alive (torch.frombuffer holds the buffer)
-    arena = torch.frombuffer(area, dtype=torch.uint8)
-    at = (-arena.data_ptr()) % HUGE
+    try:
+        area = mmap.mmap(-1, _round(total, HUGE) + HUGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # e.g. strict overcommit while the old copies are still resident
+        return 0
+    # each tensor made from it keeps the mapping alive (torch.frombuffer holds the buffer)
+    start = torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr()
+    at = (-start) % HUGE
     while uses:  # one tensor at a time, each old copy freed as soon as it is replaced
         key, places = uses.popitem()
         n = sizes[key]
-        raw = arena[at : at + n]
+        raw = torch.frombuffer(area, dtype=torch.uint8, count=n, offset=at)  # its own storage
         raw.copy_(places[0][2].view(-1).view(torch.uint8))
         at += _round(n, PAGE)
         for mod, name, t in places:

@@ -10,14 +10,15 @@ is logged once. Prefill (many rows) is compute-bound: the dequantized weight fee
 On CPUs with AVX512-BF16 (AMD Zen 4+, Intel Sapphire Rapids+), decode's 4-bit codes multiply x
 rounded to bf16 (`rounds_x_to_bf16`): one instruction multiplies and adds 32 pairs, and a code
 becomes a bf16 number with one byte shuffle, so a row costs about half the instructions of
-fp32. Prefill (x of more than one position) multiplies fp32 x however few its rows: the keys
-and values of a prompt's tokens then do not depend on how the prompt was cut into chunks (a
-server that reuses a cached prefix prefills only the rest, a few tokens), and the answer does
-not change with the reuse.
+fp32. Decode steps say so (`decoding()`, entered by core/decode_step.py); prefill multiplies
+fp32 x however few its rows, even one: the keys and values of a prompt's tokens then do not
+depend on how the prompt was cut into chunks (a server that reuses a cached prefix prefills
+only the rest, often one token), and the answer does not change with the reuse.
 """
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import hashlib
 import logging
@@ -26,6 +27,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -41,8 +44,8 @@ log = logging.getLogger("zoo")
 # (kernels/cpu_decode.py): one library; the header is hashed into the cache key with them
 SOURCES = [Path(__file__).with_name(name) for name in ("qgemv.c", "cpu_ops.c", "cpu_decode.c")]
 HEADERS = [Path(__file__).with_name("zoo_cpu.h")]
-# Up to this many rows the kernel reads the codes directly (each weight row dequantized once
-# into L1 and dotted with every row of x); above, it writes the dequantized weight for the BLAS
+# Up to this many rows the kernel reads the codes directly (each vector of codes widened once
+# and multiplied into every row of x); above, it writes the dequantized weight for the BLAS
 # (single-thread, 1536 x 576 int4: 64 rows 2.25 ms directly, 0.65 ms in F.linear)
 MAX_ROWS = 8
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -121,15 +124,24 @@ def build(march: str) -> ctypes.CDLL | None:
     return lib
 
 
-def decodes(x: torch.Tensor) -> bool:
-    """Whether x holds one position per row (a decode step: (..., 1, K), or rows (M, K))
-    rather than a prompt's positions (prefill: (..., T > 1, K))."""
-    return x.dim() < 3 or x.shape[-2] == 1
+_decoding: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_decoding", default=False)
+
+
+@contextmanager
+def decoding() -> Iterator[None]:
+    """Within: products belong to a decode step (core/decode_step.py), where 4-bit codes may
+    multiply bf16(x). Everywhere else (prefill, whatever its chunk: one token too) x stays
+    fp32, so a prompt's keys and values do not depend on how it was cut into chunks."""
+    token = _decoding.set(True)
+    try:
+        yield
+    finally:
+        _decoding.reset(token)
 
 
 def rounds_x_to_bf16(w: QuantWeight, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether `quant_linear(x, w)` multiplies w's codes by bf16-rounded x: 4-bit codes in
-    groups of 32, a decode step of at most 8 rows, on CPUs with AVX512-BF16 (where the same
+    """Whether `quant_linear(x, w)` here multiplies w's codes by bf16-rounded x: 4-bit codes
+    in groups of 32, at most 8 rows, inside `decoding()`, on CPUs with AVX512-BF16 (where the same
     rows in fp32 are twice as many instructions). Its result then equals F.linear(bf16(x), W)
     to fp32 rounding, which is within bf16 rounding of F.linear(x, W)."""
     lib = lib or library()
@@ -139,7 +151,7 @@ def rounds_x_to_bf16(w: QuantWeight, x: torch.Tensor, lib: ctypes.CDLL | None = 
         and w.fmt.packed
         and w.fmt.group_of(w.in_features) == 32
         and x.numel() // w.in_features <= MAX_ROWS
-        and decodes(x)
+        and _decoding.get()
     )
 
 
@@ -200,11 +212,12 @@ def _tensors(w: QuantWeight) -> tuple:
 
 
 def _run(x2: torch.Tensor, fmt, in_features: int, *tensors, lib=None) -> torch.Tensor:
-    """x2 (M, K) @ W.T straight from the codes, for M rows of a decode step."""
+    """x2 (M, K) @ W.T straight from the codes (bf16(x) for 4-bit codes inside `decoding()`,
+    where the CPU has AVX512-BF16)."""
     y = torch.empty(x2.shape[0], tensors[0].shape[0], dtype=torch.float32)
     (lib or library()).zoo_qgemv(
         ctypes.byref(_desc(fmt, in_features, tensors)), x2.data_ptr(), y.data_ptr(),
-        x2.shape[0], torch.get_num_threads(), 1,
+        x2.shape[0], torch.get_num_threads(), int(_decoding.get()),
     )  # fmt: skip
     return y
 
@@ -293,7 +306,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], w.out_features)
         _built[0].zoo_qgemv(
-            desc, x.data_ptr(), y.data_ptr(), rows, torch.get_num_threads(), int(decodes(x))
+            desc, x.data_ptr(), y.data_ptr(), rows, torch.get_num_threads(), int(_decoding.get())
         )
         return y if bias is None else y.add_(bias)
     if not _traceable(x, w):

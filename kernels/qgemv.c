@@ -425,8 +425,11 @@ void zoo_qgemv_rows(const qweight_t *w, const qx_t *px, float *y, int64_t ldy, i
         }
         row_factors(w, w->scales, w->scale_kind, w->d, n, G, s);
         if (w->mins) row_factors(w, w->mins, w->min_kind, w->dmin, n, G, m);
-        rows_dot_m(w, n, x, px->xs, M, s, m, dots);
-        for (int64_t r = 0; r < M; r++) y[r * ldy + n] = dots[r];
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {  // MAX_ROWS rows of x at a time
+            const int64_t k = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
+            rows_dot_m(w, n, x + r0 * K, px->xs + r0 * G, k, s, m, dots);
+            for (int64_t r = 0; r < k; r++) y[(r0 + r) * ldy + n] = dots[r];
+        }
     }
 }
 

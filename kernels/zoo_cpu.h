@@ -28,7 +28,7 @@ typedef struct {
     int64_t M;
     int bf16;        // the 4-bit codes multiply bf16(x) (AVX512-BF16 builds)
     bf16_row r[MAX_ROWS];
-    float *xs;       // one row, fp32 loop: each group's sum of x
+    float *xs;       // fp32 loop: each row's group sums of x (M x G)
 } qx_t;
 
 // Bytes of buffer zoo_qx_prepare needs for w and M rows of x.

@@ -11,7 +11,7 @@ from conftest import LLAMA31, LLAMA32
 
 from core import load_model
 from core.cpu_step import FusedStep, why_not
-from kernels.cpu_quant import MAX_ROWS, library
+from kernels.cpu_quant import MAX_ROWS, decoding, library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the step is unfused")
 
@@ -76,8 +76,9 @@ def decode(m, fused: bool, feed: list[list[int]]) -> list[torch.Tensor]:
                 logits = m.step.fused(tokens, pos, end)
                 assert logits is not None, why_not(m.net)  # the fused step ran
                 assert m.step.fused._blocks().vocab == logits.shape[-1]  # the head in the call
-            else:
-                logits = m.net(tokens[:, None], pos, end=end)[:, -1]
+            else:  # the modules as a decode step runs them (4-bit codes: bf16(x) where fused)
+                with decoding():
+                    logits = m.net(tokens[:, None], pos, end=end)[:, -1]
             out.append(logits.clone())
             pos = pos + 1
     return out
@@ -175,5 +176,6 @@ def test_a_step_of_named_cache_rows_computes_just_those(checkpoint):
     for t, b, a in zip(caches, before, after, strict=True):
         assert torch.equal(t[1], b[1])  # untouched
         assert rel_err(t[pick], a[pick]) < 1e-5
-    with pytest.raises(IndexError, match="cache rows"):
-        m.step(tokens[:1], pos[:1], 10, rows=torch.tensor([3]))
+    for bad in ([3], [0, 0]):  # past the cache; one row twice
+        with pytest.raises(IndexError, match="cache rows"):
+            m.step(tokens[: len(bad)], pos[: len(bad)], 10, rows=torch.tensor(bad))

@@ -4,6 +4,8 @@ against F.linear with the dequantized weight."""
 
 from __future__ import annotations
 
+import contextlib
+
 import gguf
 import numpy as np
 import pytest
@@ -169,31 +171,51 @@ def test_c_kernel_inside_a_compiled_graph():
     g = torch.Generator().manual_seed(4)
     few, many = torch.randn(1, 512, generator=g), torch.randn(17, 512, generator=g)
     both = torch.compile(lambda a, b: (kernels.linear(a, w), kernels.linear(b, w)), fullgraph=True)
-    got_few, got_many = both(few, many)
-    assert close(got_few, expected(few, w))
-    assert close(got_many, expected(many, w))
+    for decoding in (False, True):  # in a decode step few rows may multiply bf16(x)
+        with cpu_quant.decoding() if decoding else contextlib.nullcontext():
+            got_few, got_many = both(few, many)
+            assert close(got_few, expected(few, w))
+            assert close(got_many, expected(many, w))
 
 
 @pytest.mark.parametrize("inp", [96, 160, 576])  # 128-column chunks and a partial last one
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "int4"])
 def test_bf16_codes_path(kind, inp):
-    """Where 4-bit codes multiply bf16(x) (AVX512-BF16 CPUs): F.linear of bf16(x) to fp32
-    rounding for 1..8 rows, and within bf16 rounding of F.linear on x itself."""
+    """Where 4-bit codes multiply bf16(x) (AVX512-BF16 CPUs, in a decode step): F.linear of
+    bf16(x) to fp32 rounding for 1..8 rows, and within bf16 rounding of F.linear on x itself."""
     from kernels import cpu_quant
 
     if kind == "int4":
         w = quantize_weight(torch.randn(37, inp, generator=torch.Generator().manual_seed(5)), kind)
     else:
         w = repack(kind, random_blocks(kind, 37, inp, seed=inp, edge=True), (37, inp))
-    if not cpu_quant.rounds_x_to_bf16(w, torch.zeros(1, inp)):
-        pytest.skip("this CPU has no AVX512-BF16: the fp32 path runs (tested above)")
+    with cpu_quant.decoding():
+        if not cpu_quant.rounds_x_to_bf16(w, torch.zeros(1, inp)):
+            pytest.skip("this CPU has no AVX512-BF16: the fp32 path runs (tested above)")
     wd = w.dequantize().double()
     for rows in (1, 2, 8):
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 4
-        got = cpu_quant.quant_linear(x, w).double()
+        with cpu_quant.decoding():
+            got = cpu_quant.quant_linear(x, w).double()
         size = x.abs().double() @ wd.abs().T  # what the rounding of each term scales with
         # the kernel sums s * (128 + q) * x in fp32, then takes s * 128 * sum(x) away
         steps = w.group_scales().abs().double().repeat_interleave(32, dim=-1)
         summed = x.abs().double() @ (steps * 144).T
         assert ((got - x.bfloat16().double() @ wd.T).abs() <= 1e-6 * (size + summed)).all()
         assert ((got - x.double() @ wd.T).abs() <= 2**-9 * size + 1e-6 * summed).all()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "int4", "q8_0"])
+def test_prefill_keeps_fp32_x_whatever_its_chunk(kind):
+    """Outside a decode step the kernel multiplies fp32 x however few rows it gets: the last
+    token of a prompt prefilled alone (a server reusing a cached prefix) gets the products it
+    gets inside a longer chunk, to fp32 rounding (bf16(x) would be ~1e-3 off)."""
+    from kernels import cpu_quant
+
+    w = weight(kind)
+    x = torch.randn(1, 12, 512, generator=torch.Generator().manual_seed(4))
+    whole = cpu_quant.quant_linear(x, w)  # 12 rows: the BLAS on the dequantized weight
+    for tail in (1, 2, 8):
+        alone = cpu_quant.quant_linear(x[:, -tail:].contiguous(), w)  # the C kernel
+        assert close(alone, whole[:, -tail:])
+        assert close(alone, F.linear(x[:, -tail:], w.dequantize()))
