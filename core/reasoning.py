@@ -87,9 +87,9 @@ class Reasoner:
 
     @classmethod
     def for_request(cls, tok: Any, prompt: list[int]) -> Reasoner | None:
-        from core.harmony import FinalChannel
+        from core.harmony import is_harmony
 
-        harmony = FinalChannel.for_tokenizer(tok) is not None
+        harmony = is_harmony(tok)
         return cls(tok, prompt, harmony) if harmony or thinks(tok) else None
 
     def stream(self) -> ThinkSplitter | None:

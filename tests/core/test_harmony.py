@@ -9,7 +9,7 @@ from fixtures.chat_tokenizers import template
 
 from core import RequestError
 from core.cli import _answer
-from core.harmony import FinalChannel, HarmonyReader
+from core.harmony import HarmonyReader, is_harmony
 from core.tokenizer import StreamDecoder, Tokenizer
 
 # condensed from gpt-oss's template: a macro for the system header, strftime_now, namespace,
@@ -59,22 +59,21 @@ def test_harmony_template_renders_in_the_sandbox(harmony_folder):
 
 
 class FakeModel:
-    """Streams fixed token ids as Model.stream does: on_token before each token's text."""
+    """Streams fixed token ids' text as Model.stream does (special tokens skipped unless
+    `skip_special_tokens=False`)."""
 
     def __init__(self, tokenizer: Tokenizer, text: str):
         self.tokenizer = tokenizer
         self.ids = tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt, on_token=None, **params):
-        decoder = StreamDecoder(self.tokenizer)
+    def stream(self, prompt, skip_special_tokens: bool = True, **params):
+        decoder = StreamDecoder(self.tokenizer, skip_special_tokens)
 
         class Stream:
             result = None
 
             def __iter__(s):
                 for t in self.ids:
-                    if on_token is not None:
-                        on_token(0, t, None)
                     if piece := decoder.push(t):
                         yield piece
 
@@ -105,7 +104,7 @@ def test_other_chats_and_raw_prompts_print_everything(harmony_folder, capsys):
     _answer(model, "raw text", {}, chat=False)
     assert "SECRET" in capsys.readouterr().out
     plain = Tokenizer.from_folder(harmony_folder)  # Llama's template: no channels
-    assert FinalChannel.for_tokenizer(plain) is None
+    assert not is_harmony(plain)
 
 
 CALLING = (
