@@ -81,9 +81,9 @@ def _answer(model, prompt, params: dict, chat: bool = True, hide_reasoning: bool
     reads it (core.reasoning.reader)."""
     chat = chat and isinstance(prompt, list)
     reasoner = Reasoner.for_request(model.tokenizer, prompt) if chat else None
-    rd = reader(reasoner) if reasoner is not None else None
-    if reasoner is not None and reasoner.harmony:  # its channels are special tokens
-        params = {**params, "skip_special_tokens": False}
+    rd = None
+    if reasoner is not None:
+        rd, params = reader(reasoner), {**params, **reasoner.params()}
     stream = model.stream(prompt, **params)
     pieces = []
 

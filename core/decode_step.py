@@ -84,20 +84,18 @@ class DecodeStep:
             return self._step(tokens, positions, end, rows)
 
     def _step(self, tokens, positions, end, rows) -> torch.Tensor:
-        if rows is not None:
-            if not self.takes_rows(len(tokens)):
-                raise ValueError("this decode step computes cache rows 0..B-1 only")
-            return self.fused(tokens, positions, end, rows)
+        if self.fused is not None and self.compiled is None:
+            logits = self.fused(tokens, positions, end, rows)
+            if logits is not None:
+                return logits
+        if rows is not None:  # only the fused step names its rows
+            raise ValueError("this decode step computes cache rows 0..B-1 only")
         ids = tokens[:, None]
         if self.compiled is not None:
             if self.cuda_graphs:  # the last replay's outputs may be overwritten now
                 torch.compiler.cudagraph_mark_step_begin()
             seq = self.net.kv_cache.max_seq_len
             return self.compiled(ids, positions, bucket(end, seq))[:, -1]
-        if self.fused is not None:
-            logits = self.fused(tokens, positions, end)
-            if logits is not None:
-                return logits
         if len(tokens) == 1 and tokens.device.type == "cpu":  # int positions: cheaper, no sync
             return self.net(ids, int(positions[0]))[:, -1]
         return self.net(ids, positions, end=end)[:, -1]

@@ -63,8 +63,7 @@ def move_to_huge_pages(net: nn.Module, min_bytes: int = PAGE) -> int:
                     uses.setdefault(storage.data_ptr(), []).append((mod, name, t))
     if not uses:
         return 0
-    sizes = {key: places[0][2].untyped_storage().nbytes() for key, places in uses.items()}
-    total = sum(_round(n, PAGE) for n in sizes.values())
+    total = sum(_round(places[0][2].nbytes, PAGE) for places in uses.values())
     try:
         area = mmap.mmap(-1, _round(total, HUGE) + HUGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         area.madvise(mmap.MADV_HUGEPAGE)
@@ -74,8 +73,8 @@ def move_to_huge_pages(net: nn.Module, min_bytes: int = PAGE) -> int:
     start = torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr()
     at = (-start) % HUGE
     while uses:  # one tensor at a time, each old copy freed as soon as it is replaced
-        key, places = uses.popitem()
-        n = sizes[key]
+        _, places = uses.popitem()
+        n = places[0][2].nbytes  # the whole storage (checked above)
         raw = torch.frombuffer(area, dtype=torch.uint8, count=n, offset=at)  # its own storage
         raw.copy_(places[0][2].view(-1).view(torch.uint8))
         at += _round(n, PAGE)

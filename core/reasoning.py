@@ -78,12 +78,13 @@ def split(text: str, opened: bool = False) -> tuple[str, str]:
 
 
 class Reasoner:
-    """One request's reasoning split: whole answers (`answer`) and streams (`stream`)."""
+    """How one chat request's answer carries its reasoning: gpt-oss's harmony channels, or a
+    think block (which the generation prompt may have opened); `reader` reads it."""
 
     def __init__(self, tok: Any, prompt: list[int], harmony: bool):
         tail = tok.decode(prompt[-16:], skip_special_tokens=False).rstrip()
         self.opened = tail.endswith(OPEN)  # the generation prompt opened the block
-        self.harmony, self.tok = harmony, tok
+        self.harmony = harmony
 
     @classmethod
     def for_request(cls, tok: Any, prompt: list[int]) -> Reasoner | None:
@@ -92,10 +93,10 @@ class Reasoner:
         harmony = is_harmony(tok)
         return cls(tok, prompt, harmony) if harmony or thinks(tok) else None
 
-    def stream(self) -> ThinkSplitter | None:
-        """A splitter for streamed text; None for harmony (its channels are special tokens:
-        see core.harmony.HarmonyReader)."""
-        return None if self.harmony else ThinkSplitter(self.opened)
+    def params(self) -> dict:
+        """What decoding the answer needs: harmony's channels are special tokens, kept in the
+        text for core.harmony.HarmonyReader."""
+        return {"skip_special_tokens": False} if self.harmony else {}
 
 
 class Reader:
@@ -134,7 +135,8 @@ def reader(reasoner: Reasoner | None, tools: Any = None) -> Any:
         from core.harmony import HarmonyReader
 
         return HarmonyReader(tools=tools is not None)
-    return Reader(reasoner and reasoner.stream(), tools and tools.stream())
+    think = ThinkSplitter(reasoner.opened) if reasoner is not None else None
+    return Reader(think, tools and tools.stream())
 
 
 def read_whole(rd: Any, text: str) -> tuple[str, list[tuple[str, str]], str]:

@@ -340,8 +340,7 @@ def create_app(
         names["json_schema"] = "response_format.json_schema.schema"
         structure = tools.structure() if tools else req.structure()
         reasoner = Reasoner.for_request(tok, ids)
-        if reasoner and reasoner.harmony:  # its channels are special tokens
-            structure["skip_special_tokens"] = False
+        structure.update(reasoner.params() if reasoner else {})
         jobs = prepare(req, ids, max_tokens, logprobs, names, **structure)
         fmt = lambda lps, _offset: chat_logprobs(tok, lps)  # noqa: E731
         reading = Reading(reasoner, tools) if reasoner or tools else None
