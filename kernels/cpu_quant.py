@@ -42,7 +42,8 @@ log = logging.getLogger("zoo")
 
 # the quantized products, decode's small ops (kernels/cpu_ops.py) and its fused blocks
 # (kernels/cpu_decode.py): one library; the header is hashed into the cache key with them
-SOURCES = [Path(__file__).with_name(name) for name in ("qgemv.c", "cpu_ops.c", "cpu_decode.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("qgemv.c", "qdot.c", "cpu_ops.c", "cpu_decode.c")]  # fmt: skip
 HEADERS = [Path(__file__).with_name("zoo_cpu.h")]
 # Up to this many rows the kernel reads the codes directly (each vector of codes widened once
 # and multiplied into every row of x); above, it writes the dequantized weight for the BLAS
@@ -62,7 +63,9 @@ class _QWeight(ctypes.Structure):
         ("d", ctypes.c_void_p),
         ("dmin", ctypes.c_void_p),
         *((name, ctypes.c_int64) for name in
-          ("N", "K", "gs", "superblock", "offset", "bits", "scale_kind", "min_kind")),
+          ("N", "K", "gs", "superblock", "offset", "bits", "scale_kind", "min_kind", "type",
+           "row_bytes")),
+        ("perm", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -110,6 +113,13 @@ def build(march: str) -> ctypes.CDLL | None:
     lib.zoo_dequantize.restype = None
     lib.zoo_qgemv_bf16.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.zoo_qgemm.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
+    lib.zoo_qgemm.restype = None
+    lib.zoo_dequantize_rows.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.zoo_dequantize_rows.restype = None
+    lib.zoo_q8_row_bytes.argtypes = [i64]
+    lib.zoo_q8_row_bytes.restype = i64
+    lib.zoo_qdot_isa.restype = ctypes.c_char_p
     lib.zoo_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.zoo_rms_norm.restype = None
     lib.zoo_rope.argtypes = [ptr, *[i64] * 6, ptr, ptr, i64, i64, ctypes.c_int]

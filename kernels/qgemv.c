@@ -360,6 +360,7 @@ static inline int uses_bf16(const qweight_t *w, int64_t M) {
 }
 
 int64_t zoo_qx_bytes(const qweight_t *w, int64_t M) {
+    if (w->type) return M * zoo_q8_row_bytes(w->K);  // GGML blocks: x in 8-bit blocks
     const int64_t G = w->K / w->gs, chunks = (w->K + CHUNK - 1) / CHUNK;
     if (uses_bf16(w, M)) return M * (chunks * CHUNK * (int64_t)sizeof(uint16_t) + (G + 16) * 4);
     return w->bits != 32 ? M * G * (int64_t)sizeof(float) : 0;
@@ -372,7 +373,11 @@ void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, int bf16_ok, 
     px->M = M;
     px->bf16 = bf16_ok && uses_bf16(w, M);
     px->xs = NULL;
-    if (px->bf16) {  // one buffer: each row of x's bf16 values and group sums
+    if (w->type) {  // GGML blocks (qdot.c): each row of x in 8-bit blocks
+        px->bf16 = 0;
+        for (int64_t r = 0; r < M; r++)
+            zoo_q8_quantize_row(x + r * K, K, (char *)buf + r * zoo_q8_row_bytes(K), &px->q8[r]);
+    } else if (px->bf16) {  // one buffer: each row of x's bf16 values and group sums
         const int64_t each = chunks * CHUNK * sizeof(uint16_t) + (G + 16) * sizeof(float);
         for (int64_t r = 0; r < M; r++) {
             px->r[r].xp = (uint16_t *)((char *)buf + r * each);
@@ -392,11 +397,15 @@ void zoo_qx_prepare(const qweight_t *w, const float *x, int64_t M, int bf16_ok, 
 }
 
 int64_t zoo_qgemv_scratch(const qweight_t *w) {  // a row's scales and minimums (G each)
-    return 2 * (w->K / w->gs);
+    return w->type ? 0 : 2 * (w->K / w->gs);
 }
 
 void zoo_qgemv_rows(const qweight_t *w, const qx_t *px, float *y, int64_t ldy, int64_t n0,
                     int64_t n1, float *scratch) {
+    if (w->type) {
+        zoo_qdot_rows(w, px->q8, px->M, y, ldy, n0, n1);
+        return;
+    }
     const int64_t K = w->K, G = K / w->gs, M = px->M;
     const float *x = px->x;
     float *s = scratch, *m = scratch + G;
