@@ -3,7 +3,8 @@
 A Llama-architecture file with the shape of a registry.yaml entry (`llama3`: Llama-3.2-1B,
 `llama3-8b`: Llama-3.1-8B), random weights (normal, std 0.02; norms 1), llama3 rope scaling as
 llama.cpp's converter stores it (`rope_freqs.weight`), and a real tokenizer: the embedded
-SmolLM2's byte-level BPE vocabulary, padded with control tokens to the shape's vocabulary size.
+SmolLM2's byte-level BPE vocabulary (49,152 tokens, 48,900 merges), padded with normal tokens
+to the shape's vocabulary size (Llama 3's own has 280k merges: its tokenizer loads slower).
 The weights are written as Q8_0 (or F16) by the `gguf` package, one tensor at a time (an 8B
 source never sits in memory whole); where `llama-cpp-python` is importable, that source is then
 quantized by llama.cpp's own quantizer (`llama_model_quantize`) to each `--types` entry, so the
@@ -162,7 +163,7 @@ def _add_vocab(w: gguf.GGUFWriter, meta: dict, size: int) -> None:
         raise SystemExit(f"vocab_size {size} is smaller than SmolLM2's {len(tokens)} tokens")
     extra = size - len(tokens)
     tokens += [f"<|synthetic_{i}|>" for i in range(extra)]
-    types += [3] * extra  # control tokens: never produced by encoding text
+    types += [1] * extra  # normal tokens, as most of a real 128k vocabulary (no merges make them)
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
     w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     w.add_token_list(tokens)

@@ -10,15 +10,20 @@ import torch
 
 from core.errors import CheckpointError, RequestError
 from core.hugepages import move_to_huge_pages
-from core.loader import load_weights
+from core.loader import load_weights, plan_load
 from core.model import Model
 from core.modeling import CausalLM
 from core.plugins import registry
-from core.quantize import check_kind, quantize_model
+from core.quantize import check_kind, held_bytes, quantize_model
 
 log = logging.getLogger("zoo")
 
+# The KV cache's length when none is asked for: on GPUs (allocated at once) at most this; on
+# CPUs (committed as it fills: core/kv_cache.py) the model's whole context where it fits.
 DEFAULT_MAX_SEQ_LEN = 4096
+# Of the memory free at load, what the weights and a CPU cache sized by default may take: the
+# rest is left to activations, the tokenizer and the system.
+FIT_SHARE, FIT_SPARE = 0.9, 512 << 20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -55,11 +60,34 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def _check_fits(net: CausalLM, cfg, dtype, device, batch: int, seq: int) -> None:
-    """Refuse, before reading any weight, a model + KV cache larger than free memory."""
+def _cache_dtype(kv_dtype, dt: torch.dtype, dev: torch.device, quantized: bool) -> torch.dtype:
+    """The KV cache's dtype: kv_dtype when given; fp16 on CPUs for quantized weights (half the
+    memory and the attention reads, as llama.cpp keeps them); else the model's dtype."""
+    if kv_dtype is not None:
+        return _resolve_device_dtype(dev, kv_dtype, "float32")[1]
+    return torch.float16 if dev.type == "cpu" and quantized else dt
+
+
+def _cache_length(cfg, weights: int, kv: torch.dtype, dev, batch: int, asked: int | None) -> int:
+    """max_seq_len: the one asked for; else on CPUs the model's context, or as much of it as
+    fits beside the weights; else min(context, DEFAULT_MAX_SEQ_LEN)."""
+    if asked is not None:
+        return asked
+    context = cfg.max_position_embeddings
+    free = available_memory(dev)
+    if dev.type != "cpu" or free is None:
+        return min(context, DEFAULT_MAX_SEQ_LEN)
+    budget = FIT_SHARE * free - FIT_SPARE - weights - cfg.kv_bytes(kv.itemsize, 0, batch)
+    per_token = cfg.kv_bytes_per_token(kv.itemsize) * batch
+    fits = int(budget // per_token) if per_token else context
+    return max(1, min(context, fits))
+
+
+def _check_fits(cfg, weights: int, kv: torch.dtype, device, batch: int, seq: int) -> None:
+    """Refuse, before reading any weight, weights + a KV cache larger than free memory
+    (weights priced in the form they will be held: kept quantized or as floats)."""
     free = available_memory(device)
-    weights = sum(p.numel() for p in net.parameters()) * dtype.itemsize
-    cache = cfg.kv_bytes(dtype.itemsize, seq, batch)  # sliding layers: their window only
+    cache = cfg.kv_bytes(kv.itemsize, seq, batch)  # sliding layers: their window only
     if free is not None and weights + cache > free:
         gib = 2**30
         raise RequestError(
@@ -93,11 +121,14 @@ def load_model(
     dequantize: bool = False,
     quantize: str | None = None,
     tp: int = 1,
+    kv_dtype: str | torch.dtype | None = None,
 ) -> Model:
     """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
     device: CUDA when available, else CPU. dtype: the checkpoint's on CUDA, float32 on CPU.
-    max_seq_len: the KV cache length, by default min(max_position_embeddings, 4096).
+    max_seq_len: the KV cache length; by default, on CPUs, the model's context
+    (max_position_embeddings) or as much of it as fits in free memory beside the weights (the
+    cache's memory is committed as it fills), elsewhere min(max_position_embeddings, 4096).
     revision / offline: for hub downloads. check_finite: refuse weights holding NaN or Inf.
     compile: run decode steps as torch.compile graphs (CUDA graphs on GPUs): faster per token,
     at a one-off compile per batch size and cache bucket (see core/decode_step.py).
@@ -106,6 +137,8 @@ def load_model(
     weights of any checkpoint at load (linear layers, LM head, embedding).
     tp: split the model over `tp` ranks of a torch.distributed group, this process being one
     (core/tp.py, docs/scaling.md); every rank calls load_model with the same arguments.
+    kv_dtype: the KV cache's dtype; by default float16 on CPUs where weights are kept quantized
+    (or quantized at load), else the model's dtype.
     """
     if quantize is not None:
         check_kind(quantize)  # before any download or read
@@ -124,17 +157,22 @@ def load_model(
 
             sharding, dev = tensor_parallel(cfg, tp, dev, source, compile, quantize)
             ckpt = ShardedCheckpoint(ckpt, arch.weight_map, sharding)
-        seq = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        if seq < 1 or max_batch_size < 1:
+        if (max_seq_len is not None and max_seq_len < 1) or max_batch_size < 1:
             raise RequestError(
-                f"max_seq_len ({seq}) and max_batch_size ({max_batch_size}) must be positive"
+                f"max_seq_len ({max_seq_len}) and max_batch_size ({max_batch_size}) must be "
+                "positive"
             )
         t0 = time.perf_counter()
         with torch.device("meta"):
             net = CausalLM(cfg if sharding is None else local_config(cfg, tp))
         if sharding is not None:
             parallelize(net, sharding)
-        _check_fits(net, net.config, dt, dev, max_batch_size, seq)
+        keep = not dequantize and quantize is None and sharding is None
+        plan = plan_load(net, ckpt, arch.weight_map, net.ignored_checkpoint_names())
+        weights, kept = held_bytes(net, ckpt, plan, dt, dev, keep)
+        kv = _cache_dtype(kv_dtype, dt, dev, kept > 0 or quantize is not None)
+        seq = _cache_length(net.config, weights, kv, dev, max_batch_size, max_seq_len)
+        _check_fits(net.config, weights, kv, dev, max_batch_size, seq)
         load_weights(
             net,
             ckpt,
@@ -143,7 +181,8 @@ def load_model(
             device=dev,
             ignore=net.ignored_checkpoint_names(),
             progress=True,
-            keep_quantized=not dequantize and quantize is None and sharding is None,
+            keep_quantized=keep,
+            plan=plan,
         )
         if quantize is not None:
             quantize_model(net, quantize)
@@ -155,10 +194,18 @@ def load_model(
         gen_config = ckpt.generation_config()
     finally:
         ckpt.close()
-    net.setup_caches(max_batch_size, seq)
+    net.setup_caches(max_batch_size, seq, kv)
     net.eval().requires_grad_(False)  # inference only: no autograd in eager or compiled steps
+    how = (
+        "asked for"
+        if max_seq_len is not None
+        else (
+            "the model's context" if seq == cfg.max_position_embeddings else "what fits in memory"
+        )
+    )
+    lazy = ", committed as it fills" if dev.type == "cpu" else ""
     log.info(
-        "zoo: loaded %s (%s) on %s as %s in %.2fs; KV cache %d x %d tokens = %.1f MiB",
+        "zoo: loaded %s (%s) on %s as %s in %.2fs; KV cache %d x %d tokens (%s), %s, %.1f MiB%s",
         path,
         cfg.model_type,
         dev,
@@ -166,6 +213,9 @@ def load_model(
         time.perf_counter() - t0,
         max_batch_size,
         seq,
+        how,
+        str(kv).removeprefix("torch."),
         net.kv_cache.nbytes / 2**20,
+        lazy,
     )
     return Model(net, tokenizer, path, gen_config, compile=compile)

@@ -139,7 +139,7 @@ def measure(
     from core.quantize import weight_formats
 
     dev, cfg = model.device, model.config
-    itemsize = model.dtype.itemsize
+    itemsize = model.net.kv_cache.dtype.itemsize  # the cache's own (fp16 on CPUs, quantized)
     formats = weight_formats(model.net).values()  # quantized weights are no parameters
     weight_bytes = sum(nbytes for _, nbytes in formats)
     report = BenchReport(

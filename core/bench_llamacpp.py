@@ -106,14 +106,17 @@ def compare_llama_cpp(
     repeat: int,
     load: dict[str, Any],
     llama: dict[str, Any] | None = None,
+    ctx: int | None = None,
 ) -> dict[str, Any]:
     """Greedy runs of `prompt` (token ids) for `decode_tokens` new tokens, eos ignored, on the
     GGUF file `path`: Zoo (`load_model(path, **load)`) and llama.cpp, in two processes, run
     alternately `repeat` times after a warm-up each. `llama` overrides llama.cpp's settings
     (`n_ubatch`, `use_extra_bufts`, `flash_attn`, `n_threads`). Returns medians per engine,
     the ratios zoo/llama.cpp, how many greedy tokens agree from the first, resident weight
-    bytes beside the file's tensor bytes, and each process's peak RSS."""
-    job = {"path": str(path), "prompt": prompt, "new_tokens": decode_tokens}
+    bytes beside the file's tensor bytes, each engine's load time and each process's peak RSS.
+    ctx: the context (KV cache length) both engines are given; default prompt + new tokens."""
+    n_ctx = ctx or len(prompt) + decode_tokens
+    job = {"path": str(path), "prompt": prompt, "new_tokens": decode_tokens, "n_ctx": n_ctx}
     gpu = str(load.get("device") or "").startswith("cuda")
     zoo = _Worker("zoo", {**job, "load": load})
     try:
@@ -138,6 +141,8 @@ def compare_llama_cpp(
         engines[name] = e
     same = agreeing(engines["zoo"]["tokens"], engines[PEER]["tokens"])
     ratios = {k: engines["zoo"][k] / engines[PEER][k] for k in FIGURES[:3]}
+    ratios["load_s"] = engines["zoo"]["load_s"] / engines[PEER]["load_s"]
+    ratios["peak_rss_bytes"] = engines["zoo"]["peak_rss_bytes"] / engines[PEER]["peak_rss_bytes"]
     return {
         "peer": PEER,
         "peer_note": note,
@@ -145,6 +150,7 @@ def compare_llama_cpp(
         "date": time.strftime("%Y-%m-%d"),
         "prompt_tokens": len(prompt),
         "new_tokens": decode_tokens,
+        "context": n_ctx,
         "repeat": repeat,
         "same_tokens": same,
         "speedup": ratios["decode_tokens_per_s"],
@@ -207,20 +213,22 @@ def render_lines(c: dict[str, Any]) -> list[str]:
     lines = [
         f"vs {PEER} {p['version']} (same GGUF file, own processes, alternating; threads: zoo "
         f"{z['threads']}, {PEER} {p['threads']}): {c['prompt_tokens']}-token prompt, "
-        f"{c['new_tokens']} new tokens, medians of {c['repeat']}; {c['machine']}, {c['date']}",
-        f"{'':>16} {'prefill tok/s':>14} {'decode tok/s':>13} {'end to end':>11} "
+        f"{c['new_tokens']} new tokens, context {c['context']}, medians of {c['repeat']}; "
+        f"{c['machine']}, {c['date']}",
+        f"{'':>16} {'load s':>7} {'prefill tok/s':>14} {'decode tok/s':>13} {'end to end':>11} "
         f"{'weights MiB':>12} {'peak RSS MiB':>13}",
     ]
     for name, e in (("zoo", z), (PEER, p)):
         lines.append(
-            f"{name:>16} {e['prefill_tokens_per_s']:>14,.1f} {e['decode_tokens_per_s']:>13,.1f} "
-            f"{e['tokens_per_s']:>11,.1f} {e['weight_bytes'] / mib:>12,.1f} "
-            f"{e['peak_rss_bytes'] / mib:>13,.1f}"
+            f"{name:>16} {e['load_s']:>7.2f} {e['prefill_tokens_per_s']:>14,.1f} "
+            f"{e['decode_tokens_per_s']:>13,.1f} {e['tokens_per_s']:>11,.1f} "
+            f"{e['weight_bytes'] / mib:>12,.1f} {e['peak_rss_bytes'] / mib:>13,.1f}"
         )
     r = c["ratios"]
     lines += [
-        f"{'zoo/' + PEER:>16} {r['prefill_tokens_per_s']:>13.2f}x "
-        f"{r['decode_tokens_per_s']:>12.2f}x {r['tokens_per_s']:>10.2f}x",
+        f"{'zoo/' + PEER:>16} {r['load_s']:>6.2f}x {r['prefill_tokens_per_s']:>13.2f}x "
+        f"{r['decode_tokens_per_s']:>12.2f}x {r['tokens_per_s']:>10.2f}x {'':>12} "
+        f"{r['peak_rss_bytes']:>12.2f}x",
         f"   file: {c['file_tensor_bytes'] / mib:,.1f} MiB of tensors "
         f"({c['file_bytes'] / mib:,.1f} MiB on disk); {PEER}: "
         + " ".join(f"{k}={v}" for k, v in p["settings"].items()),

@@ -22,7 +22,9 @@ def _zoo(cfg: dict[str, Any]):
     from core import load_model
     from core.quantize import weight_formats
 
-    model = load_model(cfg["path"], **cfg["load"])
+    t = time.perf_counter()
+    model = load_model(cfg["path"], max_seq_len=cfg["n_ctx"], **cfg["load"])
+    load_s = time.perf_counter() - t
     prompt, n = cfg["prompt"], cfg["new_tokens"]
 
     def run() -> dict[str, Any]:
@@ -35,6 +37,7 @@ def _zoo(cfg: dict[str, Any]):
         return {**out, "tokens_per_s": n / (time.perf_counter() - t), "tokens": res.token_ids}
 
     info = {
+        "load_s": load_s,
         "threads": torch.get_num_threads(),
         "weight_bytes": sum(nbytes for _, nbytes in weight_formats(model.net).values()),
         "settings": {
@@ -57,17 +60,20 @@ def _llama(cfg: dict[str, Any]):
     mp.n_gpu_layers = cfg["n_gpu_layers"]
     if any(f[0] == "use_extra_bufts" for f in L.llama_model_params._fields_):
         mp.use_extra_bufts = cfg["use_extra_bufts"]  # AMX / repacked weight layouts
+    t = time.perf_counter()  # as Zoo's: the weights loaded and the KV cache made
     model = L.llama_model_load_from_file(cfg["path"].encode(), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {cfg['path']}")
     prompt, n = cfg["prompt"], cfg["new_tokens"]
     cp = L.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = len(prompt) + n
+    cp.n_ctx = cfg["n_ctx"]
+    cp.n_batch = len(prompt) + n
     cp.n_ubatch = min(cfg["n_ubatch"], cp.n_batch)
     cp.n_threads = cp.n_threads_batch = cfg["n_threads"]
     on, off = L.LLAMA_FLASH_ATTN_TYPE_ENABLED, L.LLAMA_FLASH_ATTN_TYPE_DISABLED
     cp.flash_attn_type = on if cfg["flash_attn"] else off
     ctx = L.llama_init_from_model(model, cp)
+    load_s = time.perf_counter() - t
     greedy = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
     L.llama_sampler_chain_add(greedy, L.llama_sampler_init_greedy())
     memory = L.llama_get_memory(ctx)
@@ -100,6 +106,7 @@ def _llama(cfg: dict[str, Any]):
     keys = ("n_threads", "n_ubatch", "use_extra_bufts", "flash_attn", "n_gpu_layers")
     settings = {k: cfg[k] for k in keys} | {"n_ubatch": cp.n_ubatch}
     info = {
+        "load_s": load_s,
         "version": L.__version__,
         "threads": cfg["n_threads"],
         "weight_bytes": int(L.llama_model_size(model)),

@@ -321,26 +321,31 @@ def _bench(args: argparse.Namespace) -> None:
         elif args.compare == "llama.cpp":
             from core.bench_llamacpp import compare_llama_cpp
 
-            path, ids = model.path, _compare_prompt(model, args)
+            path, ids = model.path, _compare_prompt(model, args, lens[0])
             del model  # the two engines' own processes load it; this one waits
             keys = ("device", "dtype", "compile", "dequantize", "quantize")  # as _load passes them
             report.compare = compare_llama_cpp(
                 path, prompt=ids, decode_tokens=args.decode_tokens, repeat=args.repeat,
-                load={k: getattr(args, k) for k in keys},
+                load={k: getattr(args, k) for k in keys}, ctx=args.ctx,
             )  # fmt: skip
     print(bench.render(report))
     if args.json:
         bench.write_json(report, args.json)
 
 
-def _compare_prompt(model, args: argparse.Namespace) -> list[int]:
-    """--prompt as the chat-templated ids Zoo builds (a fixed 42 random ids without a tokenizer)."""
+def _compare_prompt(model, args: argparse.Namespace, length: int = 0) -> list[int]:
+    """--prompt as the chat-templated ids Zoo builds (a fixed 42 random ids without a tokenizer),
+    followed by seeded random ids up to `length` tokens where it is shorter."""
     from core import bench
 
     if model.tokenizer is None:
-        return bench.random_prompt(model.config.vocab_size, 1, 42)[0]
-    prompt = _prompt_ids(model, [{"role": "user", "content": args.prompt}], None)
-    return prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
+        prompt = bench.random_prompt(model.config.vocab_size, 1, 42)[0]
+    else:
+        prompt = _prompt_ids(model, [{"role": "user", "content": args.prompt}], None)
+        prompt = prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
+    if len(prompt) < length:
+        prompt += bench.random_prompt(model.config.vocab_size, 1, length - len(prompt))[0]
+    return prompt
 
 
 def _check_gguf(args: argparse.Namespace) -> None:
@@ -507,7 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", choices=list(PEERS), help="same prompt, same weights (llama.cpp: "
                    "a .gguf file, each engine in a process of its own)")  # fmt: skip
     b.add_argument("--hf-compile", action="store_true", help="transformers: static cache + compile")
-    b.add_argument("--prompt", default="What is the capital of France?", help="for --compare")
+    b.add_argument(
+        "--prompt",
+        default="What is the capital of France?",
+        help="for --compare (chat-templated; random ids after it up to the first --prompt-lens)",
+    )
+    b.add_argument("--ctx", type=int, default=None, help="--compare llama.cpp: the context "
+                   "(KV cache length) of both engines (default: prompt + new tokens)")  # fmt: skip
     b.add_argument("--json", help="also write the report as JSON to this file ('-': stdout)")
     b.add_argument("--peak-gbps", type=float, help="the device's peak memory GB/s (default: "
                    "a datasheet figure for known GPUs, measured on CPUs)")  # fmt: skip

@@ -16,6 +16,7 @@ import torch
 
 from core.layers import GatedMLP, GQAAttention, LMHead, RMSNorm
 from core.modeling import CausalLM, DecoderBlock
+from kernels.blocks import BlockWeight
 from kernels.cpu_decode import ACTS, Block, Blocks
 from kernels.cpu_quant import MAX_ROWS, library
 from kernels.qweight import QuantStack, QuantWeight
@@ -106,6 +107,8 @@ def _first_weight(net: CausalLM) -> torch.Tensor:
     w = net.model.layers[0].self_attn.qkv_proj.weight
     while isinstance(w, QuantStack):
         w = w.parts[0]
+    if isinstance(w, BlockWeight):
+        return w.blocks
     return w.codes if isinstance(w, QuantWeight) else w
 
 

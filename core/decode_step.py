@@ -80,10 +80,6 @@ class DecodeStep:
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """rows: the cache rows of the B tokens (where `takes_rows(B)`); None: rows 0..B-1."""
-        with kernels.cpu_quant.decoding():  # 4-bit CPU products may take bf16(x) (not prefill)
-            return self._step(tokens, positions, end, rows)
-
-    def _step(self, tokens, positions, end, rows) -> torch.Tensor:
         if self.fused is not None and self.compiled is None:
             logits = self.fused(tokens, positions, end, rows)
             if logits is not None:

@@ -7,11 +7,21 @@ DeltaNet: `conv`, `state`) a fixed-size state per row, which the layer itself st
 for a row whose input begins at position 0 (a reused row needs no reset). A spec may keep a
 tensor in another dtype than the model's (`cache_dtypes`: the delta-rule state in fp32). The
 cache allocates each layer's own layout and hands a layer its tensors, in that order.
+
+Keys and values may be kept in another dtype than the model computes in (load_model's
+`kv_dtype`: fp16 on CPUs for quantized weights, as llama.cpp keeps them); attention reads them
+back in the model's dtype. On CPUs the whole cache is one anonymous memory mapping: pages are
+zero until written and resident only once written, so a cache sized for the model's whole
+context costs memory as the tokens come, and `reset` gives the pages back.
 """
+
+import mmap
 
 import torch
 
 from core.config import RuntimeConfig
+
+ALIGN = 64  # bytes: each cache tensor starts on a cache line
 
 
 class StaticKVCache:
@@ -34,21 +44,35 @@ class StaticKVCache:
         specs = cfg.attention_layers
         layouts = [spec.cache_layout(max_batch_size, max_seq_len) for spec in specs]
         self.names = [tuple(layout) for layout in layouts]  # per layer
-        self.layers = []
+        plan = []  # per layer: (shape, dtype) of each tensor
         for spec, layout in zip(specs, layouts, strict=True):
             own = spec.cache_dtypes() if hasattr(spec, "cache_dtypes") else {}
-            self.layers.append(
-                tuple(
-                    torch.zeros(
-                        shape,
-                        dtype=getattr(torch, own[name]) if name in own else dtype,
-                        device=device,
-                    )
-                    for name, shape in layout.items()
-                )
-            )
+            plan.append([(shape, getattr(torch, own[n]) if n in own else dtype)
+                         for n, shape in layout.items()])  # fmt: skip
+        self._area: mmap.mmap | None = None
+        if torch.device(device).type == "cpu":
+            self.layers = self._mapped(plan)
+        else:
+            self.layers = [tuple(torch.zeros(shape, dtype=dt, device=device) for shape, dt in ts)
+                           for ts in plan]  # fmt: skip
+        self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+
+    def _mapped(self, plan: list) -> list[tuple[torch.Tensor, ...]]:
+        """Every tensor of `plan` in one anonymous mapping, zero until written."""
+        sizes = [[_nbytes(shape, dt) for shape, dt in ts] for ts in plan]
+        total = sum(-(-n // ALIGN) * ALIGN for ns in sizes for n in ns)
+        self._area = mmap.mmap(-1, max(total, 1), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        layers, at = [], 0
+        for ts, ns in zip(plan, sizes, strict=True):
+            out = []
+            for (shape, dt), n in zip(ts, ns, strict=True):
+                raw = torch.frombuffer(self._area, dtype=torch.uint8, count=n, offset=at)
+                out.append(raw.view(dt).view(shape))
+                at += -(-n // ALIGN) * ALIGN
+            layers.append(tuple(out))
+        return layers
 
     @property
     def nbytes(self) -> int:
@@ -59,9 +83,20 @@ class StaticKVCache:
         return self.layers[i]
 
     def reset(self) -> None:
+        """Zero every tensor (on CPUs: the pages go back to the system and read as zeros)."""
+        if self._area is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._area.madvise(mmap.MADV_DONTNEED)
+            return
         for bufs in self.layers:
             for t in bufs:
                 t.zero_()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def cache_write(
@@ -87,5 +122,11 @@ def cache_write(
         index = [along(torch.arange(new.shape[d], device=new.device), d) for d in range(seq_dim)]
         pos = start_pos[:, None] + torch.arange(t, device=new.device)  # (B, T)
         index.append(along(pos, 0, seq_dim))
-        cache.index_put_(tuple(index), new)
+        cache.index_put_(tuple(index), new.to(cache.dtype))
     return rows.narrow(seq_dim, 0, end)
+
+
+def as_compute(cached: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Cache entries in the dtype the model computes in (`like`'s): a copy where the cache
+    keeps another (fp16 keys and values beside fp32 math), else the entries themselves."""
+    return cached if cached.dtype == like.dtype else cached.to(like.dtype)

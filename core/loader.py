@@ -188,6 +188,7 @@ def load_weights(
     ignore: Container[str] = frozenset(),
     progress: bool = False,
     keep_quantized: bool = True,
+    plan: list | None = None,
 ) -> None:
     """Fill `net` (built on the meta device) from `ckpt`, converting on the fly.
 
@@ -195,9 +196,9 @@ def load_weights(
     Parameters marked `keep_fp32` (e.g. a router's correction bias) stay in float32.
     keep_quantized: a linear or embedding weight that the checkpoint stores in a block format
     (GGUF; fp8 on GPUs of compute capability 8.9+) becomes a `QuantWeight` of the same blocks
-    instead of floats (core/quantize.py).
+    instead of floats (core/quantize.py). plan: `plan_load`'s, where the caller made it already.
     """
-    plan = plan_load(net, ckpt, weight_map, ignore)
+    plan = plan if plan is not None else plan_load(net, ckpt, weight_map, ignore)
     state: dict[str, torch.Tensor] = {}
     if keep_quantized:
         kept, plan = quantize.split_plan(net, ckpt, plan, device)

@@ -109,10 +109,15 @@ class CausalLM(nn.Module):
         names = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         return IgnoredNames(names, range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers))
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocate the KV cache and the rope table on the weights' device and dtype."""
+    def setup_caches(
+        self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None
+    ) -> None:
+        """Allocate the KV cache (in `dtype`, by default the weights') and the rope table on
+        the weights' device."""
         w = self.model.embed_tokens.weight
-        self.kv_cache = StaticKVCache(self.config, max_batch_size, max_seq_len, w.dtype, w.device)
+        self.kv_cache = StaticKVCache(
+            self.config, max_batch_size, max_seq_len, dtype or w.dtype, w.device
+        )
         self.rotary = RotaryEmbedding(self.config.rope, max_seq_len, w.device)
         self.rotaries = nn.ModuleList(
             self.rotary if r == self.config.rope else RotaryEmbedding(r, max_seq_len, w.device)

@@ -12,6 +12,7 @@ stored as fp8 blocks are kept the same way, as one `QuantExperts` (`stacked_fp8`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import Counter, defaultdict
@@ -22,6 +23,8 @@ from torch import nn
 from core.errors import CheckpointError, RequestError
 from core.layers import Embedding, Linear, LMHead
 from core.layers.moe import StackedLinear
+from kernels import blocks
+from kernels.blocks import BlockWeight
 from kernels.qweight import FORMATS, FP8, QuantExperts, QuantStack, QuantWeight, cat_rows
 from kernels.qweight import quantize as quantize_tensor
 
@@ -91,6 +94,23 @@ def split_plan(
     return kept, [p for p in plan if p[1] not in kept]
 
 
+def held_bytes(net: nn.Module, ckpt, plan: list, dtype: torch.dtype, device: torch.device,
+               keep_quantized: bool) -> tuple[int, int]:  # fmt: skip
+    """(bytes, parameters kept quantized): what the weights of `net` take once loaded, each
+    in the form it is held: a weight kept quantized as the checkpoint stores it (repacking keeps
+    the size), others in `dtype` (float32 for parameters marked keep_fp32). `plan`: the
+    loader's (`plan_load`)."""
+    kept = split_plan(net, ckpt, plan, device)[0] if keep_quantized else {}
+    stored = getattr(ckpt, "stored_bytes", None)
+    total = 0
+    for name, p in net.named_parameters():
+        if name in kept and stored is not None:
+            total += sum(stored(n) for n, _ in kept[name])
+        else:
+            total += p.numel() * (4 if getattr(p, "keep_fp32", False) else dtype.itemsize)
+    return total, len(kept)
+
+
 def _start(index: tuple) -> int:
     return index[0].start if index else 0
 
@@ -110,7 +130,14 @@ def stacked_fp8(net: nn.Module, target: str, formats: list) -> bool:
 
 def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
     """One parameter's blocks, its shards stacked in row order, on `device`; stacked experts'
-    shards ((e, rows) indices) become one `QuantExperts`."""
+    shards ((e, rows) indices) become one `QuantExperts`. On CPUs, GGML blocks become
+    `BlockWeight`s repacked for kernels/qdot.c (consecutive shards of one format together)."""
+    if device.type == "cpu" and hasattr(ckpt, "blocks") and blocks.available():
+        w = _repacked(ckpt, [name for name, _ in parts])
+        if w is not None:
+            for m in w.modules():
+                m.dtype = dtype
+            return w
     ws = [ckpt.read_quantized(name) for name, _ in parts]
     if parts[0][1] and isinstance(parts[0][1][0], int):  # stacked experts, sorted by expert
         per_expert = defaultdict(list)
@@ -122,6 +149,24 @@ def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
     for m in w.modules():
         m.dtype = dtype
     return w
+
+
+def _repacked(ckpt, names: list[str]) -> BlockWeight | QuantStack | None:
+    """The tensors `names` (stacked along the rows) as block weights, runs of one format in
+    one `BlockWeight`; None where a format is not one the CPU kernels take (or a tensor is
+    not a matrix). Each tensor's pages in the file's mapping are released once copied."""
+    read = [(name, *ckpt.blocks(name)) for name in names]  # (name, format, bytes, row order)
+    if any(kind not in blocks.FORMATS or raw.ndim != 2 for _, kind, raw, _ in read):
+        return None
+    cols = ckpt.shape(names[0])[-1]
+    out = []
+    for kind, run in itertools.groupby(read, key=lambda r: r[1]):
+        run = list(run)
+        rows = sum(raw.shape[0] for _, _, raw, _ in run)
+        out.append(blocks.repack(kind, [r[2] for r in run], (rows, cols), [r[3] for r in run]))
+        for name, *_ in run:
+            ckpt.release(name)
+    return out[0] if len(out) == 1 else QuantStack(out)
 
 
 def install(net: nn.Module, target: str, w: QuantWeight | QuantStack) -> dict[str, torch.Tensor]:
@@ -153,6 +198,8 @@ def quantize_model(net: nn.Module, kind: str) -> None:
             continue
         w = quantize_tensor(p.data, kind).to(p.device)
         w.dtype = p.dtype
+        if p.device.type == "cpu" and blocks.available():  # the same blocks, for kernels/qdot.c
+            w = blocks.from_quant(w)
         install(net, name, w)
     if skipped:
         log.info("zoo: %d weight(s) left in float (rows not a multiple of 32): %s",
@@ -165,7 +212,7 @@ def weight_formats(net: nn.Module) -> dict[str, tuple[int, int]]:
     out: Counter = Counter()
     nbytes: Counter = Counter()
     for m in net.modules():  # each module once, a tied embedding too
-        if isinstance(m, QuantWeight | QuantExperts):
+        if isinstance(m, QuantWeight | QuantExperts | BlockWeight):
             out[m.fmt.name] += math.prod(m.shape)
             nbytes[m.fmt.name] += m.nbytes
     for _, p in net.named_parameters():

@@ -52,7 +52,7 @@ typedef struct {
     const float *norm1, *norm2;  // (H,): before attention, before the MLP
     float eps1, eps2;
     zlinear_t qkv, o, gate_up, down;
-    float *k, *v;                // (B, Hkv, S, D) caches, strided (floats)
+    void *k, *v;                 // (B, Hkv, S, D) caches, strided (elements); fp16 when `half`
     int64_t ksb, ksh, kss, vsb, vsh, vss;
     int64_t slots, ring;         // S; ring: a sliding window's ring buffer of S slots
     int64_t hq, hkv, d;
@@ -60,16 +60,22 @@ typedef struct {
     float scale, softcap;        // softcap 0: none
     const float *sinks;          // (hq,) or NULL
     int64_t act, inter;          // 0 SiLU, 1 GELU (tanh); intermediate size
+    int64_t kv_half;             // the caches hold fp16 (else fp32)
 } zblock_t;
+
+// A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
+static inline void *slot_at(void *cache, int64_t at, int64_t half) {
+    return half ? (void *)((uint16_t *)cache + at) : (void *)((float *)cache + at);
+}
 
 // Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
 static void linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ldy, int64_t M,
-                        int64_t n0, int64_t n1, float *scratch) {
+                        int64_t n0, int64_t n1) {
     int64_t base = 0;
     for (int64_t i = 0; i < l->parts; i++) {
         const int64_t N = l->part[i].N, a = n0 > base ? n0 : base;
         const int64_t b = n1 < base + N ? n1 : base + N;
-        if (a < b) zoo_qgemv_rows(&l->part[i], &px[i], y + base, ldy, a - base, b - base, scratch);
+        if (a < b) zoo_qgemv_rows(&l->part[i], &px[i], y + base, ldy, a - base, b - base);
         base += N;
     }
     if (l->bias)
@@ -79,7 +85,7 @@ static void linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ld
 
 static void prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena) {
     for (int64_t i = 0; i < l->parts; i++) {
-        zoo_qx_prepare(&l->part[i], x, M, 1, &px[i], arena);  // decode: bf16(x) where it pays
+        zoo_qx_prepare(&l->part[i], x, M, &px[i], arena);
         arena += (zoo_qx_bytes(&l->part[i], M) + 63) / 64 * 64;
     }
 }
@@ -90,14 +96,6 @@ static int64_t prepare_bytes(const zlinear_t *l, int64_t M) {
     return n;
 }
 
-static int64_t scratch_floats(const zlinear_t *l) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < l->parts; i++) {
-        const int64_t s = zoo_qgemv_scratch(&l->part[i]);
-        n = s > n ? s : n;
-    }
-    return n;
-}
 
 // The threads meet between the parts of a block on a shared counter, spinning first: an
 // OpenMP barrier may put a waiting thread to sleep at once (libgomp spins less where it counts
@@ -137,11 +135,17 @@ static void meet(spin_barrier_t *b, int64_t T) {
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+// Thread t of T's first row of N: whole groups of 16 (the block kernels compute a weight's
+// rows 16 at a time; a group split between two threads would be computed by both).
+static inline int64_t share(int64_t N, int64_t t, int64_t T) {
+    return t == T ? N : N / 16 * t / T * 16;
+}
+
 // h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a block's residual add
 static void add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
-                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf, float *sc) {
+                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf) {
     prepare(l, x, M, px, buf);
-    linear_rows(l, px, y, H, M, n0, n1, sc);
+    linear_rows(l, px, y, H, M, n0, n1);
     for (int64_t r = 0; r < M; r++)
         for (int64_t n = n0; n < n1; n++) h[r * H + n] += y[r * H + n];
 }
@@ -175,17 +179,15 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                        const int64_t *pos, const int64_t *rows, const float *const *cos,
                        const float *const *sin, const int64_t *cstride, const zhead_t *hd,
                        float *logits, int threads) {
-    int64_t arena = 0, scratch = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1;
+    int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1;
     if (hd) {
         arena = prepare_bytes(&hd->head, M);
-        scratch = scratch_floats(&hd->head);
     }
     for (int64_t l = 0; l < L; l++) {
         const zblock_t *b = &blocks[l];
         const zlinear_t *ls[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
         for (int i = 0; i < 4; i++) {
             arena = max64(arena, prepare_bytes(ls[i], M));
-            scratch = max64(scratch, scratch_floats(ls[i]));
         }
         nqkv = max64(nqkv, b->qkv.N);
         hqd = max64(hqd, b->hq * b->d);
@@ -205,29 +207,36 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        float *xn = malloc(M * in * sizeof(float)), *sc = malloc(scratch * sizeof(float));
+        float *xn = malloc(M * in * sizeof(float));
         float *p = malloc(slots * sizeof(float)), *q = malloc(d * sizeof(float));
+        float *tmp = malloc(d * sizeof(float));
         char *buf = aligned_alloc(64, (arena + 64) / 64 * 64);
         qx_t px[MAX_PARTS];
-        const int64_t h0 = H * t / T, h1 = H * (t + 1) / T;  // this thread's columns of h
+        const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);  // this thread's columns of h
         for (int64_t l = 0; l < L; l++) {
             const zblock_t *b = &blocks[l];
             const int64_t nq = b->qkv.N, I = b->inter, group = b->hq / b->hkv;
             // attention: q|k|v of the normed rows, rows split over the threads
             zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
             prepare(&b->qkv, xn, M, px, buf);
-            linear_rows(&b->qkv, px, qkv, nq, M, nq * t / T, nq * (t + 1) / T, sc);
+            linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
             meet(&bar, T);
             // each kv head of each row: k rotated and both written to the row's cache slot
             for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
                 const int64_t r = u / b->hkv, j = u % b->hkv;
                 const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
                 const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
-                const float *kr = qkv + r * nq + (b->hq + j) * b->d, *vr = kr + b->hkv * b->d;
-                float *kc = b->k + c * b->ksb + j * b->ksh + slot * b->kss;
-                memcpy(kc, kr, b->d * sizeof(float));
-                memcpy(b->v + c * b->vsb + j * b->vsh + slot * b->vss, vr, b->d * sizeof(float));
-                rotate(b, kc, r, cos, sin, cstride);
+                float *kr = qkv + r * nq + (b->hq + j) * b->d, *vr = kr + b->hkv * b->d;
+                void *kc = slot_at(b->k, c * b->ksb + j * b->ksh + slot * b->kss, b->kv_half);
+                void *vc = slot_at(b->v, c * b->vsb + j * b->vsh + slot * b->vss, b->kv_half);
+                rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
+                if (b->kv_half) {
+                    zoo_float_to_half(kr, kc, b->d);
+                    zoo_float_to_half(vr, vc, b->d);
+                } else {
+                    memcpy(kc, kr, b->d * sizeof(float));
+                    memcpy(vc, vr, b->d * sizeof(float));
+                }
             }
             meet(&bar, T);
             // each query head of each row: rotated, then attends to the row's filled slots
@@ -237,38 +246,38 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 memcpy(q, qkv + r * nq + j * b->d, b->d * sizeof(float));
                 rotate(b, q, r, cos, sin, cstride);
                 const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-                zoo_attend(q, b->k + c * b->ksb + kh * b->ksh, b->kss,
-                           b->v + c * b->vsb + kh * b->vsh, b->vss, 0, seen, b->d, b->d,
-                           b->scale, b->softcap, b->sinks ? b->sinks + j : NULL, p,
-                           att + (r * b->hq + j) * b->d);
+                zoo_attend(q, slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half), b->kss,
+                           slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half), b->vss, 0, seen,
+                           b->d, b->d, b->scale, b->softcap, b->sinks ? b->sinks + j : NULL,
+                           (int)b->kv_half, p, tmp, att + (r * b->hq + j) * b->d);
             }
             meet(&bar, T);
             // h += o(attention): this thread's columns of h
-            add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, sc);
+            add_product(&b->o, att, h, y, M, H, h0, h1, px, buf);
             meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
             prepare(&b->gate_up, xn, M, px, buf);
-            const int64_t i0 = I * t / T, i1 = I * (t + 1) / T;
-            linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1, sc);
-            linear_rows(&b->gate_up, px, gu, 2 * I, M, I + i0, I + i1, sc);
+            const int64_t i0 = share(I, t, T), i1 = share(I, t + 1, T);
+            linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1);
+            linear_rows(&b->gate_up, px, gu, 2 * I, M, I + i0, I + i1);
             for (int64_t r = 0; r < M; r++)
                 for (int64_t i = i0; i < i1; i++)
                     act[r * I + i] = activate(gu[r * 2 * I + i], b->act) * gu[r * 2 * I + I + i];
             meet(&bar, T);
-            add_product(&b->down, act, h, y, M, H, h0, h1, px, buf, sc);
+            add_product(&b->down, act, h, y, M, H, h0, h1, px, buf);
             meet(&bar, T);
         }
         if (hd) {  // the vocabulary's rows split over the threads
             const int64_t V = hd->head.N;
             zoo_rms_norm(h, NULL, NULL, hd->norm, xn, M, H, hd->eps);
             prepare(&hd->head, xn, M, px, buf);
-            linear_rows(&hd->head, px, logits, V, M, V * t / T, V * (t + 1) / T, sc);
+            linear_rows(&hd->head, px, logits, V, M, share(V, t, T), share(V, t + 1, T));
         }
         free(xn);
-        free(sc);
         free(p);
         free(q);
+        free(tmp);
         free(buf);
     }
     free(qkv);

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_quant import MAX_ROWS, _desc, _QWeight, _tensors, library
-from kernels.qweight import QuantStack, QuantWeight
+from kernels.blocks import BlockWeight
+from kernels.cpu_quant import MAX_ROWS, QWeightView, library
+from kernels.qweight import QuantStack
 
 MAX_PARTS = 4  # as cpu_decode.c
 ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -25,7 +26,7 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("part", _QWeight * MAX_PARTS), ("parts", _i64), ("N", _i64), ("bias", _ptr)]
+    _fields_ = [("part", QWeightView * MAX_PARTS), ("parts", _i64), ("N", _i64), ("bias", _ptr)]
 
 
 class _Block(ctypes.Structure):
@@ -36,6 +37,7 @@ class _Block(ctypes.Structure):
         *((name, _i64) for name in ("ksb", "ksh", "kss", "vsb", "vsh", "vss", "slots", "ring",
                                     "hq", "hkv", "d", "rope", "half", "interleaved")),
         ("scale", _f32), ("softcap", _f32), ("sinks", _ptr), ("act", _i64), ("inter", _i64),
+        ("kv_half", _i64),
     ]  # fmt: skip
 
 
@@ -46,8 +48,9 @@ class _Head(ctypes.Structure):
 @dataclass
 class Block:
     """One decoder block's tensors and shape, as the C step reads them. Weights: fp32 (N, K)
-    tensors or `QuantWeight` / `QuantStack`; caches (B, Hkv, S, D) fp32 (a ring of S slots when
-    `ring`); `rope`: index of the step's cos/sin table, None for a layer without rope."""
+    tensors or `BlockWeight` / `QuantStack`; caches (B, Hkv, S, D) fp32 or fp16 (a ring of S
+    slots when `ring`); `rope`: index of the step's cos/sin table, None for a layer without
+    rope."""
 
     norm1: torch.Tensor
     eps1: float
@@ -81,18 +84,15 @@ def _float(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
-def _parts(weight) -> list[_QWeight] | None:
+def _parts(weight) -> list[QWeightView] | None:
     """The C views of a weight's parts, or None where the C step cannot take it."""
     if isinstance(weight, QuantStack):
         views = [_parts(p) for p in weight.parts]
         return None if any(v is None for v in views) else [x for v in views for x in v]
-    if isinstance(weight, QuantWeight):
-        if weight.codes.device.type != "cpu" or weight.fmt.group_of(weight.in_features) % 16:
-            return None
-        return [_desc(weight.fmt, weight.in_features, _tensors(weight))]
+    if isinstance(weight, BlockWeight):
+        return [weight.c_view()]
     if isinstance(weight, torch.Tensor) and weight.dim() == 2 and _float(weight):
-        n, k = weight.shape
-        return [_QWeight(weight.data_ptr(), None, None, None, None, n, k, k, 0, 0, 32, 0, 0)]
+        return [QWeightView(weight.data_ptr(), *weight.shape, 0)]
     return None
 
 
@@ -143,11 +143,16 @@ class Blocks:
             d = b.head_dim
             rows = [None if lin is None else lin.N for lin in linears]
             want = [(b.heads + 2 * b.kv_heads) * d, hidden, 2 * b.intermediate, hidden]
-            tensors = (b.norm1, b.norm2, b.k_cache, b.v_cache, b.sinks)
-            caches_ok = all(t.dim() == 4 and t.stride(-1) == 1 for t in (b.k_cache, b.v_cache))
+            tensors = (b.norm1, b.norm2, b.sinks)
+            caches = (b.k_cache, b.v_cache)
+            half = b.k_cache.dtype == torch.float16
+            caches_ok = all(
+                t.dim() == 4 and t.stride(-1) == 1 and t.device.type == "cpu"
+                and t.dtype == (torch.float16 if half else torch.float32) for t in caches
+            )  # fmt: skip
             if rows != want or not all(map(_float, tensors)) or not caches_ok or b.act not in ACTS:
                 return None
-            keep.append(tensors)
+            keep.append((*tensors, *caches))
             c.norm1, c.norm2, c.eps1, c.eps2 = (
                 b.norm1.data_ptr(),
                 b.norm2.data_ptr(),
@@ -163,7 +168,7 @@ class Blocks:
             c.rope = -1 if b.rope is None else b.rope
             c.half, c.interleaved = b.rope_half, b.interleaved
             c.scale, c.softcap, c.sinks = b.scale, b.softcap or 0.0, _addr(b.sinks)
-            c.act, c.inter = ACTS[b.act], b.intermediate
+            c.act, c.inter, c.kv_half = ACTS[b.act], b.intermediate, half
         return cls(arr, hidden, c_head, keep)
 
     def __call__(

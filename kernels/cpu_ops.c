@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "zoo_cpu.h"
 
@@ -32,6 +33,72 @@ static inline float dot16(const float *a, const float *b, int64_t n) {
     return acc[0];
 }
 #endif
+
+// fp16 <-> fp32 rows (a KV cache kept in fp16): F16C where the CPU has it, else the
+// compiler's _Float16, else by hand; round to nearest even, as torch's .to(float16).
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+void zoo_half_to_float(const uint16_t *h, float *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) {
+#if defined(__FLT16_MAX__)
+        _Float16 v;
+        memcpy(&v, h + i, 2);
+        out[i] = (float)v;
+#else
+        const uint32_t sign = (uint32_t)(h[i] & 0x8000) << 16, exp = (h[i] >> 10) & 0x1F;
+        uint32_t man = h[i] & 0x3FF, bits;
+        if (exp == 31) {
+            bits = sign | 0x7F800000 | (man << 13);
+        } else if (exp) {
+            bits = sign | ((exp + 112) << 23) | (man << 13);
+        } else {  // zero or subnormal: man * 2^-24, exactly
+            const float f = (float)man * 5.9604644775390625e-8f;
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+        memcpy(out + i, &bits, 4);
+#endif
+    }
+}
+
+void zoo_float_to_half(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) {
+#if defined(__FLT16_MAX__)
+        const _Float16 v = (_Float16)x[i];
+        memcpy(out + i, &v, 2);
+#else
+        uint32_t b;
+        memcpy(&b, x + i, 4);
+        const uint32_t sign = (b >> 16) & 0x8000, a = b & 0x7FFFFFFF;
+        uint32_t hv;
+        if (a >= 0x7F800000) {  // inf, nan
+            hv = 0x7C00 | (a > 0x7F800000 ? 0x200 | ((a >> 13) & 0x3FF) : 0);
+        } else if (a >= 0x477FF000) {  // rounds past the largest half: inf
+            hv = 0x7C00;
+        } else if (a < 0x38800000) {  // subnormal half (or zero): round a * 2^24 to an integer
+            float f;
+            memcpy(&f, &a, 4);
+            hv = (uint32_t)rintf(f * 16777216.0f);
+        } else {  // normal: rebias, round the 13 dropped bits to nearest even
+            const uint32_t m = a + 0xC8000FFF + ((a >> 13) & 1);
+            hv = m >> 13;
+        }
+        out[i] = (uint16_t)(sign | hv);
+#endif
+    }
+}
 
 // o[i] += e * v[i] (o and v do not overlap: the compiler vectorizes it)
 static inline void axpy(float *restrict o, float e, const float *restrict v, int64_t n) {
@@ -100,19 +167,28 @@ void zoo_decode_attention(const float *q, int64_t qsb, int64_t qsh, const float 
             const int64_t hi = all || at + 1 > S ? S : at + 1;
             const int64_t lo = all || window <= 0 || at - window + 1 < 0 ? 0 : at - window + 1;
             zoo_attend(q + b * qsb + h * qsh, k + b * ksb + kh * ksh, kss, v + b * vsb + kh * vsh,
-                       vss, lo, hi, D, Dv, scale, cap, sinks ? sinks + h : NULL, p,
+                       vss, lo, hi, D, Dv, scale, cap, sinks ? sinks + h : NULL, 0, p, NULL,
                        out + bh * Dv);
         }
         free(p);
     }
 }
 
-void zoo_attend(const float *q, const float *k, int64_t kss, const float *v, int64_t vss,
+// Row s of a cache of `half` (fp16) or fp32 rows `stride` elements apart, as floats (n):
+// the row itself, or its conversion into tmp.
+static inline const float *row(const void *base, int64_t s, int64_t stride, int64_t n, int half,
+                               float *tmp) {
+    if (!half) return (const float *)base + s * stride;
+    zoo_half_to_float((const uint16_t *)base + s * stride, tmp, n);
+    return tmp;
+}
+
+void zoo_attend(const float *q, const void *k, int64_t kss, const void *v, int64_t vss,
                 int64_t lo, int64_t hi, int64_t D, int64_t Dv, float scale, float cap,
-                const float *sink, float *p, float *o) {
+                const float *sink, int half, float *p, float *tmp, float *o) {
     float top = sink ? *sink : -INFINITY;
     for (int64_t s = lo; s < hi; s++) {
-        float score = dot16(q, k + s * kss, D) * scale;
+        float score = dot16(q, row(k, s, kss, D, half, tmp), D) * scale;
         if (cap > 0) score = tanhf(score / cap) * cap;
         p[s - lo] = score;
         if (score > top) top = score;
@@ -122,7 +198,7 @@ void zoo_attend(const float *q, const float *k, int64_t kss, const float *v, int
     for (int64_t s = lo; s < hi; s++) {
         const float e = expf(p[s - lo] - top);
         total += e;
-        axpy(o, e, v + s * vss, Dv);
+        axpy(o, e, row(v, s, vss, Dv, half, tmp), Dv);
     }
     const float inv = total > 0 ? 1.0f / total : 0.0f;
     for (int64_t d = 0; d < Dv; d++) o[d] *= inv;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.cpu_quant import _built, library
+from kernels.cpu_quant import built, library
 
 OPS = (
     "rms_norm",
@@ -104,7 +104,7 @@ def attention(
     reference."""
     if q.shape[2] == 1 and q.dtype == torch.float32 and q.device.type == "cpu":
         if torch.compiler.is_compiling():
-            if isinstance(start_pos, torch.Tensor) and (_built or [None])[0] is not None:
+            if isinstance(start_pos, torch.Tensor) and built():
                 return _decode_attention_op(q, k, v, start_pos, scale, window, softcap, sinks)
         elif window is not None or softcap is not None or sinks is not None:
             out = _decode(q, k, v, start_pos, scale, window, softcap, sinks)

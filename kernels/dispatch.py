@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from core.errors import ZooError
 from kernels import cpu, cpu_ops, reference
+from kernels.blocks import BlockWeight
 from kernels.qweight import QuantStack, QuantWeight
 
 log = logging.getLogger("zoo")
@@ -223,16 +224,22 @@ def prepare(device: torch.device, dtype: torch.dtype) -> None:
 # --- the ops the core layers call: same signatures as kernels.reference -----------------------
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor | QuantWeight | QuantStack,
+    weight: torch.Tensor | QuantWeight | BlockWeight | QuantStack,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias. cuBLAS needs no help; on CPUs a few rows are split over the
     threads (kernels/cpu.py) unless ZOO_KERNELS=torch asks for the plain reference. A
-    quantized weight (kernels/qweight.py) takes its own kernels: the C kernel on CPUs
-    (kernels/cpu_quant.py), Triton on GPUs, the dequantizing reference otherwise."""
+    quantized weight takes its own kernels: a `BlockWeight` (CPUs) kernels/qdot.c, a
+    `QuantWeight` Triton on GPUs, the dequantizing reference otherwise."""
     if isinstance(weight, QuantStack):  # parts of different formats
-        y = torch.cat([_quant_linear(x, part, None) for part in weight.parts], dim=-1)
+        y = torch.cat([linear(x, part, None) for part in weight.parts], dim=-1)
         return y if bias is None else y + bias
+    if isinstance(weight, BlockWeight):  # GGML blocks on the CPU (kernels/qdot.c)
+        if os.environ.get(ENV) == "torch":
+            return F.linear(x, weight.dequantize().to(x.dtype), bias)
+        from kernels import cpu_quant
+
+        return cpu_quant.block_linear(x, weight, bias)
     if isinstance(weight, QuantWeight):
         return _quant_linear(x, weight, bias)
     if x.device.type == "cpu" and os.environ.get(ENV) != "torch":
@@ -241,10 +248,7 @@ def linear(
 
 
 def _quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None):
-    if x.device.type == "cpu" and (os.environ.get(ENV) or "auto") == "auto":
-        from kernels import cpu_quant  # the C kernel: CPUs need no interpreter for this op
-
-        return cpu_quant.quant_linear(x, weight, bias)
+    # on CPUs a QuantWeight (Triton's layout) is the reference's: block weights are CPUs' own
     return pick("quant_linear", x)(x, weight, bias)
 
 
@@ -344,7 +348,8 @@ def gated_delta_rule(
 def quant_linear(
     x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ W.T + bias for one quantized W (kernels/qweight.py), as `linear` runs it: the C
-    kernel for CPU tensors under `auto`, else Triton or the dequantizing reference by `pick`
-    (CPU tensors reach Triton under ZOO_KERNELS=triton, in the interpreter)."""
+    """x @ W.T + bias for one quantized W (kernels/qweight.py), as `linear` runs it: Triton or
+    the dequantizing reference by `pick` (CPU tensors reach Triton under ZOO_KERNELS=triton, in
+    the interpreter; on CPUs weights kept quantized are `BlockWeight`s, which `linear` sends to
+    kernels/qdot.c)."""
     return _quant_linear(x, weight, bias)

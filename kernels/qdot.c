@@ -1,17 +1,21 @@
-// Products with weights in GGML's block formats, as a GGUF file stores them, against x
-// quantized to 8-bit blocks: y (M, N) = x (M, K) @ W.T.
+// Products with weights in GGML's block formats against x quantized to 8-bit blocks, on CPUs:
+// y (M, N) = x (M, K) @ W.T.
 //
-// x is quantized once per product, each row on its own (zoo_q8_quantize): blocks of 32 values
-// with a fp32 scale d = max|x| / 127 and codes q = rint(x / d). Every weight format's codes are
-// unsigned small integers (Q8_0's are made so with the sign trick), so one dot product of 64
-// codes is one u8 x s8 multiply-add instruction where the CPU has VNNI (vpdpbusd), a pair of
-// them on AVX2 (maddubs, madd). Per block of 32 the integer sum is scaled by the weight's block
-// factor and x's d, in fp32; the weight's offsets and minimums use x's block sums:
-//     y = sum_b fw_b d_b (q_w . q_x)_b + mw_b d_b (sum q_x)_b
-// (K-quants: fw = d * sub-scale, mw = -dmin * min, or Q6_K's -32 * d * sub-scale per 16).
-// Each (row of x, row of W) is computed by the same instructions in the same order whatever the
-// number of rows or threads, so a token's product does not depend on the batch or on how a
-// prompt was cut into chunks. Layouts: ggml-common.h (block_q4_0 ... block_q6_K).
+// Weights are repacked once, at load, losslessly: each group of 16 rows is stored unit by unit
+// (a unit: the rows' blocks over 32 columns, or 256 for the K-quants), the 16 block headers
+// side by side and the codes interleaved 4 bytes per row, so that one 64-byte vector holds 4
+// codes of each of the 16 rows (zoo_repack; same bytes as the file, reordered). x is quantized
+// once per product, each row on its own, in blocks of 32 with a fp32 scale d = max|x| / 127
+// (zoo_q8_quantize_row). A vector of codes then meets 4 codes of x broadcast to every lane in
+// one u8 x s8 multiply-add (vpdpbusd where the CPU has VNNI; maddubs + madd on AVX2), so the
+// integer sums of a block land in one lane per output row and are scaled once per block:
+//     y[n] += fw[n, b] * d_x[b] * (q_w . q_x)_b + mw[n, b] * (d_x * sum q_x)_b
+// (fw, mw: the block's scale and minimum, or for the K-quants d * sub-scale and -dmin * min;
+// Q6_K's -32 * d * sub-scale per 16 columns). The codes of a group are unpacked once and serve
+// every row of x: a step of 4 rows of x costs little more than a step of 1.
+// Each output (row of x, row of W) is computed by the same instructions in the same order
+// whatever the number of rows of x or threads, so a token's product does not depend on the
+// batch or on how a prompt was cut into chunks. Layouts: ggml-common.h (block_q4_0 ...).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,11 +25,11 @@
 
 #include "zoo_cpu.h"
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__SSE2__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-static inline float f16(const uint8_t *p) {  // a little-endian fp16 in a block header
+static inline float f16(const uint8_t *p) {  // a little-endian fp16
     uint16_t h;
     memcpy(&h, p, 2);
 #if defined(__F16C__)
@@ -51,7 +55,9 @@ static inline float f16(const uint8_t *p) {  // a little-endian fp16 in a block 
 #endif
 }
 
-// Bytes per block and values per block of each kept type (GGML's type ids).
+// ---- the formats -------------------------------------------------------------------------------
+#define R 16  // rows per group
+
 static int64_t block_bytes(int64_t type) {
     switch (type) {
         case ZOO_Q4_0: return 18;
@@ -69,10 +75,107 @@ static int64_t block_bytes(int64_t type) {
 static int64_t block_values(int64_t type) { return type >= ZOO_Q4_K ? 256 : 32; }
 
 int64_t zoo_block_bytes(int64_t type) { return block_bytes(type); }
+int64_t zoo_block_values(int64_t type) { return block_values(type); }
+
+// A group of 16 rows is stored unit by unit (a unit: the 16 rows' blocks over the same
+// columns), headers first, then codes: [headers of units 0..nu-1, padded to 64 bytes][codes of
+// units 0..nu-1], every unit's codes a multiple of 64 bytes, so the kernels' 64-byte loads of
+// codes never straddle cache lines. In a unit's headers, 2-byte fields (fp16 d, dmin / m) of
+// the 16 rows sit side by side and other header bytes byte-major (byte k of the 16 rows
+// together); codes go in pieces of 4 bytes per row (one 64-byte vector: 4 bytes of each row).
+// part: {offset in the block, length, offset in the unit's headers or codes, bytes per row in
+// a piece, 1 if a part of the codes}.
+typedef struct { int src, len, dst, piece, code; } part_t;
+
+typedef struct { int header, codes, parts; part_t p[6]; } layout_t;
+
+static layout_t layout(int64_t type) {
+    const part_t d0 = {0, 2, 0, 2, 0};
+    switch (type) {
+        case ZOO_Q8_0: return (layout_t){32, 512, 2, {d0, {2, 32, 0, 4, 1}}};
+        case ZOO_Q4_0: return (layout_t){32, 256, 2, {d0, {2, 16, 0, 4, 1}}};
+        case ZOO_Q4_1: return (layout_t){64, 256, 3, {d0, {2, 2, 32, 2, 0}, {4, 16, 0, 4, 1}}};
+        case ZOO_Q5_0:  // codes: 64 bytes of high bits (the rows' 32-bit masks), then the nibbles
+            return (layout_t){32, 320, 3, {d0, {2, 4, 0, 4, 1}, {6, 16, 64, 4, 1}}};
+        case ZOO_Q5_1:
+            return (layout_t){64, 320, 4, {d0, {2, 2, 32, 2, 0}, {4, 4, 0, 4, 1}, {8, 16, 64, 4, 1}}};
+        case ZOO_Q4_K:  // headers: d, dmin, 12 scale bytes; codes: 128 bytes of nibbles
+            return (layout_t){256, 2048, 4, {d0, {2, 2, 32, 2, 0}, {4, 12, 64, 1, 0}, {16, 128, 0, 4, 1}}};
+        case ZOO_Q5_K:  // codes: 32 bytes of high bits, then the nibbles
+            return (layout_t){256, 2560, 5, {d0, {2, 2, 32, 2, 0}, {4, 12, 64, 1, 0},
+                                             {16, 32, 0, 4, 1}, {48, 128, 512, 4, 1}}};
+        case ZOO_Q6_K:  // headers: d, 16 int8 scales; codes: per half of the columns, its 64
+            // bytes of low bits and 32 of high bits (the order the kernel reads them in)
+            return (layout_t){288, 3072, 6, {{208, 2, 0, 2, 0}, {192, 16, 32, 1, 0},
+                                             {0, 64, 0, 4, 1}, {128, 32, 1024, 4, 1},
+                                             {64, 64, 1536, 4, 1}, {160, 32, 2560, 4, 1}}};
+    }
+    return (layout_t){0, 0, 0, {{0}}};
+}
+
+static inline int64_t pad64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// Bytes of one group of 16 rows over nu units.
+static int64_t group_bytes(int64_t type, int64_t nu) {
+    const layout_t l = layout(type);
+    return pad64(nu * l.header) + nu * l.codes;
+}
+
+// Bytes of W repacked: whole groups of 16 rows (the last padded with zero rows).
+int64_t zoo_repacked_bytes(int64_t type, int64_t N, int64_t K) {
+    return (N + R - 1) / R * group_bytes(type, K / block_values(type));
+}
+
+// Row i's block of unit u <-> its place in the group; `to_group`: block -> group. Inlined
+// with a constant type (repack_group), the layout folds away into plain moves.
+static inline __attribute__((always_inline)) void move_block(int64_t type, uint8_t *group,
+                                                             int64_t nu, int64_t u,
+                                                             uint8_t *block, int i,
+                                                             int to_group) {
+    const layout_t l = layout(type);
+    uint8_t *hdr = group + u * l.header, *codes = group + pad64(nu * l.header) + u * l.codes;
+    for (int k = 0; k < l.parts; k++) {
+        const part_t p = l.p[k];
+        for (int at = 0; at < p.len; at += p.piece) {
+            uint8_t *g = (p.code ? codes : hdr) + p.dst + R * at + p.piece * i;
+            if (to_group)
+                memcpy(g, block + p.src + at, p.piece);
+            else
+                memcpy(block + p.src + at, g, p.piece);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void repack_group(int64_t type,
+                                                               const uint8_t *const *rows,
+                                                               int n, int64_t nu, uint8_t *out) {
+    const int64_t bb = block_bytes(type);
+    memset(out, 0, group_bytes(type, nu));  // rows past N: zero blocks (scale 0)
+    for (int i = 0; i < n; i++)
+        for (int64_t u = 0; u < nu; u++) move_block(type, out, nu, u, (uint8_t *)rows[i] + u * bb, i, 1);
+}
+
+// rows: where each of W's N rows of K / block_values blocks is, as a file stores it (rows of
+// several tensors, or in another order: llama.cpp's q/k row order is undone here); dst:
+// zoo_repacked_bytes of it.
+void zoo_repack(int64_t type, const uint8_t *const *rows, int64_t N, int64_t K, uint8_t *dst,
+                int threads) {
+    const int64_t nu = K / block_values(type), G = (N + R - 1) / R, gb = group_bytes(type, nu);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        const int n = N - g * R < R ? (int)(N - g * R) : R;
+        switch (type) {
+#define TYPE(t) case t: repack_group(t, rows + g * R, n, nu, dst + g * gb); break;
+            TYPE(ZOO_Q4_0) TYPE(ZOO_Q4_1) TYPE(ZOO_Q5_0) TYPE(ZOO_Q5_1) TYPE(ZOO_Q8_0)
+            TYPE(ZOO_Q4_K) TYPE(ZOO_Q5_K) TYPE(ZOO_Q6_K)
+#undef TYPE
+        }
+    }
+}
 
 // Q4_K / Q5_K: 12 bytes of 6-bit sub-scales and mins -> 8 of each (get_scale_min_k4's layout:
 // the low 6 bits of bytes 0-7 hold the first four of each, the last four are a nibble of bytes
-// 8-11 plus the top two bits of bytes 0-7), worked on four bytes at a time.
+// 8-11 plus the top two bits of bytes 0-7), four bytes at a time.
 static inline void k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     uint32_t u[3], out[4];
     memcpy(u, s, 12);
@@ -84,7 +187,7 @@ static inline void k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     memcpy(mn, out + 2, 8);
 }
 
-// ---- dequantization: the gguf package's floats bit for bit (same fp32 operations) -------------
+// ---- dequantization: the gguf package's floats bit for bit (the same fp32 operations) ----------
 static void dequantize_block(int64_t type, const uint8_t *b, float *out) {
     switch (type) {
         case ZOO_Q8_0: {
@@ -151,493 +254,577 @@ static void dequantize_block(int64_t type, const uint8_t *b, float *out) {
     }
 }
 
+// Rows ids (n of them; NULL: 0..n-1) of a repacked W as floats (n, K): embedding lookups, and
+// the reference the products are tested against.
 void zoo_dequantize_rows(const qweight_t *w, const int64_t *ids, int64_t n, float *out,
                          int threads) {
-    const int64_t per = block_values(w->type), bb = block_bytes(w->type), nb = w->K / per;
+    const int64_t per = block_values(w->type), nu = w->K / per;
     if (n * w->K < (1 << 18)) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        int64_t row = ids ? ids[i] : i;
-        if (w->perm) row = w->perm[row];
-        const uint8_t *src = (const uint8_t *)w->codes + row * w->row_bytes;
-        for (int64_t b = 0; b < nb; b++) dequantize_block(w->type, src + b * bb, out + i * w->K + b * per);
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t row = ids ? ids[k] : k;
+        uint8_t *group = (uint8_t *)w->data + row / R * group_bytes(w->type, nu);
+        uint8_t block[256];
+        for (int64_t u = 0; u < nu; u++) {
+            move_block(w->type, group, nu, u, block, (int)(row % R), 0);
+            dequantize_block(w->type, block, out + k * w->K + u * per);
+        }
     }
 }
 
-// ---- x in 8-bit blocks ----------------------------------------------------------------------
-// One row's buffer (64-byte aligned sections, K padded to a multiple of 64 with zeros):
-//   q     int8 (Kp):             the codes
-//   dsp   float (Kp / 32, 8):    each block's d, 8 times (a vector's lanes for its 32 codes)
-//   dssp  float (Kp / 32, 8):    each block's d * sum(q) / 8, 8 times (8 lanes add up to it)
-//   ds    float (Kp / 32 + 16):  each block's d * sum(q)
-//   ds16  float (Kp / 16 + 16):  d * sum(q) of each half block
-static inline int64_t pad64(int64_t n) { return (n + 63) / 64 * 64; }
-
-static void row_layout(int64_t K, int64_t off[5], int64_t *total) {
-    const int64_t Kp = pad64(K), nb = Kp / 32;
-    off[0] = 0;
-    off[1] = off[0] + Kp;
-    off[2] = off[1] + pad64(nb * 32);
-    off[3] = off[2] + pad64(nb * 32);
-    off[4] = off[3] + pad64((nb + 16) * 4);
-    *total = off[4] + pad64((2 * nb + 16) * 4);
-}
-
-int64_t zoo_q8_row_bytes(int64_t K) {
-    int64_t off[5], total;
-    row_layout(K, off, &total);
-    return total;
-}
-
-void zoo_q8_quantize_row(const float *x, int64_t K, void *buf, q8row_t *row) {
-    int64_t off[5], total;
-    row_layout(K, off, &total);
-    char *base = (char *)buf;
-    int8_t *q = (int8_t *)(base + off[0]);
-    float *dsp = (float *)(base + off[1]), *dssp = (float *)(base + off[2]);
-    float *ds = (float *)(base + off[3]), *ds16 = (float *)(base + off[4]);
-    const int64_t Kp = pad64(K), nb = Kp / 32;
-    memset(base, 0, total);
-    for (int64_t b = 0; b < K / 32; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 127.0f, id = amax > 0.0f ? 1.0f / d : 0.0f;
-        int s[2] = {0, 0};
-        for (int j = 0; j < 32; j++) {
-            const int v = (int)rintf(xb[j] * id);  // nearest, ties to even
-            q[32 * b + j] = (int8_t)v;
-            s[j / 16] += v;
-        }
-        for (int l = 0; l < 8; l++) {
-            dsp[8 * b + l] = d;
-            dssp[8 * b + l] = d * (float)(s[0] + s[1]) * 0.125f;
-        }
-        ds[b] = d * (float)(s[0] + s[1]);
-        ds16[2 * b] = d * (float)s[0];
-        ds16[2 * b + 1] = d * (float)s[1];
-    }
-    (void)nb;
-    row->q = q;
-    row->dsp = dsp;
-    row->dssp = dssp;
-    row->ds = ds;
-    row->ds16 = ds16;
-}
-
-// ---- vectors of 64 bytes / 16 lanes: AVX-512, two AVX2 halves, or plain C ---------------------
-// vb: 64 bytes; vi: 16 int32; vf: 16 float. Codes are unpacked into vb in the columns' natural
-// order, so x's codes are read as they are.
+// ---- 16-lane vectors: AVX-512, two AVX2 halves, or plain C ----------------------------------------
+// vb: 64 bytes (16 lanes of 4 bytes: one lane per row of a group); vi: 16 int32; vf: 16 float.
+#define INLINE static inline __attribute__((always_inline))
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ZOO_QDOT_ISA "avx512"
-#define ROWS_PER_PASS 8
+#define ROWS 8  // rows of x per pass
 typedef __m512i vb;
 typedef __m512i vi;
 typedef __m512 vf;
-static inline vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
-static inline vb vb_dup32(const void *p) {  // 32 bytes into both halves
-    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
-}
-static inline vb vb_2x32(const void *a, const void *b) {  // 32 bytes of a, then 32 of b
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-static inline vb vb_2x16x2(const void *a, const void *b) {  // a, a, b, b (16 bytes each)
-    return _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a))),
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b)), 1);
-}
-static inline vb vb_set1(uint8_t v) { return _mm512_set1_epi8((char)v); }
-static inline vb vb_and(vb a, vb b) { return _mm512_and_si512(a, b); }
-static inline vb vb_or(vb a, vb b) { return _mm512_or_si512(a, b); }
-// 32-bit lanes shifted by a count per 128-bit quarter
-static inline vb vb_srl4(vb a, int c0, int c1, int c2, int c3) {
-    return _mm512_srlv_epi32(a, _mm512_set_epi32(c3, c3, c3, c3, c2, c2, c2, c2, c1, c1, c1, c1,
-                                                 c0, c0, c0, c0));
-}
-static inline vb vb_sll4(vb a, int c0, int c1, int c2, int c3) {
-    return _mm512_sllv_epi32(a, _mm512_set_epi32(c3, c3, c3, c3, c2, c2, c2, c2, c1, c1, c1, c1,
-                                                 c0, c0, c0, c0));
-}
-static inline vb vb_bits(uint64_t m) { return _mm512_movm_epi8(m); }  // 0xFF where bit set
-static inline vb vb_abs8(vb a) { return _mm512_abs_epi8(a); }
-static inline vb vb_sign8(vb x, vb w) {  // x negated where w < 0 (|x| <= 127)
+INLINE vb vb_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
+INLINE vb vb_x(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+INLINE vb vb_set1(uint8_t v) { return _mm512_set1_epi8((char)v); }
+INLINE vb vb_and(vb a, vb b) { return _mm512_and_si512(a, b); }
+INLINE vb vb_or(vb a, vb b) { return _mm512_or_si512(a, b); }
+#define vb_srl(a, n) _mm512_srli_epi16(a, n)
+#define vb_sll(a, n) _mm512_slli_epi16(a, n)
+INLINE vb vb_abs8(vb a) { return _mm512_abs_epi8(a); }
+INLINE vb vb_sign8(vb x, vb w) {  // x negated where w < 0 (|x| <= 127)
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
-static inline vi vi_dot(vb w, vb x) {  // u8 w x s8 x, 4 bytes into each int32 lane
+INLINE vb vb_bytemask(vb a, vb bits) {  // 0xFF in the bytes where a & bits is non-zero
+    return _mm512_movm_epi8(_mm512_test_epi8_mask(a, bits));
+}
+INLINE vb vb_shuffle(vb a, vb idx) { return _mm512_shuffle_epi8(a, idx); }
+INLINE vb vb_pattern(uint32_t v) { return _mm512_set1_epi32((int)v); }
+INLINE vb vb_lanes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {  // per 16-byte quarter
+    return _mm512_set_epi32((int)d, (int)c, (int)b, (int)a, (int)d, (int)c, (int)b, (int)a,
+                            (int)d, (int)c, (int)b, (int)a, (int)d, (int)c, (int)b, (int)a);
+}
+INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
+INLINE vi vi_dot(vi acc, vb w, vb x) {  // acc + (u8 w x s8 x, 4 bytes into each int32 lane)
 #if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+    return _mm512_dpbusd_epi32(acc, w, x);
 #else
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
 }
-static inline vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
-static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
-static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline vf vf_load8(const float *p) {  // 8 floats, the upper lanes zero
-    return _mm512_zextps256_ps512(_mm256_loadu_ps(p));
+INLINE vi vi_join(vi hi, vi lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }
+INLINE vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+INLINE vf vf_set1(float a) { return _mm512_set1_ps(a); }
+INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf vf_u8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
-static inline vf vf_pair(float a, float b) {  // lanes 0-7: a, 8-15: b
-    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
-}
-static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
-// f's lanes spread: lanes 0-7 f[2j], 8-15 f[2j + 1]  /  lanes 4k..4k+3 f[4j + k]
-static inline vf vf_spread2(vf f, int j) {
-    return _mm512_permutexvar_ps(_mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                                  2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                                  2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
-                                                  2 * j, 2 * j), f);
-}
-static inline vf vf_spread4(vf f, int j) {
-    const int a = 4 * j;
-    return _mm512_permutexvar_ps(_mm512_set_epi32(a + 3, a + 3, a + 3, a + 3, a + 2, a + 2,
-                                                  a + 2, a + 2, a + 1, a + 1, a + 1, a + 1, a,
-                                                  a, a, a), f);
-}
-static inline vf vf_u8x8(const uint8_t *p) {  // 8 bytes as floats in lanes 0-7
-    return _mm512_zextps256_ps512(
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))));
-}
-static inline vf vf_i8x16(const int8_t *p) {
+INLINE vf vf_i8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+// x's quantization: |x|, max, rint (to nearest even), min / max, and 16 int32 as int8 bytes
+INLINE vf vf_abs(vf a) { return _mm512_abs_ps(a); }
+INLINE vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+INLINE vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+INLINE float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+INLINE vf vf_rint(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vi vi_of(vf a) { return _mm512_cvtps_epi32(a); }
+INLINE void vi_store8(int8_t *p, vi a) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(a)); }
+INLINE int vi_sum(vi a) { return _mm512_reduce_add_epi32(a); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ZOO_QDOT_ISA "avx2"
-#define ROWS_PER_PASS 4
+#define ROWS 4
 typedef struct { __m256i a, b; } vb;
-typedef struct { __m256i a, b; } vi;
+typedef vb vi;
 typedef struct { __m256 a, b; } vf;
-static inline vb mkvb(__m256i a, __m256i b) { vb r = {a, b}; return r; }
-static inline vf mkvf(__m256 a, __m256 b) { vf r = {a, b}; return r; }
-static inline vb vb_load(const void *p) {
-    return mkvb(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1));
+INLINE vb mkvb(__m256i a, __m256i b) { vb r = {a, b}; return r; }
+INLINE vf mkvf(__m256 a, __m256 b) { vf r = {a, b}; return r; }
+INLINE vb vb_load(const uint8_t *p) {
+    return mkvb(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32)));
 }
-static inline vb vb_dup32(const void *p) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return mkvb(v, v);
+INLINE vb vb_x(const int8_t *p) { int32_t v; memcpy(&v, p, 4); __m256i s = _mm256_set1_epi32(v); return mkvb(s, s); }
+INLINE vb vb_set1(uint8_t v) { __m256i s = _mm256_set1_epi8((char)v); return mkvb(s, s); }
+INLINE vb vb_and(vb x, vb y) { return mkvb(_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)); }
+INLINE vb vb_or(vb x, vb y) { return mkvb(_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)); }
+#define vb_srl(x, n) mkvb(_mm256_srli_epi16((x).a, n), _mm256_srli_epi16((x).b, n))
+#define vb_sll(x, n) mkvb(_mm256_slli_epi16((x).a, n), _mm256_slli_epi16((x).b, n))
+INLINE vb vb_abs8(vb x) { return mkvb(_mm256_abs_epi8(x.a), _mm256_abs_epi8(x.b)); }
+INLINE vb vb_sign8(vb x, vb w) { return mkvb(_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(x.b, w.b)); }
+INLINE vb vb_bytemask(vb x, vb bits) {
+    const __m256i z = _mm256_setzero_si256();
+    return mkvb(_mm256_xor_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x.a, bits.a), z), _mm256_set1_epi8(-1)),
+                _mm256_xor_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x.b, bits.b), z), _mm256_set1_epi8(-1)));
 }
-static inline vb vb_2x32(const void *a, const void *b) {
-    return mkvb(_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b));
+INLINE vb vb_shuffle(vb x, vb idx) { return mkvb(_mm256_shuffle_epi8(x.a, idx.a), _mm256_shuffle_epi8(x.b, idx.b)); }
+INLINE vb vb_pattern(uint32_t v) { __m256i s = _mm256_set1_epi32((int)v); return mkvb(s, s); }
+INLINE vb vb_lanes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    const __m256i s = _mm256_set_epi32((int)d, (int)c, (int)b, (int)a, (int)d, (int)c, (int)b, (int)a);
+    return mkvb(s, s);
 }
-static inline vb vb_2x16x2(const void *a, const void *b) {
-    return mkvb(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a)),
-                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b)));
-}
-static inline vb vb_set1(uint8_t v) { __m256i s = _mm256_set1_epi8((char)v); return mkvb(s, s); }
-static inline vb vb_and(vb x, vb y) { return mkvb(_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)); }
-static inline vb vb_or(vb x, vb y) { return mkvb(_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)); }
-static inline vb vb_srl4(vb x, int c0, int c1, int c2, int c3) {
-    return mkvb(_mm256_srlv_epi32(x.a, _mm256_set_epi32(c1, c1, c1, c1, c0, c0, c0, c0)),
-                _mm256_srlv_epi32(x.b, _mm256_set_epi32(c3, c3, c3, c3, c2, c2, c2, c2)));
-}
-static inline vb vb_sll4(vb x, int c0, int c1, int c2, int c3) {
-    return mkvb(_mm256_sllv_epi32(x.a, _mm256_set_epi32(c1, c1, c1, c1, c0, c0, c0, c0)),
-                _mm256_sllv_epi32(x.b, _mm256_set_epi32(c3, c3, c3, c3, c2, c2, c2, c2)));
-}
-static inline __m256i bits32(uint32_t m) {  // 0xFF in byte i where bit i of m is set
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                           0x0101010101010101, 0);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), shuf);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-}
-static inline vb vb_bits(uint64_t m) { return mkvb(bits32((uint32_t)m), bits32((uint32_t)(m >> 32))); }
-static inline vb vb_abs8(vb x) { return mkvb(_mm256_abs_epi8(x.a), _mm256_abs_epi8(x.b)); }
-static inline vb vb_sign8(vb x, vb w) { return mkvb(_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(x.b, w.b)); }
-static inline __m256i dot32(__m256i w, __m256i x) {
+INLINE vi vi_zero(void) { return mkvb(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+INLINE __m256i dot8(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
-static inline vi vi_dot(vb w, vb x) { vi r = {dot32(w.a, x.a), dot32(w.b, x.b)}; return r; }
-static inline vf vf_cvt(vi x) { return mkvf(_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)); }
-static inline vf vf_zero(void) { return mkvf(_mm256_setzero_ps(), _mm256_setzero_ps()); }
-static inline vf vf_load(const float *p) { return mkvf(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
-static inline vf vf_load8(const float *p) { return mkvf(_mm256_loadu_ps(p), _mm256_setzero_ps()); }
-static inline vf vf_set1(float v) { return mkvf(_mm256_set1_ps(v), _mm256_set1_ps(v)); }
-static inline vf vf_pair(float a, float b) { return mkvf(_mm256_set1_ps(a), _mm256_set1_ps(b)); }
-static inline vf vf_mul(vf x, vf y) { return mkvf(_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)); }
-static inline vf vf_fmadd(vf x, vf y, vf z) {
-    return mkvf(_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b));
+INLINE vi vi_dot(vi acc, vb w, vb x) { return mkvb(dot8(acc.a, w.a, x.a), dot8(acc.b, w.b, x.b)); }
+INLINE vi vi_join(vi hi, vi lo) {
+    return mkvb(_mm256_add_epi32(_mm256_slli_epi32(hi.a, 8), lo.a), _mm256_add_epi32(_mm256_slli_epi32(hi.b, 8), lo.b));
 }
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+INLINE vf vf_cvt(vi x) { return mkvf(_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)); }
+INLINE vf vf_zero(void) { return mkvf(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+INLINE vf vf_load(const float *p) { return mkvf(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+INLINE void vf_store(float *p, vf x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+INLINE vf vf_set1(float v) { return mkvf(_mm256_set1_ps(v), _mm256_set1_ps(v)); }
+INLINE vf vf_mul(vf x, vf y) { return mkvf(_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)); }
+INLINE vf vf_fmadd(vf x, vf y, vf z) { return mkvf(_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)); }
+INLINE vf vf_half(const uint8_t *p) {
+    return mkvf(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
 }
-static inline float vf_sum(vf x) { return sum8(_mm256_add_ps(x.a, x.b)); }
-static inline __m256 lane(vf f, int i) {  // f's lane i in all 8 lanes
-    const __m256 h = i < 8 ? f.a : f.b;
-    return _mm256_permutevar8x32_ps(h, _mm256_set1_epi32(i % 8));
-}
-static inline vf vf_spread2(vf f, int j) { return mkvf(lane(f, 2 * j), lane(f, 2 * j + 1)); }
-static inline vf vf_spread4(vf f, int j) {
-    const __m256 h = 4 * j < 8 ? f.a : f.b;
-    const int a = (4 * j) % 8;
-    return mkvf(_mm256_permutevar8x32_ps(h, _mm256_set_epi32(a + 1, a + 1, a + 1, a + 1, a, a, a, a)),
-                _mm256_permutevar8x32_ps(h, _mm256_set_epi32(a + 3, a + 3, a + 3, a + 3, a + 2, a + 2, a + 2, a + 2)));
-}
-static inline vf vf_u8x8(const uint8_t *p) {
-    return mkvf(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
-                _mm256_setzero_ps());
-}
-static inline vf vf_i8x16(const int8_t *p) {
+INLINE vf vf_u8(const uint8_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
-    return mkvf(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+    return mkvf(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+INLINE vf vf_i8(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return mkvf(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+}
+INLINE vf vf_abs(vf x) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    return mkvf(_mm256_and_ps(x.a, m), _mm256_and_ps(x.b, m));
+}
+INLINE vf vf_max(vf x, vf y) { return mkvf(_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)); }
+INLINE vf vf_min(vf x, vf y) { return mkvf(_mm256_min_ps(x.a, y.a), _mm256_min_ps(x.b, y.b)); }
+INLINE float vf_hmax(vf x) {
+    __m256 m = _mm256_max_ps(x.a, x.b);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+INLINE vf vf_rint(vf x) {
+    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return mkvf(_mm256_round_ps(x.a, mode), _mm256_round_ps(x.b, mode));
+}
+INLINE vf vf_sub(vf x, vf y) { return mkvf(_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)); }
+INLINE vi vi_of(vf x) { return mkvb(_mm256_cvtps_epi32(x.a), _mm256_cvtps_epi32(x.b)); }
+INLINE void vi_store8(int8_t *p, vi x) {  // 16 int32 in -127..127 -> bytes
+    const __m256i w = _mm256_packs_epi32(x.a, x.b);  // 16-bit, lanes interleaved per 128 bits
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(w, w), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_shuffle_epi32(b, 0xD8)));
+}
+INLINE int vi_sum(vi x) {
+    __m256i s = _mm256_add_epi32(x.a, x.b);
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
 }
 
 #else  // plain C: the same operations lane by lane
 #define ZOO_QDOT_ISA "c"
-#define ROWS_PER_PASS 4
+#define ROWS 4
 typedef struct { uint8_t v[64]; } vb;
 typedef struct { int32_t v[16]; } vi;
 typedef struct { float v[16]; } vf;
-static inline vb vb_load(const void *p) { vb r; memcpy(r.v, p, 64); return r; }
-static inline vb vb_dup32(const void *p) { vb r; memcpy(r.v, p, 32); memcpy(r.v + 32, p, 32); return r; }
-static inline vb vb_2x32(const void *a, const void *b) { vb r; memcpy(r.v, a, 32); memcpy(r.v + 32, b, 32); return r; }
-static inline vb vb_2x16x2(const void *a, const void *b) {
-    vb r;
-    memcpy(r.v, a, 16); memcpy(r.v + 16, a, 16); memcpy(r.v + 32, b, 16); memcpy(r.v + 48, b, 16);
-    return r;
-}
-static inline vb vb_set1(uint8_t s) { vb r; memset(r.v, s, 64); return r; }
-static inline vb vb_and(vb x, vb y) { for (int i = 0; i < 64; i++) x.v[i] &= y.v[i]; return x; }
-static inline vb vb_or(vb x, vb y) { for (int i = 0; i < 64; i++) x.v[i] |= y.v[i]; return x; }
-static inline vb shift32(vb x, const int c[4], int left) {
-    for (int i = 0; i < 16; i++) {
-        uint32_t u;
-        memcpy(&u, x.v + 4 * i, 4);
-        u = left ? u << c[i / 4] : u >> c[i / 4];
-        memcpy(x.v + 4 * i, &u, 4);
+INLINE vb vb_load(const uint8_t *p) { vb r; memcpy(r.v, p, 64); return r; }
+INLINE vb vb_x(const int8_t *p) { vb r; for (int i = 0; i < 16; i++) memcpy(r.v + 4 * i, p, 4); return r; }
+INLINE vb vb_set1(uint8_t s) { vb r; memset(r.v, s, 64); return r; }
+INLINE vb vb_and(vb x, vb y) { for (int i = 0; i < 64; i++) x.v[i] &= y.v[i]; return x; }
+INLINE vb vb_or(vb x, vb y) { for (int i = 0; i < 64; i++) x.v[i] |= y.v[i]; return x; }
+INLINE vb vb_shift16(vb x, int n) {  // 16-bit lanes: n > 0 right, n < 0 left
+    for (int i = 0; i < 32; i++) {
+        uint16_t u;
+        memcpy(&u, x.v + 2 * i, 2);
+        u = n > 0 ? (uint16_t)(u >> n) : (uint16_t)(u << -n);
+        memcpy(x.v + 2 * i, &u, 2);
     }
     return x;
 }
-static inline vb vb_srl4(vb x, int c0, int c1, int c2, int c3) { const int c[4] = {c0, c1, c2, c3}; return shift32(x, c, 0); }
-static inline vb vb_sll4(vb x, int c0, int c1, int c2, int c3) { const int c[4] = {c0, c1, c2, c3}; return shift32(x, c, 1); }
-static inline vb vb_bits(uint64_t m) { vb r; for (int i = 0; i < 64; i++) r.v[i] = (m >> i) & 1 ? 0xFF : 0; return r; }
-static inline vb vb_abs8(vb x) { for (int i = 0; i < 64; i++) x.v[i] = (uint8_t)abs((int8_t)x.v[i]); return x; }
-static inline vb vb_sign8(vb x, vb w) {
+#define vb_srl(x, n) vb_shift16(x, n)
+#define vb_sll(x, n) vb_shift16(x, -(n))
+INLINE vb vb_abs8(vb x) { for (int i = 0; i < 64; i++) x.v[i] = (uint8_t)abs((int8_t)x.v[i]); return x; }
+INLINE vb vb_sign8(vb x, vb w) {
     for (int i = 0; i < 64; i++) if ((int8_t)w.v[i] < 0) x.v[i] = (uint8_t)(-(int8_t)x.v[i]);
     return x;
 }
-static inline vi vi_dot(vb w, vb x) {
-    vi r;
-    for (int i = 0; i < 16; i++) {
-        int32_t s = 0;
-        for (int k = 0; k < 4; k++) s += (int32_t)w.v[4 * i + k] * (int8_t)x.v[4 * i + k];
-        r.v[i] = s;
-    }
+INLINE vb vb_bytemask(vb x, vb bits) { for (int i = 0; i < 64; i++) x.v[i] = x.v[i] & bits.v[i] ? 0xFF : 0; return x; }
+INLINE vb vb_shuffle(vb x, vb idx) {  // within each 16-byte quarter, as pshufb (no zeroing used)
+    vb r;
+    for (int i = 0; i < 64; i++) r.v[i] = x.v[(i & ~15) | (idx.v[i] & 15)];
     return r;
 }
-static inline vf vf_cvt(vi x) { vf r; for (int i = 0; i < 16; i++) r.v[i] = (float)x.v[i]; return r; }
-static inline vf vf_zero(void) { vf r; memset(&r, 0, sizeof r); return r; }
-static inline vf vf_load(const float *p) { vf r; memcpy(r.v, p, 64); return r; }
-static inline vf vf_load8(const float *p) { vf r = vf_zero(); memcpy(r.v, p, 32); return r; }
-static inline vf vf_set1(float s) { vf r; for (int i = 0; i < 16; i++) r.v[i] = s; return r; }
-static inline vf vf_pair(float a, float b) { vf r; for (int i = 0; i < 16; i++) r.v[i] = i < 8 ? a : b; return r; }
-static inline vf vf_mul(vf x, vf y) { for (int i = 0; i < 16; i++) x.v[i] *= y.v[i]; return x; }
-static inline vf vf_fmadd(vf x, vf y, vf z) { for (int i = 0; i < 16; i++) z.v[i] = fmaf(x.v[i], y.v[i], z.v[i]); return z; }
-static inline float vf_sum(vf x) {
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) x.v[i] += x.v[i + w];
-    return x.v[0];
+INLINE vb vb_pattern(uint32_t p) { vb r; for (int i = 0; i < 16; i++) memcpy(r.v + 4 * i, &p, 4); return r; }
+INLINE vb vb_lanes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    const uint32_t q[4] = {a, b, c, d};
+    vb r;
+    for (int i = 0; i < 16; i++) memcpy(r.v + 4 * i, &q[i % 4], 4);
+    return r;
 }
-static inline vf vf_spread2(vf f, int j) { return vf_pair(f.v[2 * j], f.v[2 * j + 1]); }
-static inline vf vf_spread4(vf f, int j) { vf r; for (int i = 0; i < 16; i++) r.v[i] = f.v[4 * j + i / 4]; return r; }
-static inline vf vf_u8x8(const uint8_t *p) { vf r = vf_zero(); for (int i = 0; i < 8; i++) r.v[i] = p[i]; return r; }
-static inline vf vf_i8x16(const int8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = p[i]; return r; }
+INLINE vi vi_zero(void) { vi r; memset(&r, 0, sizeof r); return r; }
+INLINE vi vi_dot(vi acc, vb w, vb x) {
+    for (int i = 0; i < 16; i++)
+        for (int k = 0; k < 4; k++) acc.v[i] += (int32_t)w.v[4 * i + k] * (int8_t)x.v[4 * i + k];
+    return acc;
+}
+INLINE vi vi_join(vi hi, vi lo) { for (int i = 0; i < 16; i++) lo.v[i] += hi.v[i] * 256; return lo; }
+INLINE vf vf_cvt(vi x) { vf r; for (int i = 0; i < 16; i++) r.v[i] = (float)x.v[i]; return r; }
+INLINE vf vf_zero(void) { vf r; memset(&r, 0, sizeof r); return r; }
+INLINE vf vf_load(const float *p) { vf r; memcpy(r.v, p, 64); return r; }
+INLINE void vf_store(float *p, vf x) { memcpy(p, x.v, 64); }
+INLINE vf vf_set1(float s) { vf r; for (int i = 0; i < 16; i++) r.v[i] = s; return r; }
+INLINE vf vf_mul(vf x, vf y) { for (int i = 0; i < 16; i++) x.v[i] *= y.v[i]; return x; }
+INLINE vf vf_fmadd(vf x, vf y, vf z) { for (int i = 0; i < 16; i++) z.v[i] = fmaf(x.v[i], y.v[i], z.v[i]); return z; }
+INLINE vf vf_half(const uint8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = f16(p + 2 * i); return r; }
+INLINE vf vf_u8(const uint8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = p[i]; return r; }
+INLINE vf vf_i8(const uint8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = (int8_t)p[i]; return r; }
+INLINE vf vf_abs(vf x) { for (int i = 0; i < 16; i++) x.v[i] = fabsf(x.v[i]); return x; }
+INLINE vf vf_max(vf x, vf y) { for (int i = 0; i < 16; i++) x.v[i] = fmaxf(x.v[i], y.v[i]); return x; }
+INLINE vf vf_min(vf x, vf y) { for (int i = 0; i < 16; i++) x.v[i] = fminf(x.v[i], y.v[i]); return x; }
+INLINE float vf_hmax(vf x) { float m = x.v[0]; for (int i = 1; i < 16; i++) m = fmaxf(m, x.v[i]); return m; }
+INLINE vf vf_rint(vf x) { for (int i = 0; i < 16; i++) x.v[i] = rintf(x.v[i]); return x; }
+INLINE vf vf_sub(vf x, vf y) { for (int i = 0; i < 16; i++) x.v[i] -= y.v[i]; return x; }
+INLINE vi vi_of(vf x) { vi r; for (int i = 0; i < 16; i++) r.v[i] = (int32_t)x.v[i]; return r; }
+INLINE void vi_store8(int8_t *p, vi x) { for (int i = 0; i < 16; i++) p[i] = (int8_t)x.v[i]; }
+INLINE int vi_sum(vi x) { int t = 0; for (int i = 0; i < 16; i++) t += x.v[i]; return t; }
 #endif
+
+// 16 bytes, one per row of a group: the K-quants' scale bytes, decoded for all rows at once.
+#if defined(__SSE2__)
+typedef __m128i b16;
+INLINE b16 b16_load(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+INLINE b16 b16_and(b16 a, int m) { return _mm_and_si128(a, _mm_set1_epi8((char)m)); }
+INLINE b16 b16_or(b16 a, b16 b) { return _mm_or_si128(a, b); }
+INLINE b16 b16_srl(b16 a, int n) { return b16_and(_mm_srli_epi16(a, n), 0xFF >> n); }
+INLINE b16 b16_sll(b16 a, int n) { return b16_and(_mm_slli_epi16(a, n), (0xFF << n) & 0xFF); }
+#else
+typedef struct { uint8_t v[16]; } b16;
+INLINE b16 b16_load(const uint8_t *p) { b16 r; memcpy(r.v, p, 16); return r; }
+INLINE b16 b16_and(b16 a, int m) { for (int i = 0; i < 16; i++) a.v[i] &= (uint8_t)m; return a; }
+INLINE b16 b16_or(b16 a, b16 b) { for (int i = 0; i < 16; i++) a.v[i] |= b.v[i]; return a; }
+INLINE b16 b16_srl(b16 a, int n) { for (int i = 0; i < 16; i++) a.v[i] >>= n; return a; }
+INLINE b16 b16_sll(b16 a, int n) { for (int i = 0; i < 16; i++) a.v[i] = (uint8_t)(a.v[i] << n); return a; }
+#endif
+INLINE vf vf_b16(b16 a) {  // the 16 bytes as floats, one per lane
+    uint8_t t[16];
+    memcpy(t, &a, 16);
+    return vf_u8(t);
+}
 
 const char *zoo_qdot_isa(void) { return ZOO_QDOT_ISA; }
 
-// ---- the dot products: one row of W against M rows of x ----------------------------------------
-// Each adds into acc[r] (16 lanes, summed at the end) and acc2[r] (a second sum, scaled at the
-// end by `tail`). M is a constant where dot_rows calls these (always_inline), so the per-row
-// accumulators stay in registers.
-#define INLINE static inline __attribute__((always_inline))
-
-// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: two blocks of 32 per vector. The offset / minimum term of a
-// block, mw * d * sum(q_x), goes into acc through x's dssp lanes (each an eighth of it).
-INLINE void dot_small(int64_t type, const uint8_t *w, const q8row_t *x, int M, int64_t nb,
-                      vf *acc) {
-    const int64_t bb = block_bytes(type);
-    const vb low = vb_set1(0x0F);
-    for (int64_t i = 0; i < nb; i += 2) {
-        const int two = i + 1 < nb;
-        const uint8_t *b0 = w + i * bb, *b1 = two ? b0 + bb : b0;
-        vb c;
-        vf fw, mw;
-        const float d0 = f16(b0), d1 = two ? f16(b1) : 0.0f;
-        fw = vf_pair(d0, d1);
-        if (type == ZOO_Q8_0) {
-            c = vb_2x32(b0 + 2, b1 + 2);
-            mw = vf_zero();
-        } else {
-            const int min = type == ZOO_Q4_1 || type == ZOO_Q5_1;
-            const int five = type == ZOO_Q5_0 || type == ZOO_Q5_1;
-            const int at = (min ? 4 : 2) + (five ? 4 : 0);
-            c = vb_and(vb_srl4(vb_2x16x2(b0 + at, b1 + at), 0, 4, 0, 4), low);
-            if (five) {
-                uint32_t h0, h1;
-                memcpy(&h0, b0 + (min ? 4 : 2), 4);
-                memcpy(&h1, b1 + (min ? 4 : 2), 4);
-                c = vb_or(c, vb_and(vb_bits((uint64_t)h0 | ((uint64_t)h1 << 32)), vb_set1(0x10)));
-            }
-            if (min)
-                mw = vf_pair(f16(b0 + 2), two ? f16(b1 + 2) : 0.0f);
-            else
-                mw = vf_pair(-(five ? 16.0f : 8.0f) * d0, -(five ? 16.0f : 8.0f) * d1);
-        }
-        if (type == ZOO_Q8_0) {
-            const vb a = vb_abs8(c);
-            for (int r = 0; r < M; r++) {
-                const vi p = vi_dot(a, vb_sign8(vb_load(x[r].q + 32 * i), c));
-                acc[r] = vf_fmadd(vf_cvt(p), vf_mul(fw, vf_load(x[r].dsp + 8 * i)), acc[r]);
-            }
-        } else {
-            for (int r = 0; r < M; r++) {
-                const vi p = vi_dot(c, vb_load(x[r].q + 32 * i));
-                acc[r] = vf_fmadd(vf_cvt(p), vf_mul(fw, vf_load(x[r].dsp + 8 * i)), acc[r]);
-                acc[r] = vf_fmadd(mw, vf_load(x[r].dssp + 8 * i), acc[r]);
-            }
-        }
-    }
+// ---- x in 8-bit blocks, twice --------------------------------------------------------------------
+// Each block of 32 values is quantized twice: codes q1 = rint(x / d), d = max|x| / 127, then
+// the remainder's, q2 = rint((x - d q1) / (d / 256)) (clamped to +-127). The kernels multiply
+// both (one more multiply-add per vector of codes) and join the integer sums as 256 s1 + s2:
+// x in effect has 15 bits, x = (d / 256) (256 q1 + q2). One 8-bit pass lost 8% of SmolLM2's
+// top-1 tokens (KL 5e-3 against the float model: a few huge activations leave the others of
+// their block a step or two); with the remainder's codes, KL 5e-8.
+// One row's buffer, sections 64-byte aligned, K padded to a multiple of 64 with zeros:
+//   q1 int8 (Kp) | q2 int8 (Kp) | d float (Kp / 32): d / 256 | ds float (Kp / 32):
+//   (d / 256) * sum(256 q1 + q2) | ds16 float (Kp / 16): the same per half block
+int64_t zoo_q8_row_bytes(int64_t K) {
+    const int64_t Kp = pad64(K);
+    return 2 * Kp + 2 * pad64(Kp / 32 * 4) + pad64(Kp / 16 * 4);
 }
 
-// Q4_K / Q5_K: per 256 columns, 8 sub-blocks of 32 with 6-bit scales and mins.
-INLINE void dot_k45(int five, const uint8_t *w, const q8row_t *x, int M, int64_t nsb, vf *acc,
-                    vf *acc2) {
-    const vb low = vb_set1(0x0F), one = vb_set1(0x01);
-    for (int64_t s = 0; s < nsb; s++) {
-        const uint8_t *b = w + s * (five ? 176 : 144);
-        uint8_t sc[8], mn[8];
-        k4_scales(b + 4, sc, mn);
-        const vf fw = vf_mul(vf_u8x8(sc), vf_set1(f16(b)));
-        const vf mw = vf_mul(vf_u8x8(mn), vf_set1(f16(b + 2)));
-        const uint8_t *qs = b + (five ? 48 : 16);
-        vb c[4];
-        vf f[4];
-        for (int j = 0; j < 4; j++) {  // run j: sub-blocks 2j (low nibbles), 2j + 1 (high)
-            c[j] = vb_and(vb_srl4(vb_dup32(qs + 32 * j), 0, 0, 4, 4), low);
-            if (five) {
-                const vb h = vb_srl4(vb_dup32(b + 16), 2 * j, 2 * j, 2 * j + 1, 2 * j + 1);
-                c[j] = vb_or(c[j], vb_sll4(vb_and(h, one), 4, 4, 4, 4));
-            }
-            f[j] = vf_spread2(fw, j);
+void zoo_q8_quantize_row(const float *x, int64_t K, void *buf, q8row_t *row) {
+    const int64_t Kp = pad64(K);
+    int8_t *q = (int8_t *)buf, *q2 = q + Kp;
+    float *d = (float *)(q2 + Kp), *ds = (float *)((char *)d + pad64(Kp / 32 * 4));
+    float *ds16 = (float *)((char *)ds + pad64(Kp / 32 * 4));
+    memset(buf, 0, zoo_q8_row_bytes(K));
+    const vf top = vf_set1(127.0f), bottom = vf_set1(-127.0f);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const vf x0 = vf_load(x + 32 * b), x1 = vf_load(x + 32 * b + 16);
+        const float amax = vf_hmax(vf_max(vf_abs(x0), vf_abs(x1)));
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 1.0f / scale : 0.0f;
+        const vf s = vf_set1(scale), i1 = vf_set1(inv), i2 = vf_set1(inv * 256.0f);
+        int sums[2];
+        for (int h = 0; h < 2; h++) {  // 16 values: codes, the remainder's codes
+            const vf xv = h ? x1 : x0;
+            const vf v1 = vf_rint(vf_mul(xv, i1));  // nearest, ties to even
+            const vf rest = vf_sub(xv, vf_mul(s, v1));  // not fused: as the reference rounds
+            const vf v2 = vf_min(vf_max(vf_rint(vf_mul(rest, i2)), bottom), top);
+            const vi c1 = vi_of(v1), c2 = vi_of(v2);
+            vi_store8(q + 32 * b + 16 * h, c1);
+            vi_store8(q2 + 32 * b + 16 * h, c2);
+            sums[h] = 256 * vi_sum(c1) + vi_sum(c2);
         }
-        for (int r = 0; r < M; r++) {
-            const int8_t *xq = x[r].q + 256 * s;
-            const float *xd = x[r].dsp + 64 * s;
-            for (int j = 0; j < 4; j++) {
-                const vi p = vi_dot(c[j], vb_load(xq + 64 * j));
-                acc[r] = vf_fmadd(vf_cvt(p), vf_mul(f[j], vf_load(xd + 16 * j)), acc[r]);
-            }
-            acc2[r] = vf_fmadd(mw, vf_load8(x[r].ds + 8 * s), acc2[r]);
-        }
+        const float unit = scale / 256.0f;
+        d[b] = unit;
+        ds[b] = unit * (float)(sums[0] + sums[1]);
+        ds16[2 * b] = unit * (float)sums[0];
+        ds16[2 * b + 1] = unit * (float)sums[1];
     }
+    row->q = q;
+    row->q2 = q2;
+    row->d = d;
+    row->ds = ds;
+    row->ds16 = ds16;
 }
 
-// Q6_K: per 256 columns, 16 sub-blocks of 16 with int8 scales, codes 0..63 offset by 32.
-INLINE void dot_q6_k(const uint8_t *w, const q8row_t *x, int M, int64_t nsb, vf *acc,
-                     vf *acc2) {
-    const vb low = vb_set1(0x0F), top = vb_set1(0x30);
-    for (int64_t s = 0; s < nsb; s++) {
-        const uint8_t *b = w + s * 210;
-        const vf fw = vf_mul(vf_i8x16((const int8_t *)(b + 192)), vf_set1(f16(b + 208)));
-        vb c[4];
-        vf f[4];
-        for (int h = 0; h < 2; h++) {  // 128 columns: 64 bytes of low bits, 32 of high bits
-            const vb ql = vb_load(b + 64 * h), qh = vb_dup32(b + 128 + 32 * h);
-            // columns 0-63: low nibbles, high bits 0-1 / 2-3; columns 64-127: high nibbles, 4-5 / 6-7
-            c[2 * h] = vb_or(vb_and(ql, low), vb_and(vb_sll4(qh, 4, 4, 2, 2), top));
-            c[2 * h + 1] = vb_or(vb_and(vb_srl4(ql, 4, 4, 4, 4), low),
-                                 vb_and(vb_srl4(qh, 0, 0, 2, 2), top));
-        }
-        for (int j = 0; j < 4; j++) f[j] = vf_spread4(fw, j);
-        for (int r = 0; r < M; r++) {
-            const int8_t *xq = x[r].q + 256 * s;
-            const float *xd = x[r].dsp + 64 * s;
-            for (int j = 0; j < 4; j++) {
-                const vi p = vi_dot(c[j], vb_load(xq + 64 * j));
-                acc[r] = vf_fmadd(vf_cvt(p), vf_mul(f[j], vf_load(xd + 16 * j)), acc[r]);
-            }
-            acc2[r] = vf_fmadd(fw, vf_load(x[r].ds16 + 16 * s), acc2[r]);
-        }
-    }
-}
-
-// out[r] = x_r . W[row] for M <= ROWS_PER_PASS rows of x.
-INLINE void dot_rows(const qweight_t *w, const uint8_t *row, const q8row_t *x, int M,
-                     float *out) {
-    vf acc[ROWS_PER_PASS], acc2[ROWS_PER_PASS];
-    for (int r = 0; r < M; r++) acc[r] = acc2[r] = vf_zero();
-    float tail = 0.0f;
-    switch (w->type) {
-        case ZOO_Q4_K: dot_k45(0, row, x, M, w->K / 256, acc, acc2); tail = -1.0f; break;
-        case ZOO_Q5_K: dot_k45(1, row, x, M, w->K / 256, acc, acc2); tail = -1.0f; break;
-        case ZOO_Q6_K: dot_q6_k(row, x, M, w->K / 256, acc, acc2); tail = -32.0f; break;
-        default: dot_small(w->type, row, x, M, w->K / 32, acc);
-    }
-    for (int r = 0; r < M; r++) out[r] = vf_sum(acc[r]) + (tail != 0.0f ? tail * vf_sum(acc2[r]) : 0.0f);
-}
-
-static void dot_rows_m(const qweight_t *w, const uint8_t *row, const q8row_t *x, int64_t M,
-                       float *out) {
-    switch (M) {
-#define ROWS(k) case k: dot_rows(w, row, x, k, out); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4)
-#if ROWS_PER_PASS > 4
-        ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+// The next unit's codes, requested ahead: the hardware's prefetchers do not follow the
+// kernels' order within a unit far enough (Q6_K from memory: 10 GB/s a core without, 32 with).
+#ifndef PF_AHEAD
+#define PF_AHEAD 2  // units ahead: 1, 2, 4 and 8 measured within 3% of each other; 2 best
 #endif
-#undef ROWS
+INLINE void prefetch(const uint8_t *p, int64_t n) {
+#if defined(__SSE2__)
+    for (int64_t k = 0; k < n; k += 64) _mm_prefetch((const char *)(p + k), _MM_HINT_T0);
+#else
+    (void)p, (void)n;
+#endif
+}
+
+// ---- the microkernels: one group of 16 rows of W against M rows of x --------------------------------
+// acc[r] (16 lanes: the group's rows) gathers row r of x's products, block by block:
+// acc += cvt(int sum) * (fw * d_x) + mw * ds_x. M is a constant where dot_group_m calls them,
+// so the accumulators stay in registers; a row's arithmetic does not depend on M.
+
+// The block factors of one unit of a legacy type: scale fw, and mw (minimum, or the offset
+// term -8 / -16 * d).
+INLINE void legacy_factors(int64_t type, const uint8_t *u, vf *fw, vf *mw) {
+    *fw = vf_half(u);
+    if (type == ZOO_Q4_1 || type == ZOO_Q5_1)
+        *mw = vf_half(u + 32);
+    else if (type == ZOO_Q8_0)
+        *mw = vf_zero();
+    else
+        *mw = vf_mul(*fw, vf_set1(type == ZOO_Q4_0 ? -8.0f : -16.0f));
+}
+
+// Q5_0 / Q5_1: 0x10 in the bytes whose code has its fifth bit set: codes 4g..4g+3 (low) or
+// 16+4g.. (high) of each row, from the row's 32 bits of high bits (one lane).
+INLINE vb q5_high(vb qh, int first) {
+    const int byte = first / 8, shift = first % 8;  // bits first..first+3 sit in one byte
+    const vb idx = vb_lanes4(0x01010101u * (uint32_t)byte, 0x01010101u * (uint32_t)(4 + byte),
+                             0x01010101u * (uint32_t)(8 + byte), 0x01010101u * (uint32_t)(12 + byte));
+    const vb bits = vb_pattern(0x08040201u << shift);
+    return vb_and(vb_bytemask(vb_shuffle(qh, idx), bits), vb_set1(0x10));
+}
+
+// s1 += w . q1, s2 += w . q2 for 4 codes of x (at column `at`) in every lane.
+INLINE void dot2(vi *s1, vi *s2, vb w, const q8row_t *x, int64_t at) {
+    *s1 = vi_dot(*s1, w, vb_x(x->q + at));
+    *s2 = vi_dot(*s2, w, vb_x(x->q2 + at));
+}
+
+// acc += cvt(256 s1 + s2) * fw * d_x + mw * ds_x: a block's (or sub-block's) sums, scaled.
+INLINE vf flush(vf acc, vi s1, vi s2, vf fw, vf mw, float d, float ds) {
+    acc = vf_fmadd(vf_cvt(vi_join(s1, s2)), vf_mul(fw, vf_set1(d)), acc);
+    return vf_fmadd(mw, vf_set1(ds), acc);
+}
+
+INLINE void mk_legacy(int64_t type, const uint8_t *w, int64_t nu, const q8row_t *x, int M,
+                      vf *acc) {
+    const layout_t l = layout(type);
+    const uint8_t *codes = w + pad64(nu * l.header);
+    const vb low = vb_set1(0x0F);
+    const int five = type == ZOO_Q5_0 || type == ZOO_Q5_1;
+    for (int64_t b = 0; b < nu; b++) {
+        const uint8_t *u = w + b * l.header, *qh = codes + b * l.codes, *qs = qh + (five ? 64 : 0);
+        prefetch(qh + PF_AHEAD * l.codes, l.codes);
+        vf fw, mw;
+        legacy_factors(type, u, &fw, &mw);
+        vi s1[ROWS], s2[ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < M; r++) s1[r] = s2[r] = vi_zero();
+        if (type == ZOO_Q8_0) {  // signed codes: |w| times x with w's sign
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const vb c = vb_load(qs + 64 * g), a = vb_abs8(c);
+#pragma GCC unroll 8
+                for (int r = 0; r < M; r++) {
+                    s1[r] = vi_dot(s1[r], a, vb_sign8(vb_x(x[r].q + 32 * b + 4 * g), c));
+                    s2[r] = vi_dot(s2[r], a, vb_sign8(vb_x(x[r].q2 + 32 * b + 4 * g), c));
+                }
+            }
+        } else {
+            const vb hb = five ? vb_load(qh) : low;
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                const vb c = vb_load(qs + 64 * g);
+                vb lo = vb_and(c, low), hi = vb_and(vb_srl(c, 4), low);
+                if (five) {
+                    lo = vb_or(lo, q5_high(hb, 4 * g));
+                    hi = vb_or(hi, q5_high(hb, 16 + 4 * g));
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < M; r++) {
+                    dot2(&s1[r], &s2[r], lo, &x[r], 32 * b + 4 * g);
+                    dot2(&s1[r], &s2[r], hi, &x[r], 32 * b + 16 + 4 * g);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < M; r++) acc[r] = flush(acc[r], s1[r], s2[r], fw, mw, x[r].d[b], x[r].ds[b]);
     }
 }
 
+// Q4_K / Q5_K: 8 sub-blocks of 32 per unit, run j holding sub-blocks 2j (low nibbles) and
+// 2j + 1 (high); each sub-block's scale d * sc and minimum -dmin * m.
+INLINE void mk_k45(int five, const uint8_t *w, int64_t nu, const q8row_t *x, int M, vf *acc) {
+    const vb low = vb_set1(0x0F), bit4 = vb_set1(0x10);
+    const uint8_t *codes = w + pad64(nu * 256);
+    for (int64_t s = 0; s < nu; s++) {
+        const uint8_t *u = w + s * 256, *qh = codes + s * (five ? 2560 : 2048);
+        const uint8_t *qs = qh + (five ? 512 : 0);
+        prefetch(qh + PF_AHEAD * (five ? 2560 : 2048), five ? 2560 : 2048);
+        float fw[8][R] __attribute__((aligned(64))), mw[8][R] __attribute__((aligned(64)));
+        {  // k4_scales for the 16 rows at once: byte k of every row is one vector
+            b16 S[12];
+            for (int k = 0; k < 12; k++) S[k] = b16_load(u + 64 + R * k);
+            const vf d = vf_half(u), dmin = vf_mul(vf_half(u + 32), vf_set1(-1.0f));
+            for (int t = 0; t < 4; t++) {
+                const b16 sc = b16_and(S[t], 63), mn = b16_and(S[t + 4], 63);
+                const b16 sc4 = b16_or(b16_and(S[t + 8], 15), b16_sll(b16_srl(S[t], 6), 4));
+                const b16 mn4 = b16_or(b16_srl(S[t + 8], 4), b16_sll(b16_srl(S[t + 4], 6), 4));
+                vf_store(fw[t], vf_mul(vf_b16(sc), d));
+                vf_store(mw[t], vf_mul(vf_b16(mn), dmin));
+                vf_store(fw[t + 4], vf_mul(vf_b16(sc4), d));
+                vf_store(mw[t + 4], vf_mul(vf_b16(mn4), dmin));
+            }
+        }
+        for (int sub = 0; sub < 8; sub++) {  // run sub / 2: its low nibbles, then its high ones
+            const int j = sub / 2, high = sub % 2;
+            vi s1[ROWS], s2[ROWS];
+#pragma GCC unroll 8
+            for (int r = 0; r < M; r++) s1[r] = s2[r] = vi_zero();
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const vb c = vb_load(qs + 64 * (8 * j + g));
+                vb q = high ? vb_and(vb_srl(c, 4), low) : vb_and(c, low);
+                if (five) {  // bit `sub` of each code's byte of high bits, moved to bit 4
+                    const vb h = vb_load(qh + 64 * g);
+                    q = vb_or(q, vb_and(sub < 4 ? vb_sll(h, 4 - sub) : vb_srl(h, sub - 4), bit4));
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < M; r++) dot2(&s1[r], &s2[r], q, &x[r], 256 * s + 32 * sub + 4 * g);
+            }
+            const vf f = vf_load(fw[sub]), m = vf_load(mw[sub]);
+#pragma GCC unroll 8
+            for (int r = 0; r < M; r++)
+                acc[r] = flush(acc[r], s1[r], s2[r], f, m, x[r].d[8 * s + sub], x[r].ds[8 * s + sub]);
+        }
+    }
+}
+
+// Q6_K: 16 sub-blocks of 16 per unit with int8 scales, codes 0..63 less 32. Half h holds 128
+// columns: from its low bits' first (L0) and second (L1) 32 bytes and its 32 bytes of high
+// bits (H), column 4g + k of chunk c is  c 0: L0 & 15 | H bits 0-1,  c 1: L1 & 15 | H 2-3,
+// c 2: L0 >> 4 | H 4-5,  c 3: L1 >> 4 | H 6-7  (4 codes of each row per vector).
+INLINE void mk_q6_k(const uint8_t *w, int64_t nu, const q8row_t *x, int M, vf *acc) {
+    const vb low = vb_set1(0x0F), top = vb_set1(0x30);
+    const uint8_t *codes = w + pad64(nu * 288);
+    for (int64_t s = 0; s < nu; s++) {
+        const uint8_t *u = w + s * 288;
+        const vf d = vf_half(u);
+        prefetch(codes + (s + PF_AHEAD) * 3072, 3072);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = codes + s * 3072 + 1536 * h, *qh = ql + 1024;
+            for (int c = 0; c < 4; c++) {  // chunk c: 32 columns at 128h + 32c
+                const int half_l = c % 2;  // L0 or L1
+                for (int half = 0; half < 2; half++) {  // its two sub-blocks of 16 (g 0-3, 4-7)
+                    vi s1[ROWS], s2[ROWS];
+#pragma GCC unroll 8
+                    for (int r = 0; r < M; r++) s1[r] = s2[r] = vi_zero();
+#pragma GCC unroll 4
+                    for (int g = 4 * half; g < 4 * half + 4; g++) {
+                        const vb lb = vb_load(ql + 64 * (8 * half_l + g)), hb = vb_load(qh + 64 * g);
+                        const vb lo = c < 2 ? vb_and(lb, low) : vb_and(vb_srl(lb, 4), low);
+                        const vb hi = vb_and(c == 0 ? vb_sll(hb, 4) : c == 1 ? vb_sll(hb, 2)
+                                             : c == 2 ? hb : vb_srl(hb, 2), top);
+                        const vb q = vb_or(lo, hi);
+#pragma GCC unroll 8
+                        for (int r = 0; r < M; r++)
+                            dot2(&s1[r], &s2[r], q, &x[r], 256 * s + 128 * h + 32 * c + 4 * g);
+                    }
+                    const int sub = 8 * h + 2 * c + half;  // the 16 columns' scale
+                    const int blk = 8 * s + 4 * h + c;     // x's block of 32
+                    const vf fw = vf_mul(vf_i8(u + 32 + R * sub), d);
+                    const vf mw = vf_mul(fw, vf_set1(-32.0f));
+#pragma GCC unroll 8
+                    for (int r = 0; r < M; r++)
+                        acc[r] = flush(acc[r], s1[r], s2[r], fw, mw, x[r].d[blk], x[r].ds16[2 * blk + half]);
+                }
+            }
+        }
+    }
+}
+
+INLINE void dot_group(const qweight_t *w, const uint8_t *group, const q8row_t *x, int M,
+                      float *out, int64_t ldo) {
+    vf acc[ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++) acc[r] = vf_zero();
+    const int64_t nu = w->K / block_values(w->type);
+    switch (w->type) {
+        case ZOO_Q4_K: mk_k45(0, group, nu, x, M, acc); break;
+        case ZOO_Q5_K: mk_k45(1, group, nu, x, M, acc); break;
+        case ZOO_Q6_K: mk_q6_k(group, nu, x, M, acc); break;
+        default: mk_legacy(w->type, group, nu, x, M, acc);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++) vf_store(out + r * ldo, acc[r]);
+}
+
+static void dot_group_m(const qweight_t *w, const uint8_t *group, const q8row_t *x, int64_t M,
+                        float *out, int64_t ldo) {
+    switch (M) {
+#define CASE(k) case k: dot_group(w, group, x, k, out, ldo); break;
+        CASE(1) CASE(2) CASE(3) CASE(4)
+#if ROWS > 4
+        CASE(5) CASE(6) CASE(7) CASE(8)
+#endif
+#undef CASE
+    }
+}
+
+// y[r * ldy + n] = x_r . W[n] for the rows n0 <= n < n1 of W (the M rows of x quantized). The
+// groups of 16 rows that the range touches are computed whole; only the range is written.
 void zoo_qdot_rows(const qweight_t *w, const q8row_t *x, int64_t M, float *y, int64_t ldy,
                    int64_t n0, int64_t n1) {
-    float out[ROWS_PER_PASS];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = (const uint8_t *)w->codes + (w->perm ? w->perm[n] : n) * w->row_bytes;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
-            const int64_t k = M - r0 < ROWS_PER_PASS ? M - r0 : ROWS_PER_PASS;
-            dot_rows_m(w, row, x + r0, k, out);
-            for (int64_t r = 0; r < k; r++) y[(r0 + r) * ldy + n] = out[r];
+    const int64_t gb = group_bytes(w->type, w->K / block_values(w->type));
+    float out[ROWS * R] __attribute__((aligned(64)));
+    for (int64_t g = n0 / R; g * R < n1; g++) {
+        const int64_t a = g * R > n0 ? g * R : n0, b = (g + 1) * R < n1 ? (g + 1) * R : n1;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            const int64_t k = M - r0 < ROWS ? M - r0 : ROWS;
+            if (a == g * R && b == a + R) {  // a whole group: straight into y
+                dot_group_m(w, (const uint8_t *)w->data + g * gb, x + r0, k, y + r0 * ldy + a, ldy);
+                continue;
+            }
+            dot_group_m(w, (const uint8_t *)w->data + g * gb, x + r0, k, out, R);
+            for (int64_t r = 0; r < k; r++)
+                for (int64_t n = a; n < b; n++) y[(r0 + r) * ldy + n] = out[r * R + n - g * R];
         }
     }
 }
 
-// Many rows of x (prefill): each thread takes a range of W's rows and goes through them in
-// tiles that stay in its caches, each tile against every pass of rows of x. The arithmetic
-// per (row of x, row of W) is zoo_qdot_rows's.
-#define TILE_BYTES (48 << 10)
-
+// Many rows of x (prefill): x quantized by all threads, then each thread takes whole groups of
+// W's rows, each against every pass of rows of x while its codes sit in the thread's caches.
 void zoo_qgemm(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
-    const int64_t bytes = zoo_q8_row_bytes(w->K);
+    const int64_t bytes = zoo_q8_row_bytes(w->K), G = (w->N + R - 1) / R;
     char *buf = aligned_alloc(64, M * bytes);
     q8row_t *rows = malloc(M * sizeof(q8row_t));
     if (w->N * w->K * M < (1 << 20)) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) zoo_q8_quantize_row(x + r * w->K, w->K, buf + r * bytes, &rows[r]);
+        for (int64_t r = 0; r < M; r++)
+            zoo_q8_quantize_row(x + r * w->K, w->K, buf + r * bytes, &rows[r]);
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t n0 = w->N * t / T, n1 = w->N * (t + 1) / T;
-        int64_t tile = TILE_BYTES / (w->row_bytes ? w->row_bytes : 1);
-        tile = tile < 1 ? 1 : tile;
-        for (int64_t a = n0; a < n1; a += tile) {
-            const int64_t b = a + tile < n1 ? a + tile : n1;
-            for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
-                const int64_t k = M - r0 < ROWS_PER_PASS ? M - r0 : ROWS_PER_PASS;
-                zoo_qdot_rows(w, rows + r0, k, y + r0 * w->N, w->N, a, b);
-            }
-        }
+        const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
+        const int64_t n0 = g0 * R, n1 = g1 * R < w->N ? g1 * R : w->N;
+        for (int64_t g = g0; g < g1; g++)
+            zoo_qdot_rows(w, rows, M, y, w->N, g * R, (g + 1) * R < n1 ? (g + 1) * R : n1);
+        (void)n0;
     }
     free(rows);
     free(buf);

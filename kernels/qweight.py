@@ -74,7 +74,7 @@ def fp8_format(group: int) -> QFormat:
     return QFormat(FP8, 8, group, fp8=True)
 
 
-class _Quantized(nn.Module):
+class QuantizedWeight(nn.Module):
     """What layers read of a weight, whatever holds it: its shape, device and resident bytes;
     `dtype` is the float dtype the model computes in (what the weight stands for)."""
 
@@ -98,7 +98,7 @@ class _Quantized(nn.Module):
         return sum(b.nbytes for b in self.buffers())
 
 
-class QuantWeight(_Quantized):
+class QuantWeight(QuantizedWeight):
     """A quantized (out_features, in_features) weight: its tensors are buffers, so `.to()`,
     `state_dict` and the strict loader treat them like any other."""
 
@@ -169,7 +169,7 @@ def _two_level(small: torch.Tensor, big: torch.Tensor | None, rows, w: QuantWeig
     return big[rows].float().repeat_interleave(per, dim=-1) * small.float()
 
 
-class QuantStack(_Quantized):
+class QuantStack(QuantizedWeight):
     """Weights of different formats stacked along the output dimension: a fused q|k|v whose v
     a Q4_K_M file keeps in Q6_K. `kernels.linear` runs each part and concatenates."""
 
@@ -186,7 +186,7 @@ class QuantStack(_Quantized):
         return torch.cat([p.dequantize() for p in self.parts])[rows]
 
 
-class QuantExperts(_Quantized):
+class QuantExperts(QuantizedWeight):
     """E fp8 weights of one shape stacked, (E, out, in): a MoE layer's routed experts kept as
     their checkpoint stores them. codes uint8 (E, out, in), scales fp32 (E, out, ceil(in /
     group)), each expert's as in `QuantWeight`; `kernels.moe_experts` reads them."""

@@ -164,6 +164,26 @@ class GGUFCheckpoint:
         kind = self.file.type_name(self._names[name]).lower()
         return None if kind in ("f32", "f16", "bf16") else kind
 
+    def blocks(self, name: str) -> tuple[str, np.ndarray, np.ndarray | None]:
+        """The tensor's block format, its bytes as stored ((rows, bytes per row) uint8, memory-
+        mapped) and the stored row of each row of the hub's tensor (None: the same order)."""
+        import torch
+
+        info = self.file.tensors[self._names[name]]
+        order = None
+        if self._permuted(name):
+            order = self._unpermuted(name, torch.arange(info.shape[0])).numpy()
+        return self.quant_format(name), self.file.raw(info.name), order
+
+    def stored_bytes(self, name: str) -> int:
+        """The tensor's bytes in the file (its blocks, or floats)."""
+        return self.file.tensors[self._names[name]].nbytes
+
+    def release(self, name: str) -> None:
+        """The tensor's pages may leave this process's resident memory (their blocks were
+        copied); see GGUFFile.release."""
+        self.file.release(self._names[name])
+
     def read_quantized(self, name: str) -> QuantWeight:
         """The tensor's blocks as a `QuantWeight` (lossless; see plugins/gguf_quant.py)."""
         import torch
@@ -175,11 +195,16 @@ class GGUFCheckpoint:
         raw = self._unpermuted(name, raw).numpy()
         return repack(self.quant_format(name), raw, info.shape)
 
+    def _permuted(self, name: str) -> bool:
+        """Whether llama.cpp stored this tensor's rows in its own q/k order."""
+        gguf_name = self._names[name]
+        permuted = ARCHITECTURES.get(self.arch, ("", False))[1]
+        return permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
+
     def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """Undo llama.cpp's q/k row order (rows are whole: floats or a row's blocks alike)."""
         gguf_name = self._names[name]
-        permuted = ARCHITECTURES.get(self.arch, ("", False))[1]
-        if permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        if self._permuted(name):
             cfg = self.config()
             heads = cfg["num_attention_heads"]
             if ".attn_k." in gguf_name:

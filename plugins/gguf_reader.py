@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ STRING, ARRAY = 8, 9
 # metadata value type -> struct format (the two variable-size types, string and array, aside)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_LENGTH = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,24 @@ class _Cursor:
     def string(self) -> str:
         return str(self.take(self.scalar(10)), "utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """n strings, each a uint64 length and its UTF-8 bytes."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        unpack, append = _LENGTH.unpack_from, out.append
+        try:
+            for _ in range(n):
+                (size,) = unpack(buf, pos)
+                pos += 8
+                if pos + size > end:
+                    raise struct.error
+                append(str(buf[pos : pos + size], "utf-8", "replace"))
+                pos += size
+        except struct.error:
+            self.pos = end
+            self.take(8)  # reports the truncation
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == STRING:
             return self.string()
@@ -69,6 +89,8 @@ class _Cursor:
             if item in _SCALARS:  # one numpy read for the whole array (token types, scores)
                 dtype = np.dtype(_SCALARS[item])
                 return np.frombuffer(self.take(n * dtype.itemsize), dtype).tolist()
+            if item == STRING:  # a vocabulary, its merges: 100k+ strings in one tight loop
+                return self.strings(n)
             return [self.value(item) for _ in range(n)]
         if kind not in _SCALARS:
             raise CheckpointError(f"{self.path}: unknown GGUF metadata value type {kind}")
@@ -83,7 +105,9 @@ class GGUFFile:
         size = path.stat().st_size
         if size < 24:
             raise CheckpointError(f"{path}: {size} bytes is too short for a GGUF file")
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
+        with path.open("rb") as f:  # private and read-only: the page cache's pages, shared
+            self._mmap = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        self._map = np.frombuffer(self._mmap, dtype=np.uint8)
         cur = _Cursor(memoryview(self._map), path)
         magic = bytes(cur.take(4))
         if magic != MAGIC:
@@ -130,6 +154,17 @@ class GGUFFile:
         info = self.tensors[name]
         return self._map[info.offset : info.offset + info.nbytes].reshape(*info.shape[:-1], -1)
 
+    def release(self, name: str) -> None:
+        """Drop this process's mapping of the tensor's pages (the file stays in the page
+        cache): once its blocks have been copied where they will be used, they need not count
+        in the process's resident memory."""
+        info = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.nbytes) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def read(self, name: str) -> torch.Tensor:
         """The tensor on the CPU: F32/F16/BF16 as stored, block formats dequantized to float32."""
         import torch
@@ -147,7 +182,8 @@ class GGUFFile:
         return torch.from_numpy(dequantize(rows, kind))
 
     def close(self) -> None:
-        self._map = None
+        """Forget the mapping; it is unmapped once no array made from it is left."""
+        self._map = self._mmap = None
 
 
 def _type_name(kind: int) -> str:

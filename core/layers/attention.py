@@ -16,7 +16,7 @@ from torch import nn
 
 import kernels
 from core.config import GQASpec
-from core.kv_cache import cache_write
+from core.kv_cache import as_compute, cache_write
 from core.layers.linear import FusedLinear, Linear
 from core.plugins import registry
 
@@ -64,15 +64,15 @@ class GQAAttention(nn.Module):
             q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
         extra = dict(softcap=s.softcap, sinks=self.sinks if s.sinks else None)
         if s.window is None:
-            keys = cache_write(k_cache, k, start_pos, end, seq_dim=2)
-            values = cache_write(v_cache, v, start_pos, end, seq_dim=2)
+            keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
+            values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
             o = kernels.attention(q, keys, values, start_pos, s.scale, **extra)
         elif t == 1:
             r = k_cache.shape[2]  # ring slots
             cache_write(k_cache, k, start_pos % r, 1, seq_dim=2)
             cache_write(v_cache, v, start_pos % r, 1, seq_dim=2)
             n = min(end, r)  # slots any row may read; each row reads 0..min(pos, r - 1)
-            keys, values = k_cache[:b, :, :n], v_cache[:b, :, :n]
+            keys, values = as_compute(k_cache[:b, :, :n], q), as_compute(v_cache[:b, :, :n], q)
             rel = (
                 start_pos.clamp(max=r - 1) if torch.is_tensor(start_pos) else min(start_pos, r - 1)
             )
@@ -109,7 +109,7 @@ class GQAAttention(nn.Module):
         for cache, new in ((k_cache, k), (v_cache, v)):
             both = torch.cat((cache[:b], new.to(cache.dtype)), dim=2)  # (B, H, R + T, D)
             idx = src[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[3])
-            outs.append(both.gather(2, idx))
+            outs.append(as_compute(both.gather(2, idx), q))
             idx = keep[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[3])
             cache[:b].copy_(both.gather(2, idx))
         rel_pos = rel.view(b) if per_row else int(rel[0, 0])

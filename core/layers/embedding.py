@@ -8,6 +8,7 @@ from torch import nn
 
 import kernels
 from core.config import EmbeddingSpec
+from kernels.blocks import BlockWeight
 from kernels.qweight import QuantWeight
 
 
@@ -18,9 +19,17 @@ class Embedding(nn.Embedding):
         super().__init__(vocab, hidden)
         self.scale = spec.scale
 
+    def reset_parameters(self) -> None:
+        """No random values on the meta device, where models are built: they would be
+        overwritten by the checkpoint's (and drawing them imports torch._dynamo: ~1.2 s)."""
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if isinstance(w, QuantWeight):  # kept quantized: only the rows looked up are decoded
+        if isinstance(
+            w, QuantWeight | BlockWeight
+        ):  # kept quantized: only the rows looked up are decoded
             x = w.select_rows(ids).to(w.dtype)
         else:
             x = super().forward(ids)

@@ -15,7 +15,7 @@ from torch import nn
 
 import kernels
 from core.config import MLASpec, RMSNormSpec
-from core.kv_cache import cache_write
+from core.kv_cache import as_compute, cache_write
 from core.layers.linear import Linear
 from core.layers.norm import RMSNorm
 
@@ -67,8 +67,8 @@ class MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split((s.kv_lora_rank, s.qk_rope_head_dim), -1)
         latent = self.kv_a_layernorm(latent)  # (B, T, R)
         q_pe, k_pe = kernels.apply_rope(q_pe, k_pe[:, None], cos, sin, self.interleaved)
-        latents = cache_write(latent_cache, latent, start_pos, end, seq_dim=1)
-        k_pes = cache_write(k_pe_cache, k_pe[:, 0], start_pos, end, seq_dim=1)
+        latents = as_compute(cache_write(latent_cache, latent, start_pos, end, seq_dim=1), x)
+        k_pes = as_compute(cache_write(k_pe_cache, k_pe[:, 0], start_pos, end, seq_dim=1), x)
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)  # (B, H, T, R)
         o_lat = kernels.mla_attention(q_lat, q_pe, latents, k_pes, start_pos, s.scale)

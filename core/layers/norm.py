@@ -12,7 +12,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         # a plugin's own norm spec subclassing this module may know only eps (no offset)
         offset = getattr(spec, "offset", 0.0)
-        self.weight = nn.Parameter(torch.ones(dim) - offset)  # identity at init
+        # identity at init; a factory call, not arithmetic: on the meta device (where models
+        # are built) arithmetic runs Python references that import torch._dynamo (~1.2 s)
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps, self.offset = spec.eps, offset
 
     def scale(self) -> torch.Tensor:

@@ -4,8 +4,6 @@ against F.linear with the dequantized weight."""
 
 from __future__ import annotations
 
-import contextlib
-
 import gguf
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
-from kernels.qweight import QuantWeight, cat_rows
+from kernels.qweight import cat_rows
 from kernels.qweight import quantize as quantize_weight
 from plugins.gguf_quant import KEPT, repack
 
@@ -105,117 +103,13 @@ def test_cat_rows_stacks_parts():
     assert torch.equal(both.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
-def weight(kind: str) -> QuantWeight:
-    if kind in KEPT:
-        return repack(kind, random_blocks(kind, 48, 512, seed=2, edge=True), (48, 512))
-    return quantize_weight(torch.randn(48, 512, generator=torch.Generator().manual_seed(2)), kind)
-
-
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    # fp32 rounding of 512-term dot products summed in another order (and, with several rows,
-    # of s * q + (min - offset * s) against s * (q - offset) + min)
-    return torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
-def expected(x: torch.Tensor, w: QuantWeight, bias=None, lib=None) -> torch.Tensor:
-    """F.linear with the reference-dequantized weight, on x as the kernel reads it: rounded to
-    bf16 where it multiplies 4-bit codes in bf16 (the ISA and the row count decide)."""
-    from kernels import cpu_quant
-
-    if cpu_quant.rounds_x_to_bf16(w, x, lib):
-        x = x.bfloat16().float()
-    return F.linear(x, w.dequantize(), bias)
-
-
-LINEAR_KINDS = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "int4"]
-
-
-@pytest.mark.parametrize("rows", [1, 3, 17, 80])
-@pytest.mark.parametrize("kind", LINEAR_KINDS)
-def test_linear_equals_f_linear_on_the_dequantized_weight(kind, rows):
+def test_on_cpus_a_quant_weight_runs_the_dequantizing_reference():
+    """`QuantWeight` is Triton's layout, made for GPUs; on CPUs weights kept quantized are
+    `kernels.blocks.BlockWeight`s (tests/kernels/test_blocks.py), and a QuantWeight that
+    reaches a CPU layer runs the reference: F.linear with its dequantized weight."""
     import kernels
 
-    w = weight(kind)
-    x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(3))
+    w = repack("q4_k", random_blocks("q4_k", 48, 512, seed=2, edge=True), (48, 512))
+    x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(48)
-    assert close(kernels.linear(x, w, bias), expected(x, w, bias))
-
-
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "plain-c"])
-@pytest.mark.parametrize("kind", LINEAR_KINDS)
-def test_c_kernel_without_avx512(kind, march):
-    """The AVX2 and plain-C builds of kernels/qgemv.c (this machine runs the AVX-512 one)."""
-    import platform
-
-    from kernels import cpu_quant
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 instruction sets")
-    lib = cpu_quant.build(march)
-    assert lib is not None
-    w = weight(kind)
-    for rows in (1, 5):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        got = cpu_quant._run(x, w.fmt, 512, w.codes, w.scales, w.mins, w.d, w.dmin, lib=lib)
-        assert close(got, expected(x, w, lib=lib))
-
-
-def test_c_kernel_inside_a_compiled_graph():
-    """A compiled decode step reaches the C kernel through its custom ops (zoo::qgemv for few
-    rows, zoo::qdequantize for many) in one graph, with the eager results."""
-    import kernels
-    from kernels import cpu_quant
-
-    cpu_quant.library()  # built eagerly first, as kernels.dispatch.prepare does
-    w = weight("q4_1")
-    g = torch.Generator().manual_seed(4)
-    few, many = torch.randn(1, 512, generator=g), torch.randn(17, 512, generator=g)
-    both = torch.compile(lambda a, b: (kernels.linear(a, w), kernels.linear(b, w)), fullgraph=True)
-    for decoding in (False, True):  # in a decode step few rows may multiply bf16(x)
-        with cpu_quant.decoding() if decoding else contextlib.nullcontext():
-            got_few, got_many = both(few, many)
-            assert close(got_few, expected(few, w))
-            assert close(got_many, expected(many, w))
-
-
-@pytest.mark.parametrize("inp", [96, 160, 576])  # 128-column chunks and a partial last one
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "int4"])
-def test_bf16_codes_path(kind, inp):
-    """Where 4-bit codes multiply bf16(x) (AVX512-BF16 CPUs, in a decode step): F.linear of
-    bf16(x) to fp32 rounding for 1..8 rows, and within bf16 rounding of F.linear on x itself."""
-    from kernels import cpu_quant
-
-    if kind == "int4":
-        w = quantize_weight(torch.randn(37, inp, generator=torch.Generator().manual_seed(5)), kind)
-    else:
-        w = repack(kind, random_blocks(kind, 37, inp, seed=inp, edge=True), (37, inp))
-    with cpu_quant.decoding():
-        if not cpu_quant.rounds_x_to_bf16(w, torch.zeros(1, inp)):
-            pytest.skip("this CPU has no AVX512-BF16: the fp32 path runs (tested above)")
-    wd = w.dequantize().double()
-    for rows in (1, 2, 8):
-        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 4
-        with cpu_quant.decoding():
-            got = cpu_quant.quant_linear(x, w).double()
-        size = x.abs().double() @ wd.abs().T  # what the rounding of each term scales with
-        # the kernel sums s * (128 + q) * x in fp32, then takes s * 128 * sum(x) away
-        steps = w.group_scales().abs().double().repeat_interleave(32, dim=-1)
-        summed = x.abs().double() @ (steps * 144).T
-        assert ((got - x.bfloat16().double() @ wd.T).abs() <= 1e-6 * (size + summed)).all()
-        assert ((got - x.double() @ wd.T).abs() <= 2**-9 * size + 1e-6 * summed).all()
-
-
-@pytest.mark.parametrize("kind", ["q4_1", "int4", "q8_0"])
-def test_prefill_keeps_fp32_x_whatever_its_chunk(kind):
-    """Outside a decode step the kernel multiplies fp32 x however few rows it gets: the last
-    token of a prompt prefilled alone (a server reusing a cached prefix) gets the products it
-    gets inside a longer chunk, to fp32 rounding (bf16(x) would be ~1e-3 off)."""
-    from kernels import cpu_quant
-
-    w = weight(kind)
-    x = torch.randn(1, 12, 512, generator=torch.Generator().manual_seed(4))
-    whole = cpu_quant.quant_linear(x, w)  # 12 rows: the BLAS on the dequantized weight
-    for tail in (1, 2, 8):
-        alone = cpu_quant.quant_linear(x[:, -tail:].contiguous(), w)  # the C kernel
-        assert close(alone, whole[:, -tail:])
-        assert close(alone, F.linear(x[:, -tail:], w.dequantize()))
+    assert torch.equal(kernels.linear(x, w, bias), F.linear(x, w.dequantize(), bias))

@@ -18,7 +18,8 @@ from test_gguf import llama_gguf, rel_err, smollm2_path
 
 from core import CheckpointError, load_model
 from core.quantize import weight_formats
-from kernels.qweight import QuantStack, QuantWeight
+from kernels.blocks import BlockWeight
+from kernels.qweight import QuantStack
 from plugins.gguf_reader import GGUFFile
 
 T = gguf.GGMLQuantizationType
@@ -56,7 +57,9 @@ CASES = [(kind, UNTIED) for kind in KINDS] + [("q4_1", TIED), ("q4_k_m", TIED)]
 def test_kept_equals_dequantized(checkpoint, tmp_path, kind, spec):
     _, ref = checkpoint(spec)
     path = llama_gguf(tmp_path / f"{kind}.gguf", ref, spec, kind=KINDS[kind])
-    kept = load_model(path, max_seq_len=64, max_batch_size=2)
+    # the cache in fp32 in both (kept weights' default on CPUs is fp16): only the weights' form
+    # differs
+    kept = load_model(path, max_seq_len=64, max_batch_size=2, kv_dtype="float32")
     floats = load_model(path, max_seq_len=64, max_batch_size=2, dequantize=True)
     net = kept.net
     qkv = net.model.layers[0].self_attn.qkv_proj.weight
@@ -65,17 +68,18 @@ def test_kept_equals_dequantized(checkpoint, tmp_path, kind, spec):
         assert isinstance(qkv, QuantStack)
         assert [p.fmt.name for p in qkv.parts] == ["q4_k", "q6_k"]
     else:
-        assert isinstance(qkv, QuantWeight) and qkv.fmt.name == kind
-    assert isinstance(head, QuantWeight)  # the LM head (or the tied embedding) too
-    assert not isinstance(floats.net.model.layers[0].self_attn.qkv_proj.weight, QuantWeight)
-    # resident bytes follow the file: Q5/Q6 codes are widened to a byte (docs/quantization.md)
+        assert isinstance(qkv, BlockWeight) and qkv.fmt.name == kind
+    assert isinstance(head, BlockWeight)  # the LM head (or the tied embedding) too
+    assert not isinstance(floats.net.model.layers[0].self_attn.qkv_proj.weight, BlockWeight)
+    # resident bytes are the file's: its blocks, reordered (whole groups of 16 rows, each
+    # group's headers padded to 64 bytes), and its float tensors (but rope_freqs, a setting)
     resident = sum(b for _, b in weight_formats(net).values())
-    limit = 1.0 if kind in ("q8_0", "q4_0", "q4_1") else 1.6
-    assert resident <= limit * tensor_bytes(path)
+    assert 0.99 * tensor_bytes(path) <= resident <= 1.02 * tensor_bytes(path)
 
     x = torch.randint(4, spec["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(5))
-    # the same weights (bit for bit), summed in another order: fp32 rounding
-    assert rel_err(kept.forward(x), floats.forward(x)) < 1e-5
+    # the same weights (bit for bit), x rounded to 15 bits in each product (half a step: 2^-16
+    # of its block's largest value; tests/plugins/test_quantize.py): measured up to 2e-4
+    assert rel_err(kept.forward(x), floats.forward(x)) < 5e-4
     prompt = x[0, :9].tolist()
     kept.eos_token_ids = floats.eos_token_ids = set()
     want = floats.generate(prompt, max_new_tokens=10).token_ids
