@@ -78,7 +78,9 @@ def test_dequantized_at_load_off_such_a_gpu(fp8_checkpoint):
 
 def test_kept_fp8_matches_the_dequantized_model(fp8_checkpoint, kept):
     root, ref, deq, _ = fp8_checkpoint
-    m = load_model(root, max_seq_len=64, max_batch_size=2)
+    # fp8 is kept on GPUs only (faked here on the CPU, whose default cache for quantized weights
+    # is fp16): the cache in fp32, as the float model's
+    m = load_model(root, max_seq_len=64, max_batch_size=2, kv_dtype="float32")
     ws = fp8_weights(m)
     # every projection but MLA's kv_b_proj (read as a matrix)
     attn = m.net.model.layers[0].self_attn

