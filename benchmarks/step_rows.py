@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     m = load_model(args.model, max_batch_size=max(args.rows), max_seq_len=args.position + 8)
     steps = {}
     for n in args.rows:
-        tokens = torch.randint(10, m.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-        pos = torch.full((n,), args.position)
-        steps[n] = (tokens, pos)
+        g = torch.Generator().manual_seed(n)
+        steps[n] = (torch.randint(10, m.config.vocab_size, (n,), generator=g),
+                    torch.full((n,), args.position))  # fmt: skip
     times: dict[int, list[float]] = {n: [] for n in args.rows}
     with torch.inference_mode():
-        for n, (tokens, pos) in steps.items():  # untimed: whatever a first call builds
+        for tokens, pos in steps.values():  # untimed: whatever a first call builds
             m.step(tokens, pos, args.position + 1)
         for _ in range(args.repeat):
             for n, (tokens, pos) in steps.items():
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     fused = m.step.fused.why_not(max(args.rows)) if m.step.fused else "no fused step"
     one = statistics.median(times[args.rows[0]])
     print(f"{args.model}: decode step by rows, medians of {args.repeat}; {machine()}, "
-          f"{datetime.date.today()}, torch {torch.__version__}, {platform.python_version()}")  # fmt: skip
+          f"{datetime.date.today()}, torch {torch.__version__}, "
+          f"Python {platform.python_version()}")  # fmt: skip
     print(f"  step: {'fused C step' if fused is None else 'modules (' + fused + ')'}")
     print(f"  {'rows':>4} {'ms':>8} {'x 1 row':>8}")
     for n in args.rows:
