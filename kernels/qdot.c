@@ -705,6 +705,7 @@ INLINE void mk_k45(int five, const uint8_t *w, int64_t nu, const q8row_t *x, int
                 vf_store(mw[t + 4], vf_mul(vf_b16(mn4), dmin));
             }
         }
+#pragma GCC unroll 8
         for (int sub = 0; sub < 8; sub++) {  // run sub / 2: its low nibbles, then its high ones
             const int j = sub / 2, high = sub % 2;
             vi s1[ROWS], s2[ROWS];
@@ -742,6 +743,7 @@ INLINE void mk_q6_k(const uint8_t *w, int64_t nu, const q8row_t *x, int M, vf *a
         prefetch(codes + (s + PF_AHEAD) * 3072, 3072);
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = codes + s * 3072 + 1536 * h, *qh = ql + 1024;
+#pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {  // chunk c: 32 columns at 128h + 32c
                 const int half_l = c % 2;  // L0 or L1
                 for (int half = 0; half < 2; half++) {  // its two sub-blocks of 16 (g 0-3, 4-7)
@@ -800,29 +802,44 @@ static void dot_group_m(const qweight_t *w, const uint8_t *group, const q8row_t 
     }
 }
 
+// The part of a weight that stays in a core's L2 cache while every pass of rows of x goes
+// through it (prefill: x's rows are re-read for each part, from the shared L3; each part's
+// codes once, from memory).
+#define PANEL_BYTES (256 << 10)
+
+// One group against one pass of rows of x: y's rows n0..n1 of it (the group computed whole).
+static void group_pass(const qweight_t *w, const uint8_t *group, int64_t g, const q8row_t *x,
+                       int64_t k, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    float out[ROWS * R] __attribute__((aligned(64)));
+    const int64_t a = g * R > n0 ? g * R : n0, b = (g + 1) * R < n1 ? (g + 1) * R : n1;
+    if (a == g * R && b == a + R) {  // a whole group: straight into y
+        dot_group_m(w, group, x, k, y + a, ldy);
+        return;
+    }
+    dot_group_m(w, group, x, k, out, R);
+    for (int64_t r = 0; r < k; r++)
+        for (int64_t n = a; n < b; n++) y[r * ldy + n] = out[r * R + n - g * R];
+}
+
 // y[r * ldy + n] = x_r . W[n] for the rows n0 <= n < n1 of W (the M rows of x quantized). The
 // groups of 16 rows that the range touches are computed whole; only the range is written.
 void zoo_qdot_rows(const qweight_t *w, const q8row_t *x, int64_t M, float *y, int64_t ldy,
                    int64_t n0, int64_t n1) {
     const int64_t gb = group_bytes(w->type, w->K / block_values(w->type));
-    float out[ROWS * R] __attribute__((aligned(64)));
-    for (int64_t g = n0 / R; g * R < n1; g++) {
-        const int64_t a = g * R > n0 ? g * R : n0, b = (g + 1) * R < n1 ? (g + 1) * R : n1;
+    const int64_t panel = PANEL_BYTES / gb > 1 ? PANEL_BYTES / gb : 1, last = (n1 + R - 1) / R;
+    for (int64_t p = n0 / R; p < last; p += panel) {
+        const int64_t end = p + panel < last ? p + panel : last;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int64_t k = M - r0 < ROWS ? M - r0 : ROWS;
-            if (a == g * R && b == a + R) {  // a whole group: straight into y
-                dot_group_m(w, (const uint8_t *)w->data + g * gb, x + r0, k, y + r0 * ldy + a, ldy);
-                continue;
-            }
-            dot_group_m(w, (const uint8_t *)w->data + g * gb, x + r0, k, out, R);
-            for (int64_t r = 0; r < k; r++)
-                for (int64_t n = a; n < b; n++) y[(r0 + r) * ldy + n] = out[r * R + n - g * R];
+            for (int64_t g = p; g < end; g++)
+                group_pass(w, (const uint8_t *)w->data + g * gb, g, x + r0, k, y + r0 * ldy, ldy,
+                           n0, n1);
         }
     }
 }
 
-// Many rows of x (prefill): x quantized by all threads, then each thread takes whole groups of
-// W's rows, each against every pass of rows of x while its codes sit in the thread's caches.
+// Any number of rows of x: x quantized by all threads, then each thread takes whole groups of
+// W's rows (zoo_qdot_rows).
 void zoo_qgemm(const qweight_t *w, const float *x, float *y, int64_t M, int threads) {
     const int64_t bytes = zoo_q8_row_bytes(w->K), G = (w->N + R - 1) / R;
     char *buf = aligned_alloc(64, M * bytes);
@@ -835,10 +852,7 @@ void zoo_qgemm(const qweight_t *w, const float *x, float *y, int64_t M, int thre
             zoo_q8_quantize_row(x + r * w->K, w->K, buf + r * bytes, &rows[r]);
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
-        const int64_t n0 = g0 * R, n1 = g1 * R < w->N ? g1 * R : w->N;
-        for (int64_t g = g0; g < g1; g++)
-            zoo_qdot_rows(w, rows, M, y, w->N, g * R, (g + 1) * R < n1 ? (g + 1) * R : n1);
-        (void)n0;
+        zoo_qdot_rows(w, rows, M, y, w->N, g0 * R, g1 * R < w->N ? g1 * R : w->N);
     }
     free(rows);
     free(buf);
