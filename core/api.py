@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from core.errors import CheckpointError, RequestError
-from core.hugepages import move_to_huge_pages
+from core.hugepages import keep_freed_memory, move_to_huge_pages
 from core.loader import load_weights, plan_load
 from core.model import Model
 from core.modeling import CausalLM
@@ -190,6 +190,7 @@ def load_model(
             _check_finite(net, path)
         if dev.type == "cpu":  # decode streams every weight: fewer TLB misses in 2 MiB pages
             move_to_huge_pages(net)
+            keep_freed_memory()  # a prefill's activations: reused, not faulted in each time
         tokenizer = ckpt.tokenizer()
         gen_config = ckpt.generation_config()
     finally:

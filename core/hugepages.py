@@ -1,4 +1,5 @@
-"""A CPU model's weights in transparent huge pages.
+"""A CPU model's memory: its weights in transparent huge pages, and freed activations kept for
+the next forward (`keep_freed_memory`).
 
 Decode streams every weight once per token. With the kernel's 4 KiB pages, a 540 MB fp32
 model spans 130k pages, far more than the TLB holds, so the stream also walks page tables;
@@ -99,3 +100,23 @@ def _give_back_freed_memory() -> None:
     tens of MB of resident memory otherwise)."""
     with contextlib.suppress(AttributeError, OSError):  # not glibc: nothing to do
         ctypes.CDLL(None).malloc_trim(0)
+
+
+# glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory(nbytes: int = 1 << 30) -> bool:
+    """Have glibc keep freed blocks up to `nbytes` for reuse instead of giving them back to the
+    system. A prefill's activations are tens of MB (512 tokens of Llama-3.2-1B's shape: a 32 MB
+    gate|up output per layer); glibc maps blocks from 32 MB up afresh on every call and unmaps
+    them when freed, so each forward faults every page in again, at several microseconds a page
+    in a virtual machine: 0.4-1.0 s of a 1.9 s prefill, measured (docs/benchmarks.md). Returns
+    whether it was set (not glibc: False, nothing done)."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, nbytes)
+        )
+    except (AttributeError, OSError):
+        return False
