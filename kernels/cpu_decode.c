@@ -179,7 +179,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                        const int64_t *pos, const int64_t *rows, const float *const *cos,
                        const float *const *sin, const int64_t *cstride, const zhead_t *hd,
                        float *logits, int threads) {
-    int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1;
+    int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1, group = 1;
     if (hd) {
         arena = prepare_bytes(&hd->head, M);
     }
@@ -194,6 +194,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         inter = max64(inter, b->inter);
         slots = max64(slots, b->slots);
         d = max64(d, b->d);
+        group = max64(group, b->hq / b->hkv);
     }
     in = max64(max64(in, hqd), inter);
     // shared: the q|k|v rows, attention's output, gate|up, act(gate) * up, a product's output
@@ -208,8 +209,9 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         float *xn = malloc(M * in * sizeof(float));
-        float *p = malloc(slots * sizeof(float)), *q = malloc(d * sizeof(float));
-        float *tmp = malloc(d * sizeof(float));
+        // attention: the scores of a kv head's query heads, the heads, a row and the totals
+        float *p = malloc(group * slots * sizeof(float)), *q = malloc(group * d * sizeof(float));
+        float *tmp = malloc((d + group) * sizeof(float));
         char *buf = aligned_alloc(64, (arena + 64) / 64 * 64);
         qx_t px[MAX_PARTS];
         const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);  // this thread's columns of h
@@ -239,17 +241,19 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 }
             }
             meet(&bar, T);
-            // each query head of each row: rotated, then attends to the row's filled slots
-            for (int64_t u = M * b->hq * t / T; u < M * b->hq * (t + 1) / T; u++) {
-                const int64_t r = u / b->hq, j = u % b->hq, kh = j / group;
+            // each kv head of each row: its query heads rotated, then together attend to the
+            // row's filled slots (each key and value read once for the group)
+            for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
+                const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
                 const int64_t c = rows ? rows[r] : r;
-                memcpy(q, qkv + r * nq + j * b->d, b->d * sizeof(float));
-                rotate(b, q, r, cos, sin, cstride);
+                memcpy(q, qkv + r * nq + j0 * b->d, group * b->d * sizeof(float));
+                for (int64_t g = 0; g < group; g++) rotate(b, q + g * b->d, r, cos, sin, cstride);
                 const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-                zoo_attend(q, slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half), b->kss,
-                           slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half), b->vss, 0, seen,
-                           b->d, b->d, b->scale, b->softcap, b->sinks ? b->sinks + j : NULL,
-                           (int)b->kv_half, p, tmp, att + (r * b->hq + j) * b->d);
+                zoo_attend_group(q, group, b->d, slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half),
+                                 b->kss, slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half),
+                                 b->vss, 0, seen, b->d, b->d, b->scale, b->softcap,
+                                 b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp,
+                                 att + (r * b->hq + j0) * b->d);
             }
             meet(&bar, T);
             // h += o(attention): this thread's columns of h

@@ -160,6 +160,7 @@ void zoo_decode_attention(const float *q, int64_t qsb, int64_t qsh, const float 
 #pragma omp parallel num_threads(threads)
     {
         float *p = (float *)malloc((S > 0 ? S : 1) * sizeof(float));
+        float *tmp = (float *)malloc(((D > Dv ? D : Dv) + 1) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * Hq; bh++) {
             const int64_t b = bh / Hq, h = bh % Hq, kh = h / group;
@@ -167,10 +168,11 @@ void zoo_decode_attention(const float *q, int64_t qsb, int64_t qsh, const float 
             const int64_t hi = all || at + 1 > S ? S : at + 1;
             const int64_t lo = all || window <= 0 || at - window + 1 < 0 ? 0 : at - window + 1;
             zoo_attend(q + b * qsb + h * qsh, k + b * ksb + kh * ksh, kss, v + b * vsb + kh * vsh,
-                       vss, lo, hi, D, Dv, scale, cap, sinks ? sinks + h : NULL, 0, p, NULL,
+                       vss, lo, hi, D, Dv, scale, cap, sinks ? sinks + h : NULL, 0, p, tmp,
                        out + bh * Dv);
         }
         free(p);
+        free(tmp);
     }
 }
 
@@ -183,23 +185,74 @@ static inline const float *row(const void *base, int64_t s, int64_t stride, int6
     return tmp;
 }
 
+// e[i] = exp(x[i]) for x[i] <= 0 (scores less their maximum), in straight-line arithmetic the
+// compiler vectorizes (libm's expf is a call per value: a third of a decode step's attention at
+// 500 positions). Range reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for
+// e^r (relative error under 2e-7, about 2 ulp), 2^n put into the exponent; below -87 the
+// result is 0 (e^-87 is under fp32's smallest normal, and a softmax weight that small is 0).
+static void exp_nonpositive(const float *x, float *e, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i] < -87.0f ? -87.0f : x[i];
+        const float k = rintf(v * 1.44269504088896341f);
+        const float r = (v - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+        float p = 1.3888889e-3f;
+        p = p * r + 8.3333338e-3f;
+        p = p * r + 4.1666668e-2f;
+        p = p * r + 1.6666667e-1f;
+        p = p * r + 0.5f;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        const int32_t bits = ((int32_t)k + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, 4);
+        e[i] = x[i] < -87.0f ? 0.0f : p * scale;
+    }
+}
+
 void zoo_attend(const float *q, const void *k, int64_t kss, const void *v, int64_t vss,
                 int64_t lo, int64_t hi, int64_t D, int64_t Dv, float scale, float cap,
                 const float *sink, int half, float *p, float *tmp, float *o) {
-    float top = sink ? *sink : -INFINITY;
-    for (int64_t s = lo; s < hi; s++) {
-        float score = dot16(q, row(k, s, kss, D, half, tmp), D) * scale;
-        if (cap > 0) score = tanhf(score / cap) * cap;
-        p[s - lo] = score;
-        if (score > top) top = score;
+    zoo_attend_group(q, 1, D, k, kss, v, vss, lo, hi, D, Dv, scale, cap, sink, half, p, tmp, o);
+}
+
+// G query heads (q: G rows qs floats apart) of one kv head against its slots lo..hi-1: each
+// key and value row is read (and converted from fp16) once for the G heads; each head's
+// arithmetic is zoo_attend's for it alone. p: G * (hi - lo) floats; o: G rows of Dv.
+void zoo_attend_group(const float *q, int64_t G, int64_t qs, const void *k, int64_t kss,
+                      const void *v, int64_t vss, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
+                      float scale, float cap, const float *sinks, int half, float *p,
+                      float *tmp, float *o) {
+    const int64_t n = hi - lo, at = D > Dv ? D : Dv;  // tmp: a converted row, then G totals
+    for (int64_t s = 0; s < n; s++) {
+        const float *kr = row(k, lo + s, kss, D, half, tmp);
+        for (int64_t g = 0; g < G; g++) {
+            float score = dot16(q + g * qs, kr, D) * scale;
+            if (cap > 0) score = tanhf(score / cap) * cap;
+            p[g * n + s] = score;
+        }
     }
-    float total = sink ? expf(*sink - top) : 0.0f;
-    for (int64_t d = 0; d < Dv; d++) o[d] = 0;
-    for (int64_t s = lo; s < hi; s++) {
-        const float e = expf(p[s - lo] - top);
-        total += e;
-        axpy(o, e, row(v, s, vss, Dv, half, tmp), Dv);
+    for (int64_t g = 0; g < G; g++) {  // softmax weights, unnormalized; each head's total
+        float top = sinks ? sinks[g] : -INFINITY, *pg = p + g * n;
+        for (int64_t s = 0; s < n; s++) top = pg[s] > top ? pg[s] : top;
+        for (int64_t s = 0; s < n; s++) pg[s] -= top;
+        exp_nonpositive(pg, pg, n);
+        for (int64_t d = 0; d < Dv; d++) o[g * Dv + d] = 0;
+        float sink = 0.0f;
+        if (sinks) {
+            const float ds = sinks[g] - top;
+            exp_nonpositive(&ds, &sink, 1);
+        }
+        tmp[at + g] = sink;  // the total so far
     }
-    const float inv = total > 0 ? 1.0f / total : 0.0f;
-    for (int64_t d = 0; d < Dv; d++) o[d] *= inv;
+    for (int64_t s = 0; s < n; s++) {
+        const float *vr = row(v, lo + s, vss, Dv, half, tmp);
+        for (int64_t g = 0; g < G; g++) {
+            tmp[at + g] += p[g * n + s];
+            axpy(o + g * Dv, p[g * n + s], vr, Dv);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float total = tmp[at + g], inv = total > 0 ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < Dv; d++) o[g * Dv + d] *= inv;
+    }
 }

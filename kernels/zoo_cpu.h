@@ -49,10 +49,17 @@ void zoo_qdot_rows(const qweight_t *w, const q8row_t *x, int64_t M, float *y, in
 
 // One query against keys/values slots lo..hi-1 (rows kss / vss elements apart; fp16 when
 // `half`, else fp32): o (Dv) = softmax(scale * q.k, soft-capped, with an optional sink logit)
-// @ v; p: hi - lo floats, tmp: max(D, Dv) floats (used when half).
+// @ v; p: hi - lo floats, tmp: max(D, Dv) + 1 floats.
 void zoo_attend(const float *q, const void *k, int64_t kss, const void *v, int64_t vss,
                 int64_t lo, int64_t hi, int64_t D, int64_t Dv, float scale, float cap,
                 const float *sink, int half, float *p, float *tmp, float *o);
+// The same for the G query heads of one kv head (q: G rows qs floats apart; sinks: G or
+// NULL), each key and value row read once: p G * (hi - lo) floats, tmp max(D, Dv) + G, o G
+// rows of Dv.
+void zoo_attend_group(const float *q, int64_t G, int64_t qs, const void *k, int64_t kss,
+                      const void *v, int64_t vss, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
+                      float scale, float cap, const float *sinks, int half, float *p,
+                      float *tmp, float *o);
 // fp16 <-> fp32, n values (round to nearest even).
 void zoo_half_to_float(const uint16_t *h, float *out, int64_t n);
 void zoo_float_to_half(const float *x, uint16_t *out, int64_t n);
