@@ -85,6 +85,10 @@ static void linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ld
 
 static void prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena) {
     for (int64_t i = 0; i < l->parts; i++) {
+        if (i > 0 && l->part[i].type && l->part[i - 1].type) {  // blocks: x quantized once
+            px[i] = px[i - 1];
+            continue;
+        }
         zoo_qx_prepare(&l->part[i], x, M, &px[i], arena);
         arena += (zoo_qx_bytes(&l->part[i], M) + 63) / 64 * 64;
     }
@@ -223,14 +227,17 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             prepare(&b->qkv, xn, M, px, buf);
             linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
             meet(&bar, T);
-            // each kv head of each row: k rotated and both written to the row's cache slot
+            // each kv head of each row: k rotated and both written to the row's cache slot,
+            // then the head's query heads rotated and, together, attending to the row's filled
+            // slots (each key and value read once for the group). A thread reads only the
+            // cache slots it writes itself: no meeting between the two.
             for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
-                const int64_t r = u / b->hkv, j = u % b->hkv;
+                const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
                 const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
                 const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
-                float *kr = qkv + r * nq + (b->hq + j) * b->d, *vr = kr + b->hkv * b->d;
-                void *kc = slot_at(b->k, c * b->ksb + j * b->ksh + slot * b->kss, b->kv_half);
-                void *vc = slot_at(b->v, c * b->vsb + j * b->vsh + slot * b->vss, b->kv_half);
+                float *kr = qkv + r * nq + (b->hq + kh) * b->d, *vr = kr + b->hkv * b->d;
+                void *kc = slot_at(b->k, c * b->ksb + kh * b->ksh + slot * b->kss, b->kv_half);
+                void *vc = slot_at(b->v, c * b->vsb + kh * b->vsh + slot * b->vss, b->kv_half);
                 rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
                 if (b->kv_half) {
                     zoo_float_to_half(kr, kc, b->d);
@@ -239,13 +246,6 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                     memcpy(kc, kr, b->d * sizeof(float));
                     memcpy(vc, vr, b->d * sizeof(float));
                 }
-            }
-            meet(&bar, T);
-            // each kv head of each row: its query heads rotated, then together attend to the
-            // row's filled slots (each key and value read once for the group)
-            for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
-                const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
-                const int64_t c = rows ? rows[r] : r;
                 memcpy(q, qkv + r * nq + j0 * b->d, group * b->d * sizeof(float));
                 for (int64_t g = 0; g < group; g++) rotate(b, q + g * b->d, r, cos, sin, cstride);
                 const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
