@@ -163,10 +163,27 @@ static void rotate(const zblock_t *b, float *x, int64_t r, const float *const *c
              (int)b->interleaved);
 }
 
-static inline float activate(float g, int64_t act) {
-    if (act == 0) return g / (1.0f + expf(-g));  // SiLU
-    const float c = 0.7978845608028654f;         // GELU, tanh form: sqrt(2 / pi)
-    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+// out[i] = act(gate[i]) * up[i]: SiLU (g * sigmoid(g), sigmoid from e^-|g| by the vectorized
+// exp: libm's expf per value was 4% of a 1B model's step) or GELU (tanh form).
+static void activate(const float *gate, const float *up, float *out, int64_t n, int64_t act) {
+    float e[64];
+    for (int64_t at = 0; at < n; at += 64) {
+        const int64_t k = n - at < 64 ? n - at : 64;
+        const float *g = gate + at;
+        if (act == 0) {
+            for (int64_t i = 0; i < k; i++) e[i] = -fabsf(g[i]);
+            zoo_exp_nonpositive(e, e, k);
+            for (int64_t i = 0; i < k; i++) {
+                const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e[i]) : e[i] / (1.0f + e[i]);
+                out[at + i] = g[i] * sig * up[at + i];
+            }
+        } else {
+            const float c = 0.7978845608028654f;  // GELU, tanh form: sqrt(2 / pi)
+            for (int64_t i = 0; i < k; i++)
+                out[at + i] = 0.5f * g[i] * (1.0f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i])))
+                              * up[at + i];
+        }
+    }
 }
 
 // The final norm and the LM head: logits (M, V) = head(rms_norm(h)).
@@ -266,8 +283,8 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1);
             linear_rows(&b->gate_up, px, gu, 2 * I, M, I + i0, I + i1);
             for (int64_t r = 0; r < M; r++)
-                for (int64_t i = i0; i < i1; i++)
-                    act[r * I + i] = activate(gu[r * 2 * I + i], b->act) * gu[r * 2 * I + I + i];
+                activate(gu + r * 2 * I + i0, gu + r * 2 * I + I + i0, act + r * I + i0, i1 - i0,
+                         b->act);
             meet(&bar, T);
             add_product(&b->down, act, h, y, M, H, h0, h1, px, buf);
             meet(&bar, T);

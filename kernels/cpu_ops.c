@@ -190,7 +190,7 @@ static inline const float *row(const void *base, int64_t s, int64_t stride, int6
 // 500 positions). Range reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for
 // e^r (relative error under 2e-7, about 2 ulp), 2^n put into the exponent; below -87 the
 // result is 0 (e^-87 is under fp32's smallest normal, and a softmax weight that small is 0).
-static void exp_nonpositive(const float *x, float *e, int64_t n) {
+void zoo_exp_nonpositive(const float *x, float *e, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const float v = x[i] < -87.0f ? -87.0f : x[i];
         const float k = rintf(v * 1.44269504088896341f);
@@ -235,12 +235,12 @@ void zoo_attend_group(const float *q, int64_t G, int64_t qs, const void *k, int6
         float top = sinks ? sinks[g] : -INFINITY, *pg = p + g * n;
         for (int64_t s = 0; s < n; s++) top = pg[s] > top ? pg[s] : top;
         for (int64_t s = 0; s < n; s++) pg[s] -= top;
-        exp_nonpositive(pg, pg, n);
+        zoo_exp_nonpositive(pg, pg, n);
         for (int64_t d = 0; d < Dv; d++) o[g * Dv + d] = 0;
         float sink = 0.0f;
         if (sinks) {
             const float ds = sinks[g] - top;
-            exp_nonpositive(&ds, &sink, 1);
+            zoo_exp_nonpositive(&ds, &sink, 1);
         }
         tmp[at + g] = sink;  // the total so far
     }

@@ -60,6 +60,8 @@ void zoo_attend_group(const float *q, int64_t G, int64_t qs, const void *k, int6
                       const void *v, int64_t vss, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
                       float scale, float cap, const float *sinks, int half, float *p,
                       float *tmp, float *o);
+// e[i] = exp(x[i]) for x[i] <= 0, vectorized (about 2 ulp; 0 below -87).
+void zoo_exp_nonpositive(const float *x, float *e, int64_t n);
 // fp16 <-> fp32, n values (round to nearest even).
 void zoo_half_to_float(const uint16_t *h, float *out, int64_t n);
 void zoo_float_to_half(const float *x, uint16_t *out, int64_t n);
