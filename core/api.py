@@ -36,14 +36,16 @@ def _resolve_path(
     return resolve(name_or_path, revision=revision, offline=offline)
 
 
-def _resolve_device_dtype(device, dtype, ckpt_dtype: str) -> tuple[torch.device, torch.dtype]:
+def _resolve_device_dtype(
+    device, dtype, ckpt_dtype: str, what: str = "dtype"
+) -> tuple[torch.device, torch.dtype]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         # the checkpoint's dtype on accelerators; fp32 on the CPU, where half math is slow
         return dev, (_DTYPES[ckpt_dtype] if dev.type != "cpu" else torch.float32)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise RequestError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+            raise RequestError(f"{what} {dtype!r} is not one of {', '.join(_DTYPES)}")
         dtype = _DTYPES[dtype]
     return dev, dtype
 
@@ -64,7 +66,7 @@ def _cache_dtype(kv_dtype, dt: torch.dtype, dev: torch.device, quantized: bool) 
     """The KV cache's dtype: kv_dtype when given; fp16 on CPUs for quantized weights (half the
     memory and the attention reads, as llama.cpp keeps them); else the model's dtype."""
     if kv_dtype is not None:
-        return _resolve_device_dtype(dev, kv_dtype, "float32")[1]
+        return _resolve_device_dtype(dev, kv_dtype, "float32", "kv_dtype")[1]
     return torch.float16 if dev.type == "cpu" and quantized else dt
 
 

@@ -38,6 +38,7 @@ def _load(args: argparse.Namespace, model: str | None = None, **kw):
         compile=getattr(args, "compile", False),
         dequantize=args.dequantize,
         quantize=args.quantize,
+        kv_dtype=getattr(args, "kv_dtype", None),
         tp=tp,
         **kw,
     )
@@ -209,10 +210,12 @@ def _info(args: argparse.Namespace) -> None:
     print(f"rope         {type(c.rope).__name__} theta={c.rope.theta:g}")
     print(f"dtype        {c.dtype} (loaded as {str(m.dtype).removeprefix('torch.')})")
     print(f"layer kinds  {_layer_kinds(c)}")
-    size, seq = m.dtype.itemsize, c.max_position_embeddings
+    kv = m.net.kv_cache.dtype
+    size, seq = kv.itemsize, c.max_position_embeddings
     print(
-        f"KV bytes     {c.kv_bytes_per_token(size):,} per token (full layers), "
-        f"{c.kv_bytes(size, seq):,} per sequence of {seq:,} tokens"
+        f"KV bytes     {c.kv_bytes_per_token(size):,} per token (full layers, "
+        f"{str(kv).removeprefix('torch.')}), {c.kv_bytes(size, seq):,} per sequence of "
+        f"{seq:,} tokens"
     )
     state = c.state_bytes_per_sequence(size)
     if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
@@ -323,7 +326,7 @@ def _bench(args: argparse.Namespace) -> None:
 
             path, ids = model.path, _compare_prompt(model, args, lens[0])
             del model  # the two engines' own processes load it; this one waits
-            keys = ("device", "dtype", "compile", "dequantize", "quantize")  # as _load passes them
+            keys = ("device", "dtype", "compile", "dequantize", "quantize", "kv_dtype")  # as _load
             report.compare = compare_llama_cpp(
                 path, prompt=ids, decode_tokens=args.decode_tokens, repeat=args.repeat,
                 load={k: getattr(args, k) for k in keys}, ctx=args.ctx,
@@ -410,6 +413,12 @@ def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:
     )
     q.add_argument(
         "--quantize", choices=("int8", "int4"), default=None, help="quantize weights at load"
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="the KV cache's dtype: float32, bfloat16, float16 (default: float16 on CPUs for "
+        "quantized weights, else the model's dtype)",
     )
 
 

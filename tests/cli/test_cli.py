@@ -28,6 +28,17 @@ def test_info_describes_a_checkpoint(checkpoint):
     assert "decode step  eager modules (ZOO_KERNELS=torch)" in out.stdout
 
 
+def test_info_prices_the_kv_cache_in_the_dtype_asked(checkpoint):
+    root, _ = checkpoint(LLAMA32)
+    out = zoo("info", str(root), "--kv-dtype", "float16")
+    assert out.returncode == 0, out.stderr
+    assert "KV bytes     256 per token (full layers, float16)" in out.stdout, out.stdout
+    out = zoo("info", str(root), "--kv-dtype", "int8")
+    assert out.returncode != 0
+    want = "zoo: error: kv_dtype 'int8' is not one of float32, float16, bfloat16"
+    assert out.stderr.strip() == want
+
+
 def test_info_counts_sliding_layers_by_their_window(checkpoint):
     # SmolLM3 with windows on its NoPE layer: 3 full layers keep every token, 1 keeps 8
     spec = dict(
@@ -40,7 +51,8 @@ def test_info_counts_sliding_layers_by_their_window(checkpoint):
     assert out.returncode == 0, out.stderr
     assert "layer kinds  full x 3, window 8 x 1, NoPE x 1" in out.stdout
     per_token = 2 * 2 * 8 * 4  # K and V, 2 kv heads, head_dim 8, fp32: per layer
-    want = f"{3 * per_token:,} per token (full layers), {per_token * (3 * 100 + 8):,} per sequence"
+    # 308 positions: 3 full layers x 100 + the window of 8
+    want = f"{3 * per_token:,} per token (full layers, float32), {per_token * 308:,} per sequence"
     assert want in out.stdout, out.stdout
 
 
@@ -56,7 +68,8 @@ def test_info_reports_the_state_of_linear_attention_layers(checkpoint):
     out = zoo("info", str(root))
     assert out.returncode == 0, out.stderr
     assert "layer kinds  GatedDeltaNetSpec x 3, full x 1" in out.stdout, out.stdout
-    assert "KV bytes     256 per token (full layers)" in out.stdout  # K, V: 2 x 2 heads x 16 x 4 B
+    # K, V: 2 x 2 heads x 16 x 4 B
+    assert "KV bytes     256 per token (full layers, float32)" in out.stdout
     conv, state = (2 * 8 + 2 * 8) * 3 * 4, 2 * 8 * 8 * 4  # q|k|v x (kernel - 1); Hv x Dk x Dv
     assert f"state bytes  {3 * (conv + state):,} per sequence" in out.stdout, out.stdout
 
