@@ -17,9 +17,12 @@ static inline float dot16(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
         acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
-    float total = _mm512_reduce_add_ps(acc);
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
+    if (i < n) {  // the last n % 16 in masked lanes: a scalar loop here costs every call
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i),
+                                               _mm512_maskz_loadu_ps(m, b + i)));
+    }
+    return _mm512_reduce_add_ps(acc);
 }
 #else
 static inline float dot16(const float *a, const float *b, int64_t n) {

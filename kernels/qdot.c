@@ -5,11 +5,13 @@
 // (a unit: the rows' blocks over 32 columns, or 256 for the K-quants), the 16 block headers
 // side by side and the codes interleaved 4 bytes per row, so that one 64-byte vector holds 4
 // codes of each of the 16 rows (zoo_repack; same bytes as the file, reordered). x is quantized
-// once per product, each row on its own, in blocks of 32 with a fp32 scale d = max|x| / 127
-// (zoo_q8_quantize_row). A vector of codes then meets 4 codes of x broadcast to every lane in
-// one u8 x s8 multiply-add (vpdpbusd where the CPU has VNNI; maddubs + madd on AVX2), so the
-// integer sums of a block land in one lane per output row and are scaled once per block:
+// once per product, each row on its own, in blocks of 32: 8-bit codes and the 8-bit codes of
+// their remainder, 15 bits in effect (zoo_q8_quantize_row, below). A vector of codes then
+// meets 4 codes of x broadcast to every lane in one u8 x s8 multiply-add (vpdpbusd where the
+// CPU has VNNI; maddubs + madd on AVX2), so the integer sums of a block land in one lane per
+// output row and are scaled once per block:
 //     y[n] += fw[n, b] * d_x[b] * (q_w . q_x)_b + mw[n, b] * (d_x * sum q_x)_b
+// (q_x = 256 q1 + q2: two multiply-adds per vector of codes, the sums joined once a block)
 // (fw, mw: the block's scale and minimum, or for the K-quants d * sub-scale and -dmin * min;
 // Q6_K's -32 * d * sub-scale per 16 columns). The codes of a group are unpacked once and serve
 // every row of x: a step of 4 rows of x costs little more than a step of 1.

@@ -45,6 +45,8 @@ CASES = {
         sliding_window=128,
         rope_scaling=dict(type="longrope", short_factor=[1.0] * 6, long_factor=[2.0] * 6),
     ),
+    # widths that are not whole vectors (40, 72, heads of 10): each fp32 dot's masked tail
+    "llama-odd-widths": dict(BASE, model_type="llama", hidden_size=40, intermediate_size=72),
     # GeGLU, (1 + w) norms, embeddings scaled by sqrt(hidden)
     "gemma": dict(
         BASE, model_type="gemma", head_dim=16, hidden_act="gelu_pytorch_tanh", bos_token_id=2
