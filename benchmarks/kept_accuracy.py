@@ -25,26 +25,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
 import torch.nn.functional as F
 
 from core import load_model
 from core.bench_llamacpp import machine
+from fixtures.texts import LIGHTHOUSE as TEXT  # the text tests/plugins/test_gguf_kept.py judges by
 
-TEXT = (  # the text tests/plugins/test_gguf_kept.py judges by
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
-    "as his father had taught him. There were one hundred and twelve of them, worn smooth in "
-    "the middle by a century of boots. At the top he trimmed the wick, polished the great lens "
-    "until it caught the last of the daylight, and wrote the weather in the log: wind from the "
-    "south-west, a long swell, rain coming before midnight. Ships no longer needed him; they "
-    "carried their own maps of the sea and spoke to satellites. Still, the light turned, and "
-    "fishermen coming home late said they looked for it before they looked at their screens. "
-    "One winter a storm took the power line, and for three nights the keeper wound the old "
-    "clockwork by hand, as his grandfather had done, so that the beam never stopped sweeping "
-    "the dark water. When the engineers arrived in the spring to replace the lamp with a small "
-    "automatic one, they found the log full of careful notes about every ship that had passed."
-)
 
 
 def smollm2() -> Path:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import LLAMA31, LLAMA32
+from fixtures.texts import LIGHTHOUSE as TEXT
 from test_gguf import llama_gguf, rel_err, smollm2_path
 
 from core import CheckpointError, load_model
@@ -103,19 +104,6 @@ def test_a_format_zoo_cannot_keep_is_named(checkpoint, tmp_path):
 
 
 # --- the real SmolLM2 file: Q4_1 kept, against its fp32 dequantization ---------------------
-TEXT = (
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
-    "as his father had taught him. There were one hundred and twelve of them, worn smooth in "
-    "the middle by a century of boots. At the top he trimmed the wick, polished the great lens "
-    "until it caught the last of the daylight, and wrote the weather in the log: wind from the "
-    "south-west, a long swell, rain coming before midnight. Ships no longer needed him; they "
-    "carried their own maps of the sea and spoke to satellites. Still, the light turned, and "
-    "fishermen coming home late said they looked for it before they looked at their screens. "
-    "One winter a storm took the power line, and for three nights the keeper wound the old "
-    "clockwork by hand, as his grandfather had done, so that the beam never stopped sweeping "
-    "the dark water. When the engineers arrived in the spring to replace the lamp with a small "
-    "automatic one, they found the log full of careful notes about every ship that had passed."
-)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +118,7 @@ def check_teacher_forced(kept, floats) -> None:
     """Over 256 tokens of TEXT: the kept model's greedy choice is the float model's at 99% of
     the positions, and their distributions are within a mean KL of 1e-3."""
     ids = kept.tokenizer.encode(TEXT)[:256]
-    assert len(ids) >= 200
+    assert len(ids) == 256
     x = torch.tensor([ids])
     a, b = kept.forward(x)[0].float(), floats.forward(x)[0].float()
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
