@@ -166,7 +166,9 @@ class GGUFFile:
             self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor on the CPU: F32/F16/BF16 as stored, block formats dequantized to float32."""
+        """The tensor on the CPU: F32/F16/BF16 as stored, block formats dequantized to float32.
+        A copy: the file's pages it was read from are released (a float model's load then holds
+        its weights once, not once more in mapped pages until the file is closed)."""
         import torch
         from gguf import GGMLQuantizationType as T
         from gguf.quants import dequantize
@@ -177,9 +179,11 @@ class GGUFFile:
         if kind in (T.F32, T.F16, T.BF16):
             dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.int16}[kind]
             out = torch.from_numpy(raw.view(dtype).reshape(info.shape).copy())
-            return out.view(torch.bfloat16) if kind == T.BF16 else out
-        rows = raw.reshape(*info.shape[:-1], -1)  # (..., bytes per row)
-        return torch.from_numpy(dequantize(rows, kind))
+            out = out.view(torch.bfloat16) if kind == T.BF16 else out
+        else:
+            out = torch.from_numpy(dequantize(raw.reshape(*info.shape[:-1], -1), kind))
+        self.release(name)
+        return out
 
     def close(self) -> None:
         """Forget the mapping; it is unmapped once no array made from it is left."""

@@ -191,6 +191,34 @@ def test_dequantize_only_types_match_the_package(tmp_path, kind):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+def mapped_kib(path: Path) -> int:
+    """This process's resident KiB in its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("kind", [T.F32, T.Q8_0], ids=lambda k: k.name)
+def test_a_read_tensor_leaves_no_mapped_pages_behind(tmp_path, kind):
+    """A float model's load copies each tensor out of the file: the pages it was read from are
+    dropped at once, so the process never holds the weights twice."""
+    data = np.random.default_rng(2).standard_normal((1024, 2048)).astype(np.float32)  # 8 MiB
+    stored = data if kind == T.F32 else gguf.quants.quantize(data, kind)
+    path = write(tmp_path / "big.gguf", {"output.weight": (stored, kind)})
+    f = GGUFFile(path)
+    np.asarray(f.raw("output.weight")).sum()  # touch every page, as a kept weight's repack does
+    assert mapped_kib(path) > 2048
+    got = f.read("output.weight")
+    assert mapped_kib(path) < 64
+    want = data if kind == T.F32 else gguf.quants.dequantize(stored, kind)
+    assert torch.equal(got, torch.from_numpy(want))
+
+
 # --- K-quants decoded by hand, from llama.cpp's block layouts (not from the gguf package) ------
 # ggml-common.h's block_q4_K / block_q6_K and ggml-quants.c's dequantize_row_q4_K / _q6_K, written
 # out as encoders: chosen d, scales, mins and codes -> block bytes, so the expected floats are the
