@@ -29,11 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
 import torch.nn.functional as F
+from fixtures.texts import LIGHTHOUSE as TEXT  # what tests/plugins/test_gguf_kept.py judges by
 
 from core import load_model
 from core.bench_llamacpp import machine
-from fixtures.texts import LIGHTHOUSE as TEXT  # the text tests/plugins/test_gguf_kept.py judges by
-
 
 
 def smollm2() -> Path:
