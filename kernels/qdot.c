@@ -315,6 +315,17 @@ INLINE vi vi_dot(vi acc, vb w, vb x) {  // acc + (u8 w x s8 x, 4 bytes into each
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
 }
+// acc + w1 . x1 + w2 . x2, where every code of w is under 64 (K-quants, 4- and 5-bit legacy
+// codes): without VNNI the two products' int16 pair sums (at most 2 * 63 * 127 each) are added
+// before widening, one multiply-add to int32 for two.
+INLINE vi vi_dot2(vi acc, vb w1, vb x1, vb w2, vb x2) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, w1, x1), w2, x2);
+#else
+    const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(w1, x1), _mm512_maddubs_epi16(w2, x2));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+}
 INLINE vi vi_join(vi hi, vi lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }
 INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 INLINE vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
@@ -387,6 +398,17 @@ INLINE __m256i dot8(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 INLINE vi vi_dot(vi acc, vb w, vb x) { return mkvb(dot8(acc.a, w.a, x.a), dot8(acc.b, w.b, x.b)); }
+INLINE __m256i dot8x2(__m256i acc, __m256i w1, __m256i x1, __m256i w2, __m256i x2) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, w1, x1), w2, x2);
+#else
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w1, x1), _mm256_maddubs_epi16(w2, x2));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+INLINE vi vi_dot2(vi acc, vb w1, vb x1, vb w2, vb x2) {  // codes of w under 64: see AVX-512's
+    return mkvb(dot8x2(acc.a, w1.a, x1.a, w2.a, x2.a), dot8x2(acc.b, w1.b, x1.b, w2.b, x2.b));
+}
 INLINE vi vi_join(vi hi, vi lo) {
     return mkvb(_mm256_add_epi32(_mm256_slli_epi32(hi.a, 8), lo.a), _mm256_add_epi32(_mm256_slli_epi32(hi.b, 8), lo.b));
 }
@@ -489,6 +511,7 @@ INLINE vi vi_dot(vi acc, vb w, vb x) {
         for (int k = 0; k < 4; k++) acc.v[i] += (int32_t)w.v[4 * i + k] * (int8_t)x.v[4 * i + k];
     return acc;
 }
+INLINE vi vi_dot2(vi acc, vb w1, vb x1, vb w2, vb x2) { return vi_dot(vi_dot(acc, w1, x1), w2, x2); }
 INLINE vi vi_join(vi hi, vi lo) { for (int i = 0; i < 16; i++) lo.v[i] += hi.v[i] * 256; return lo; }
 INLINE vi vi_add(vi x, vi y) { for (int i = 0; i < 16; i++) x.v[i] += y.v[i]; return x; }
 INLINE vf vf_cvt(vi x) { vf r; for (int i = 0; i < 16; i++) r.v[i] = (float)x.v[i]; return r; }
@@ -645,6 +668,22 @@ INLINE void dot2(vi *s1, vi *s2, vb w, const q8row_t *x, int64_t at, int M) {
     *s2 = vi_dot(*s2, w, vb_x(x->q2 + at));
 }
 
+// dot2 for two vectors of codes (each under 64) at columns a1 and a2: one widening for both
+// without VNNI (vi_dot2).
+INLINE void dot2x2(vi *s1, vi *s2, vb w1, vb w2, const q8row_t *x, int64_t a1, int64_t a2, int M) {
+#if defined(__AVX512VNNI__) && defined(ZOO_QDOT_ISA_AVX512)
+    if (M > 1) {
+        dot2(s1, s2, w1, x, a1, M);
+        dot2(s1, s2, w2, x, a2, M);
+        return;
+    }
+#else
+    (void)M;
+#endif
+    *s1 = vi_dot2(*s1, w1, vb_x(x->q + a1), w2, vb_x(x->q + a2));
+    *s2 = vi_dot2(*s2, w1, vb_x(x->q2 + a1), w2, vb_x(x->q2 + a2));
+}
+
 // acc += cvt(256 s1 + s2) * fw * d_x + mw * ds_x: a block's (or sub-block's) sums, scaled.
 INLINE vf flush(vf acc, vi s1, vi s2, vf fw, vf mw, float d, float ds) {
     acc = vf_fmadd(vf_cvt(vi_join(s1, s2)), vf_mul(fw, vf_set1(d)), acc);
@@ -687,8 +726,7 @@ UNROLL
                 }
 UNROLL
                 for (int r = 0; r < M; r++) {
-                    dot2(&s1[r], &s2[r], lo, &x[r], 32 * b + 4 * g, M);
-                    dot2(&s1[r], &s2[r], hi, &x[r], 32 * b + 16 + 4 * g, M);
+                    dot2x2(&s1[r], &s2[r], lo, hi, &x[r], 32 * b + 4 * g, 32 * b + 16 + 4 * g, M);
                 }
             }
         }
@@ -758,14 +796,16 @@ INLINE void q6_factors(const uint8_t *u, float fw[16][R], float mw[16][R]) {
 #define KQ_PASS(nsub, codes)                                                                  \
     for (int sub = 0; sub < (nsub); sub++) {                                                  \
         vi s1[ROWS], s2[ROWS];                                                                \
-        UNROLL for (int r = 0; r < M; r++) s1[r] = s2[r] = vi_zero();        \
-        UNROLL for (int g = 0; g < 256 / (nsub) / 4; g++) {                  \
-            const vb q = codes;                                                               \
-            UNROLL for (int r = 0; r < M; r++)                               \
-                dot2(&s1[r], &s2[r], q, &x[r], 256 * s + 256 / (nsub) * sub + 4 * g, M);       \
+        UNROLL for (int r = 0; r < M; r++) s1[r] = s2[r] = vi_zero();                         \
+        UNROLL for (int g2 = 0; g2 < 256 / (nsub) / 4; g2 += 2) {  /* codes g2, g2 + 1 */     \
+            vb q[2];                                                                          \
+            UNROLL for (int g = g2; g < g2 + 2; g++) q[g - g2] = codes;                       \
+            const int64_t at = 256 * s + 256 / (nsub) * sub + 4 * g2;                         \
+            UNROLL for (int r = 0; r < M; r++)                                                \
+                dot2x2(&s1[r], &s2[r], q[0], q[1], &x[r], at, at + 4, M);                     \
         }                                                                                     \
         const vf f = vf_load(fw[sub]), m = vf_load(mw[sub]);                                  \
-        UNROLL for (int r = 0; r < M; r++) {                                 \
+        UNROLL for (int r = 0; r < M; r++) {                                                  \
             const int64_t blk = 8 * s + sub * 8 / (nsub);                                     \
             const float off = (nsub) == 16 ? x[r].ds16[16 * s + sub] : x[r].ds[blk];          \
             acc[r] = flush(acc[r], s1[r], s2[r], f, m, x[r].d[blk], off);                     \

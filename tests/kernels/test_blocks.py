@@ -1,5 +1,6 @@
 """GGML block weights on CPUs (kernels/blocks.py, kernels/qdot.c), on every instruction set the
-library is built for (this machine's, x86-64-v3 = AVX2, x86-64 = plain C):
+library is built for (this machine's, x86-64-v3 = AVX2, x86-64 = plain C, and where the CPU has
+AVX-512, skylake-avx512 = AVX-512 without VNNI):
 
 - repacking is lossless: the blocks dequantize to the `gguf` package's floats bit for bit, in
   any row order, stacked from several tensors, for row counts that are not whole groups;
@@ -23,7 +24,15 @@ from kernels.qweight import quantize
 
 T = GGMLQuantizationType
 KINDS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
-MARCHES = ["native", "x86-64-v3", "x86-64"]
+
+def _has_avx512bw() -> bool:
+    try:
+        return " avx512bw" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+MARCHES = ["native", "x86-64-v3", "x86-64"] + (["skylake-avx512"] if _has_avx512bw() else [])
 
 
 @pytest.fixture(scope="module", params=MARCHES)
