@@ -25,6 +25,7 @@ from kernels.qweight import quantize
 T = GGMLQuantizationType
 KINDS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
 
+
 def _has_avx512bw() -> bool:
     try:
         return " avx512bw" in open("/proc/cpuinfo").read()
