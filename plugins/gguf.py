@@ -35,6 +35,7 @@ class Arch:
     tensors: dict[str, str] = field(default_factory=dict)  # beside TENSOR_NAMES
     config: dict[str, str] = field(default_factory=dict)  # beside CONFIG_KEYS: {arch}.key -> key
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp implies, not stores
+    moe: Arch | None = None  # what the architecture is when the file has experts (llama: Mixtral)
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -66,8 +67,24 @@ MOE_KEYS = {
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
 }
+MIXTRAL = {  # Mixtral's hub names: w1 gate, w3 up, w2 down
+    "blk.{}.ffn_gate_inp": "model.layers.{}.block_sparse_moe.gate",
+    "blk.{}.ffn_gate_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w1",
+    "blk.{}.ffn_up_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w3",
+    "blk.{}.ffn_down_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w2",
+}
 ARCHITECTURES = {
-    "llama": Arch("llama", permuted=True),
+    # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
+    "llama": Arch(
+        "llama",
+        permuted=True,
+        moe=Arch(
+            "mixtral",
+            permuted=True,
+            tensors=MIXTRAL,
+            config={"expert_count": "num_local_experts", **MOE_KEYS},
+        ),
+    ),
     "qwen2": Arch("qwen2"),
     "qwen3": Arch("qwen3"),
     # llama.cpp's qwen3moe graph always renormalizes the chosen experts' weights
@@ -77,6 +94,8 @@ ARCHITECTURES = {
         config={"expert_count": "num_experts", **MOE_KEYS},
         defaults={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
     ),
+    # llama.cpp runs every 4th layer without rope (its own constant, as transformers' default)
+    "smollm3": Arch("smollm3", permuted=True, defaults={"no_rope_layer_interval": 4}),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 
@@ -136,8 +155,10 @@ class GGUFCheckpoint:
                 "load from their safetensors folder or hub repo)"
             )
         self.spec = ARCHITECTURES[self.arch]
-        tensors = {**TENSOR_NAMES, **self.spec.tensors}
         experts = int(self._meta("expert_count", 0) or 0)
+        if experts and self.spec.moe is not None:
+            self.spec = self.spec.moe
+        tensors = {**TENSOR_NAMES, **self.spec.tensors}
         self._names: dict[str, str] = {}  # hub name -> the file's
         self._expert: dict[str, int] = {}  # hub name -> its expert's index in a stacked tensor
         for n in self.file.tensors:

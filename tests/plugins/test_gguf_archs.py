@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
+from test_mixtral import MIXTRAL
 from test_qwen3 import QWEN3
 from test_qwen3_moe import QWEN3_MOE
+from test_smollm3 import SMOLLM3
 
 from core import ConfigError, load_model
 from core.quantize import weight_formats
@@ -29,6 +31,8 @@ CASES = {  # name: (spec, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
     # Qwen3-30B-A3B-style: every layer MoE (llama.cpp's converter has no dense layers in a qwen3moe)
     "qwen3moe": (dict(QWEN3_MOE, mlp_only_layers=[]), "qwen3moe"),
+    "mixtral": (MIXTRAL, "llama"),  # llama.cpp writes Mixtral as llama with experts
+    "smollm3": (SMOLLM3, "smollm3"),  # NoPE on layer 3
 }
 TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
 
