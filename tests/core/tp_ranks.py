@@ -105,4 +105,5 @@ def parity_rank(rank: int, world: int, port: int, folders: dict, out: str) -> No
     except ZooError as err:
         message = f"{type(err).__name__}: {err}"
     (Path(out) / "rank0.txt").write_text(f"{time.perf_counter() - t0}\n{message}")
+    distributed.finish()  # as `zoo` does on its way out (leaving the group is what ends it cleanly)
     raise SystemExit(0 if message is None else 1)
