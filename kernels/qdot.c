@@ -321,7 +321,7 @@ INLINE vi vi_dot(vi acc, vb w, vb x) {  // acc + (u8 w x s8 x, 4 bytes into each
 // before widening, one multiply-add to int32 for two.
 INLINE vi vi_dot2(vi acc, vb w1, vb x1, vb w2, vb x2) {
 #if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, w1, x1), w2, x2);
+    return vi_dot(vi_dot(acc, w1, x1), w2, x2);
 #else
     const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(w1, x1), _mm512_maddubs_epi16(w2, x2));
     return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
@@ -402,7 +402,7 @@ INLINE __m256i dot8(__m256i acc, __m256i w, __m256i x) {
 INLINE vi vi_dot(vi acc, vb w, vb x) { return mkvb(dot8(acc.a, w.a, x.a), dot8(acc.b, w.b, x.b)); }
 INLINE __m256i dot8x2(__m256i acc, __m256i w1, __m256i x1, __m256i w2, __m256i x2) {
 #if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, w1, x1), w2, x2);
+    return dot8(dot8(acc, w1, x1), w2, x2);
 #else
     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w1, x1), _mm256_maddubs_epi16(w2, x2));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));

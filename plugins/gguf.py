@@ -130,11 +130,6 @@ def hub_names(name: str, tensors: dict[str, str], experts: int = 0) -> list[tupl
     return [(f"{target.format(*layer, e=e)}.{leaf}", e) for e in range(experts)]
 
 
-def hub_name(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (a dense tensor)."""
-    return hub_names(name, TENSOR_NAMES)[0][0]
-
-
 class GGUFCheckpoint:
     def __init__(self, path: Path):
         self.path = path
