@@ -203,6 +203,16 @@ def test_a_row_held_past_the_window_is_not_reused(folder, alone):
     """A sliding layer's ring keeps only a row's last `window` positions: a prompt repeated
     after a row held more than that starts from nothing (and answers as alone)."""
     s = Scheduler(load_model(folder, max_seq_len=96, max_batch_size=1))
+    step = s._step
+
+    def held_step():  # past two tokens the row waits for stop(), so it cannot finish first
+        if decoding(2)(s):
+            deadline = time.monotonic() + 30
+            while not s._stopping and time.monotonic() < deadline:
+                time.sleep(0.001)
+        step()
+
+    s._step = held_step
     s.start()
     try:
         ids, p = prompt(12, 20), params(max_new_tokens=3)
@@ -270,6 +280,16 @@ def test_compiled_steps_run_power_of_two_batches(sched, alone):
 def test_stopping_ends_running_rows_and_answers_queued_ones(folder):
     """On shutdown a running request ends as "abort" and a queued one gets an error."""
     s = Scheduler(load_model(folder, max_seq_len=96, max_batch_size=1))
+    step = s._step
+
+    def held_step():  # past two tokens the row waits for stop(), so it cannot finish first
+        if decoding(2)(s):
+            deadline = time.monotonic() + 30
+            while not s._stopping and time.monotonic() < deadline:
+                time.sleep(0.001)
+        step()
+
+    s._step = held_step
     s.start()
 
     async def go():
