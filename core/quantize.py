@@ -6,8 +6,9 @@ token embedding, unless its module says `quantizable = False` (MLA's kv_b_proj, 
 reads as a matrix). Such a parameter is swapped for a `QuantWeight` submodule of the same name
 (gpt-fast's module swap, done on the weight instead of the layer), so the layers' code does not
 change: `kernels.linear` dispatches on the weight's type. A MoE layer's stacked routed experts
-stored as fp8 blocks are kept the same way, as one `QuantExperts` (`stacked_fp8`), which
-`kernels.moe_experts` reads.
+stored as fp8 blocks (on GPUs that compute in fp8) or GGML blocks (on CPUs) are kept the same
+way, as one `QuantExperts` or `BlockExperts` (`stacked_experts`), which `kernels.moe_experts`
+reads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from core.errors import CheckpointError, RequestError
 from core.layers import Embedding, Linear, LMHead
 from core.layers.moe import StackedLinear
 from kernels import blocks
-from kernels.blocks import BlockWeight
+from kernels.blocks import BlockExperts, BlockWeight
 from kernels.qweight import FORMATS, FP8, QuantExperts, QuantStack, QuantWeight, cat_rows
 from kernels.qweight import quantize as quantize_tensor
 
@@ -74,7 +75,7 @@ def split_plan(
     kept: dict[str, list] = {}
     for target, parts in by_target.items():
         formats = [fmt_of(name) for name, _ in parts]
-        experts = stacked_fp8(net, target, formats)
+        experts = stacked_experts(net, target, formats, device)
         if any(f is None for f in formats) or not (experts or quantizable(net, target)):
             continue  # floats, or a weight that must be float: dequantized as before
         if not all(keeps(f, device) for f in formats):
@@ -115,17 +116,18 @@ def _start(index: tuple) -> int:
     return index[0].start if index else 0
 
 
-def stacked_fp8(net: nn.Module, target: str, formats: list) -> bool:
-    """Whether `target` is a MoE layer's stacked routed experts (no biases) stored as fp8
-    blocks, one matrix per expert: kept as a `QuantExperts` (GGUF's stacked experts are not)."""
+def stacked_experts(net: nn.Module, target: str, formats: list, device: torch.device) -> bool:
+    """Whether `target` is a MoE layer's stacked routed experts (no biases) kept as stored:
+    fp8 blocks as a `QuantExperts` (GPUs that compute in fp8), GGML blocks on CPUs as a
+    `BlockExperts` (GPUs dequantize GGUF's experts)."""
     module_name, _, leaf = target.rpartition(".")
     module = net.get_submodule(module_name)
-    return (
-        leaf == "weight"
-        and isinstance(module, StackedLinear)
-        and not hasattr(module, "bias")
-        and all(f == FP8 for f in formats)
-    )
+    if leaf != "weight" or not isinstance(module, StackedLinear) or hasattr(module, "bias"):
+        return False
+    if all(f == FP8 for f in formats):
+        return True
+    cpu = torch.device(device).type == "cpu" and blocks.available()
+    return cpu and all(f in blocks.FORMATS for f in formats)
 
 
 def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
@@ -133,13 +135,14 @@ def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
     shards ((e, rows) indices) become one `QuantExperts`. On CPUs, GGML blocks become
     `BlockWeight`s repacked for kernels/qdot.c (consecutive shards of one format together)."""
     if device.type == "cpu" and hasattr(ckpt, "blocks") and blocks.available():
-        w = _repacked(ckpt, [name for name, _ in parts])
+        w = _repacked_experts(ckpt, parts) if _by_expert(parts) else None
+        w = w or _repacked(ckpt, [name for name, _ in parts])
         if w is not None:
             for m in w.modules():
                 m.dtype = dtype
             return w
     ws = [ckpt.read_quantized(name) for name, _ in parts]
-    if parts[0][1] and isinstance(parts[0][1][0], int):  # stacked experts, sorted by expert
+    if _by_expert(parts):  # stacked experts, sorted by expert
         per_expert = defaultdict(list)
         for (_, index), w in zip(parts, ws, strict=True):
             per_expert[index[0]].append(w)
@@ -151,10 +154,30 @@ def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
     return w
 
 
-def _repacked(ckpt, names: list[str]) -> BlockWeight | QuantStack | None:
+def _by_expert(parts: list) -> bool:
+    """Whether a kept parameter's shards are stacked experts' ((e, rows) or (e,) indices)."""
+    return bool(parts[0][1]) and isinstance(parts[0][1][0], int)
+
+
+def _repacked_experts(ckpt, parts: list) -> BlockExperts | None:
+    """Stacked experts' shards (sorted by expert) as a `BlockExperts`: each expert's shards
+    (gate, up) repacked together; the file's pages are released once all are copied."""
+    names = defaultdict(list)
+    for name, index in parts:
+        names[index[0]].append(name)
+    experts = [_repacked(ckpt, names[e], release=False) for e in sorted(names)]
+    if any(w is None for w in experts):
+        return None
+    for name, _ in parts:
+        ckpt.release(name)
+    return BlockExperts(experts)
+
+
+def _repacked(ckpt, names: list[str], release: bool = True) -> BlockWeight | QuantStack | None:
     """The tensors `names` (stacked along the rows) as block weights, runs of one format in
     one `BlockWeight`; None where a format is not one the CPU kernels take (or a tensor is
-    not a matrix). Each tensor's pages in the file's mapping are released once copied."""
+    not a matrix). Each tensor's pages in the file's mapping are released once copied
+    (unless not `release`)."""
     read = [(name, *ckpt.blocks(name)) for name in names]  # (name, format, bytes, row order)
     if any(kind not in blocks.FORMATS or raw.ndim != 2 for _, kind, raw, _ in read):
         return None
@@ -165,7 +188,8 @@ def _repacked(ckpt, names: list[str]) -> BlockWeight | QuantStack | None:
         rows = sum(raw.shape[0] for _, _, raw, _ in run)
         out.append(blocks.repack(kind, [r[2] for r in run], (rows, cols), [r[3] for r in run]))
         for name, *_ in run:
-            ckpt.release(name)
+            if release:
+                ckpt.release(name)
     return out[0] if len(out) == 1 else QuantStack(out)
 
 

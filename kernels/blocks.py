@@ -91,6 +91,31 @@ class BlockWeight(QuantizedWeight):
         return self.dequantize(ids.reshape(-1)).view(*ids.shape, self.shape[1])
 
 
+class BlockExperts(QuantizedWeight):
+    """A MoE layer's E routed experts kept in GGML blocks, (E, out, in): one weight per expert
+    (a `BlockWeight`, or a `QuantStack` of them where an expert's gate and up differ in
+    format), each repacked as a `BlockWeight` is. Only the experts a token chose are read."""
+
+    def __init__(self, experts: list[QuantizedWeight]):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(experts)
+        first = experts[0]
+        self.shape = (len(experts), *first.shape)
+        self.dtype = first.dtype
+        parts = getattr(first, "parts", [first])
+        self.fmt = parts[0].fmt  # the first part's, for listings (`zoo info`)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, shape={self.shape}, repacked"
+
+    def __getitem__(self, e: int) -> QuantizedWeight:
+        return self.experts[e]
+
+    def dequantize(self, experts: int = 0) -> torch.Tensor:
+        """Expert e's float32 (out, in) weight: the `gguf` package's values bit for bit."""
+        return self.experts[experts].dequantize()
+
+
 def available() -> bool:
     """Whether block weights can be made here (the C library builds)."""
     return library() is not None

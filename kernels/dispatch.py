@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from core.errors import ZooError
 from kernels import cpu, cpu_ops, reference
-from kernels.blocks import BlockWeight
+from kernels.blocks import BlockExperts, BlockWeight
 from kernels.qweight import QuantStack, QuantWeight
 
 log = logging.getLogger("zoo")
@@ -316,7 +316,12 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed SwiGLU experts, weighted and summed over each token's top-k (see reference).
     The Triton kernel takes neither expert biases nor the clamped SwiGLU (gpt-oss): with
-    either, the torch reference runs, logged once as the choice for that op."""
+    either, the torch reference runs, logged once as the choice for that op. Experts kept in
+    GGML blocks on CPUs (`BlockExperts`) run each chosen expert's block products."""
+    if isinstance(gate_up, BlockExperts) or isinstance(down, BlockExperts):  # CPUs' blocks
+        return reference.moe_experts(
+            x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, clamp
+        )
     if gate_up_bias is None and down_bias is None and clamp is None:
         return pick("moe_experts", x)(x, topk_ids, topk_weights, gate_up, down)
     if "moe_experts+bias" not in _noted and not torch.compiler.is_compiling():

@@ -195,26 +195,34 @@ def moe_experts(
     down (E, H, I). Optional per-expert biases gate_up_bias (E, 2I), down_bias (E, H); `clamp`
     = (alpha, limit) makes the activation `clamped_swiglu` over interleaved (gate, up) rows
     (gpt-oss). Either weight may be a `QuantExperts` (fp8 kept): each expert that runs is
-    dequantized to float32, then cast to x's dtype. Returns (N, H) in x's dtype. Loops over
+    dequantized to float32, then cast to x's dtype; or a `BlockExperts` (GGML blocks kept on
+    CPUs): each expert that runs is a `kernels.linear` of its blocks. Returns (N, H) in x's dtype. Loops over
     the experts that received tokens.
     """
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = x[token] @ _expert(gate_up, e, x.dtype).T
+        h = _times(x[token], gate_up, e)
         if gate_up_bias is not None:
             h = h + gate_up_bias[e]
         h = swiglu(h) if clamp is None else clamped_swiglu(h, *clamp)
-        h = h @ _expert(down, e, x.dtype).T
+        h = _times(h, down, e)
         if down_bias is not None:
             h = h + down_bias[e]
         out.index_add_(0, token, h * topk_weights[token, slot, None].to(x.dtype))
     return out
 
 
-def _expert(w, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert e's (out, in) matrix of stacked weights, a tensor or a `QuantExperts`."""
-    return w[e] if isinstance(w, torch.Tensor) else w.dequantize(e).to(dtype)
+def _times(h: torch.Tensor, w, e: int) -> torch.Tensor:
+    """h @ expert e's (out, in) matrix of stacked weights: a tensor, a `QuantExperts`
+    (dequantized) or a `BlockExperts` (GGML blocks on CPUs: `kernels.linear` of its weight)."""
+    if isinstance(w, torch.Tensor):
+        return h @ w[e].T
+    if hasattr(w, "experts"):  # BlockExperts
+        from kernels.dispatch import linear
+
+        return linear(h, w[e])
+    return h @ w.dequantize(e).to(h.dtype).T
 
 
 def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

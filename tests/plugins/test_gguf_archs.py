@@ -30,7 +30,8 @@ VOCAB = 320  # the tokenizer's ids (300 BPE + specials) fit
 CASES = {  # name: (spec, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
     # Qwen3-30B-A3B-style: every layer MoE (llama.cpp's converter has no dense layers in a qwen3moe)
-    "qwen3moe": (dict(QWEN3_MOE, mlp_only_layers=[]), "qwen3moe"),
+    # (experts 32 wide, so that the converter writes their down projections in blocks too)
+    "qwen3moe": (dict(QWEN3_MOE, mlp_only_layers=[], moe_intermediate_size=32), "qwen3moe"),
     "mixtral": (MIXTRAL, "llama"),  # llama.cpp writes Mixtral as llama with experts
     "smollm3": (SMOLLM3, "smollm3"),  # NoPE on layer 3
 }
@@ -87,6 +88,8 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     kept = load_model(path, max_seq_len=128)
     floats = load_model(path, max_seq_len=128, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
+    # routed experts stay in their stacked blocks too (only the chosen ones are read)
+    assert not [n for n, _ in kept.net.named_parameters() if ".experts." in n]
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
