@@ -196,8 +196,8 @@ def moe_experts(
     = (alpha, limit) makes the activation `clamped_swiglu` over interleaved (gate, up) rows
     (gpt-oss). Either weight may be a `QuantExperts` (fp8 kept): each expert that runs is
     dequantized to float32, then cast to x's dtype; or a `BlockExperts` (GGML blocks kept on
-    CPUs): each expert that runs is a `kernels.linear` of its blocks. Returns (N, H) in x's dtype. Loops over
-    the experts that received tokens.
+    CPUs): each expert that runs is a `kernels.linear` of its blocks. Returns (N, H) in x's
+    dtype. Loops over the experts that received tokens.
     """
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
