@@ -47,11 +47,15 @@ def smollm2_file() -> Path:
     return next(Path(f.locate()) for f in files if str(f).endswith(".gguf"))
 
 
+ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe"}  # shapes' model_type -> llama.cpp's name
+
+
 def tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
     """(name, torch-order shape) of every tensor, in the order llama.cpp's converter writes."""
     h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape.get("head_dim") or h // heads
+    moe = shape["model_type"] == "qwen3_moe"  # Qwen3-MoE: q/k norms, every layer's MLP experts
     out = [("token_embd.weight", (vocab, h))]
     if shape.get("rope_scaling"):
         out.append(("rope_freqs.weight", (d // 2,)))
@@ -64,10 +68,22 @@ def tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
             (b + "attn_v.weight", (kv * d, h)),
             (b + "attn_output.weight", (h, heads * d)),
             (b + "ffn_norm.weight", (h,)),
-            (b + "ffn_gate.weight", (inter, h)),
-            (b + "ffn_up.weight", (inter, h)),
-            (b + "ffn_down.weight", (h, inter)),
         ]
+        if moe:
+            e, i_e = shape["num_experts"], shape["moe_intermediate_size"]
+            out[-5:-5] = [(b + "attn_q_norm.weight", (d,)), (b + "attn_k_norm.weight", (d,))]
+            out += [
+                (b + "ffn_gate_inp.weight", (e, h)),
+                (b + "ffn_gate_exps.weight", (e, i_e, h)),
+                (b + "ffn_up_exps.weight", (e, i_e, h)),
+                (b + "ffn_down_exps.weight", (e, h, i_e)),
+            ]
+        else:
+            out += [
+                (b + "ffn_gate.weight", (inter, h)),
+                (b + "ffn_up.weight", (inter, h)),
+                (b + "ffn_down.weight", (h, inter)),
+            ]
     out.append(("output_norm.weight", (h,)))
     if not shape.get("tie_word_embeddings", False):
         out.append(("output.weight", (vocab, h)))
@@ -96,7 +112,7 @@ def write_source(shape: dict, path: Path, kind: str, seed: int) -> Path:
     vocab = GGUFFile(smollm2_file()).metadata
     h, heads = shape["hidden_size"], shape["num_attention_heads"]
     d = shape.get("head_dim") or h // heads
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, ARCHS[shape["model_type"]])
     w.add_name(f"synthetic {shape.get('model_type', 'llama')} {h}x{shape['num_hidden_layers']}")
     w.add_context_length(shape.get("max_position_embeddings", 8192))
     w.add_embedding_length(h)
@@ -110,17 +126,22 @@ def write_source(shape: dict, path: Path, kind: str, seed: int) -> Path:
     w.add_key_length(d)
     w.add_value_length(d)
     w.add_vocab_size(shape["vocab_size"])
+    if "num_experts" in shape:
+        w.add_expert_count(shape["num_experts"])
+        w.add_expert_used_count(shape["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(shape["moe_intermediate_size"])
     w.add_file_type(ftype)
     _add_vocab(w, vocab, shape["vocab_size"])
     plan = tensors(shape)
     for name, shp in plan:
-        if len(shp) == 1:  # norms, rope_freqs: F32
-            w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * shp[0])
+        if len(shp) == 1 or _float(name):  # norms, rope_freqs, routers: F32
+            w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
         elif qtype == T.F16:
             w.add_tensor_info(name, shp, np.dtype(np.float16), 2 * int(np.prod(shp)))
-        else:  # the byte shape (rows, bytes per row), as GGUFWriter takes block formats
+        else:  # the byte shape (..., rows, bytes per row), as GGUFWriter takes block formats
             nbytes = _nbytes(shp, qtype)
-            w.add_tensor_info(name, (shp[0], nbytes // shp[0]), np.dtype(np.uint8), nbytes, qtype)
+            byte_shape = (*shp[:-1], nbytes // int(np.prod(shp[:-1])))
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, qtype)
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -131,6 +152,8 @@ def write_source(shape: dict, path: Path, kind: str, seed: int) -> Path:
             data = rope_freqs(shape, d)
         elif len(shp) == 1:
             data = np.ones(shp, np.float32)
+        elif _float(name):
+            data = rng.standard_normal(shp, dtype=np.float32) * STD
         else:
             data = _random(rng, shp, qtype)
         w.write_tensor_data(data)
@@ -141,15 +164,22 @@ def write_source(shape: dict, path: Path, kind: str, seed: int) -> Path:
     return path
 
 
+def _float(name: str) -> bool:
+    """Tensors llama.cpp's converter and quantizer keep in F32 beside the norms: MoE routers."""
+    return ".ffn_gate_inp." in name
+
+
 def _random(rng: np.random.Generator, shp: tuple[int, ...], qtype: T) -> np.ndarray:
-    """A (rows, cols) weight of normal values in qtype, quantized a band of rows at a time."""
-    rows, cols = shp
+    """A (..., rows, cols) weight of normal values in qtype, quantized a band of rows at a
+    time (stacked experts: each expert's matrix in turn)."""
+    *stack, rows, cols = shp
+    total = int(np.prod(stack, dtype=np.int64)) * rows
     band = max(1, (1 << 24) // cols)
     parts = []
-    for r in range(0, rows, band):
-        x = rng.standard_normal((min(band, rows - r), cols), dtype=np.float32) * STD
+    for r in range(0, total, band):
+        x = rng.standard_normal((min(band, total - r), cols), dtype=np.float32) * STD
         parts.append(gguf.quants.quantize(x, qtype) if qtype != T.F16 else x.astype(np.float16))
-    return np.concatenate(parts)
+    return np.concatenate(parts).reshape(*stack, rows, -1)
 
 
 def _nbytes(shp: tuple[int, ...], qtype: T) -> int:
@@ -200,14 +230,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--source", choices=list(SOURCES), default="q8_0")
     p.add_argument("--types", nargs="*", default=["q4_k_m", "q8_0"], choices=list(TARGETS),
                    help="llama.cpp quantizer targets (needs llama-cpp-python)")  # fmt: skip
+    p.add_argument("--layers", type=int, help="only this many layers (a slice of the shape)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     shape = named_models().get(args.shape, {}).get("shape")
-    if not shape or shape.get("model_type") != "llama":
-        raise SystemExit(f"{args.shape!r}: no llama shape in registry.yaml")
+    if not shape or shape.get("model_type") not in ARCHS:
+        raise SystemExit(f"{args.shape!r}: no {' or '.join(ARCHS)} shape in registry.yaml")
+    name = args.shape
+    if args.layers:  # a slice: the first layers of the real shape
+        shape, name = dict(shape, num_hidden_layers=args.layers), f"{name}-{args.layers}l"
     args.out.mkdir(parents=True, exist_ok=True)
-    src = args.out / f"{args.shape}-src-{args.source}.gguf"
+    src = args.out / f"{name}-src-{args.source}.gguf"
     if not src.exists():
         print(f"writing {src}", file=sys.stderr)
         tmp = src.with_suffix(".part")
@@ -220,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)  # fmt: skip
         return
     for target in args.types:
-        dst = args.out / f"{args.shape}-{target}.gguf"
+        dst = args.out / f"{name}-{target}.gguf"
         if not dst.exists():
             quantize(src, dst, target, args.threads)
         print(dst)

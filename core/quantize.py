@@ -32,7 +32,8 @@ from kernels.qweight import quantize as quantize_tensor
 log = logging.getLogger("zoo")
 
 AT_LOAD = ("int8", "int4")  # load_model(quantize=...)
-KEPT = [*(f for f in FORMATS if f not in AT_LOAD), FP8]  # formats a checkpoint may bring
+MXFP4 = "mxfp4"  # e2m1 codes with e8m0 block scales (gpt-oss): kept by the CPU kernels
+KEPT = [*(f for f in FORMATS if f not in AT_LOAD), FP8, MXFP4]  # formats a checkpoint may bring
 FP8_CAPABILITY = (8, 9)  # Ada, Hopper and later compute in e4m3 (Triton's float8e4nv)
 
 
@@ -44,8 +45,10 @@ def fp8_native(device: torch.device) -> bool:
 
 
 def keeps(fmt: str, device: torch.device) -> bool:
-    """Whether a checkpoint's `fmt` blocks are kept on `device`: GGUF's everywhere, fp8 where
-    the GPU computes in it (`fp8_native`)."""
+    """Whether a checkpoint's `fmt` blocks are kept on `device`: GGUF's everywhere but MXFP4,
+    which only the CPU kernels take; fp8 where the GPU computes in it (`fp8_native`)."""
+    if fmt == MXFP4:
+        return torch.device(device).type == "cpu" and blocks.available()
     return fmt != FP8 or fp8_native(device)
 
 
@@ -88,7 +91,7 @@ def split_plan(
                     f"keep quantized (it keeps {', '.join(f.upper() for f in KEPT)}); "
                     "load with dequantize=True (zoo --dequantize) to convert it to floats"
                 )
-        if experts:  # shards (e, rows) or (e,): by expert, then rows
+        if experts and _by_expert(parts):  # shards (e, rows) or (e,): by expert, then rows
             kept[target] = sorted(parts, key=lambda p: (p[1][0], _start(p[1][1:])))
         else:
             kept[target] = sorted(parts, key=lambda p: _start(p[1]))
@@ -117,15 +120,15 @@ def _start(index: tuple) -> int:
 
 
 def stacked_experts(net: nn.Module, target: str, formats: list, device: torch.device) -> bool:
-    """Whether `target` is a MoE layer's stacked routed experts (no biases) kept as stored:
-    fp8 blocks as a `QuantExperts` (GPUs that compute in fp8), GGML blocks on CPUs as a
-    `BlockExperts` (GPUs dequantize GGUF's experts)."""
+    """Whether `target` is a MoE layer's stacked routed experts kept as stored: fp8 blocks as
+    a `QuantExperts` (GPUs that compute in fp8; no biases), GGML blocks (GGUF's, MXFP4) on CPUs
+    as a `BlockExperts` (GPUs dequantize them)."""
     module_name, _, leaf = target.rpartition(".")
     module = net.get_submodule(module_name)
-    if leaf != "weight" or not isinstance(module, StackedLinear) or hasattr(module, "bias"):
+    if leaf != "weight" or not isinstance(module, StackedLinear):
         return False
-    if all(f == FP8 for f in formats):
-        return True
+    if all(f == FP8 for f in formats):  # (the fp8 kernel takes no biases)
+        return not hasattr(module, "bias")
     cpu = torch.device(device).type == "cpu" and blocks.available()
     return cpu and all(f in blocks.FORMATS for f in formats)
 
@@ -169,16 +172,32 @@ def _repacked_experts(ckpt, parts: list) -> BlockExperts | None:
     if any(w is None for w in experts):
         return None
     for name, _ in parts:
-        ckpt.release(name)
+        _release(ckpt, name)
     return BlockExperts(experts)
 
 
-def _repacked(ckpt, names: list[str], release: bool = True) -> BlockWeight | QuantStack | None:
+def _release(ckpt, name: str, release: bool = True) -> None:
+    """Let the tensor's pages in the checkpoint's mapping go (readers that map files)."""
+    if release and hasattr(ckpt, "release"):
+        ckpt.release(name)
+
+
+def _repacked(
+    ckpt, names: list[str], release: bool = True
+) -> BlockWeight | QuantStack | BlockExperts | None:
     """The tensors `names` (stacked along the rows) as block weights, runs of one format in
     one `BlockWeight`; None where a format is not one the CPU kernels take (or a tensor is
     not a matrix). Each tensor's pages in the file's mapping are released once copied
     (unless not `release`)."""
     read = [(name, *ckpt.blocks(name)) for name in names]  # (name, format, bytes, row order)
+    if len(read) == 1 and read[0][2].ndim == 3:  # experts stored stacked: (E, rows, bytes)
+        _, kind, raw, order = read[0]
+        if kind not in blocks.FORMATS:
+            return None
+        shape = ckpt.shape(names[0])[1:]
+        out = BlockExperts([blocks.repack(kind, [r], shape, [order]) for r in raw])
+        _release(ckpt, names[0], release)
+        return out
     if any(kind not in blocks.FORMATS or raw.ndim != 2 for _, kind, raw, _ in read):
         return None
     cols = ckpt.shape(names[0])[-1]
@@ -188,8 +207,7 @@ def _repacked(ckpt, names: list[str], release: bool = True) -> BlockWeight | Qua
         rows = sum(raw.shape[0] for _, _, raw, _ in run)
         out.append(blocks.repack(kind, [r[2] for r in run], (rows, cols), [r[3] for r in run]))
         for name, *_ in run:
-            if release:
-                ckpt.release(name)
+            _release(ckpt, name, release)
     return out[0] if len(out) == 1 else QuantStack(out)
 
 

@@ -44,6 +44,7 @@ FORMATS = {
         BlockFormat("q4_k", 12, 256, 144),
         BlockFormat("q5_k", 13, 256, 176),
         BlockFormat("q6_k", 14, 256, 210),
+        BlockFormat("mxfp4", 39, 32, 17),  # e2m1 codes, an e8m0 scale per 32 (gpt-oss)
     )
 }
 # formats quantized at load (kernels.qweight.quantize) -> the GGML blocks they are

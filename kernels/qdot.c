@@ -70,11 +70,14 @@ static int64_t block_bytes(int64_t type) {
         case ZOO_Q4_K: return 144;
         case ZOO_Q5_K: return 176;
         case ZOO_Q6_K: return 210;
+        case ZOO_MXFP4: return 17;
         default: return 0;
     }
 }
 
-static int64_t block_values(int64_t type) { return type >= ZOO_Q4_K ? 256 : 32; }
+static int64_t block_values(int64_t type) {
+    return type == ZOO_Q4_K || type == ZOO_Q5_K || type == ZOO_Q6_K ? 256 : 32;
+}
 
 int64_t zoo_block_bytes(int64_t type) { return block_bytes(type); }
 int64_t zoo_block_values(int64_t type) { return block_values(type); }
@@ -96,6 +99,8 @@ static layout_t layout(int64_t type) {
     switch (type) {
         case ZOO_Q8_0: return (layout_t){32, 512, 2, {d0, {2, 32, 0, 4, 1}}};
         case ZOO_Q4_0: return (layout_t){32, 256, 2, {d0, {2, 16, 0, 4, 1}}};
+        case ZOO_MXFP4:  // headers: the e8m0 scale byte; codes as Q4_0's
+            return (layout_t){16, 256, 2, {{0, 1, 0, 1, 0}, {1, 16, 0, 4, 1}}};
         case ZOO_Q4_1: return (layout_t){64, 256, 3, {d0, {2, 2, 32, 2, 0}, {4, 16, 0, 4, 1}}};
         case ZOO_Q5_0:  // codes: 64 bytes of high bits (the rows' 32-bit masks), then the nibbles
             return (layout_t){32, 320, 3, {d0, {2, 4, 0, 4, 1}, {6, 16, 64, 4, 1}}};
@@ -169,7 +174,7 @@ void zoo_repack(int64_t type, const uint8_t *const *rows, int64_t N, int64_t K, 
         switch (type) {
 #define TYPE(t) case t: repack_group(t, rows + g * R, n, nu, dst + g * gb); break;
             TYPE(ZOO_Q4_0) TYPE(ZOO_Q4_1) TYPE(ZOO_Q5_0) TYPE(ZOO_Q5_1) TYPE(ZOO_Q8_0)
-            TYPE(ZOO_Q4_K) TYPE(ZOO_Q5_K) TYPE(ZOO_Q6_K)
+            TYPE(ZOO_Q4_K) TYPE(ZOO_Q5_K) TYPE(ZOO_Q6_K) TYPE(ZOO_MXFP4)
 #undef TYPE
         }
     }
@@ -189,9 +194,25 @@ static inline void k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     memcpy(mn, out + 2, 8);
 }
 
+// MXFP4: e2m1 codes as doubled values (kvalues_mxfp4), and the block scale: ggml's
+// ggml_e8m0_to_fp32_half, 2^(e - 128) (subnormal below e = 2).
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 // ---- dequantization: the gguf package's floats bit for bit (the same fp32 operations) ----------
 static void dequantize_block(int64_t type, const uint8_t *b, float *out) {
     switch (type) {
+        case ZOO_MXFP4: {
+            const float d = e8m0_half(b[0]);
+            for (int j = 0; j < 32; j++) out[j] = d * (float)MXFP4_VALUES[(b[1 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15];
+            return;
+        }
         case ZOO_Q8_0: {
             const float d = f16(b);
             for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)b[2 + j] * d;
@@ -337,6 +358,13 @@ INLINE vf vf_set1(float a) { return _mm512_set1_ps(a); }
 INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf vf_e8m0(const uint8_t *p) {  // 16 e8m0 bytes -> e8m0_half of each
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 m = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(m, normal, small));
+}
 INLINE vf vf_u8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -425,6 +453,17 @@ INLINE vf vf_fmadd(vf x, vf y, vf z) { return mkvf(_mm256_fmadd_ps(x.a, y.a, z.a
 INLINE vf vf_half(const uint8_t *p) {
     return mkvf(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
+}
+INLINE __m256 e8m0_8(__m128i b) {  // the low 8 e8m0 bytes of b -> e8m0_half of each
+    const __m256i e = _mm256_cvtepu8_epi32(b), two = _mm256_set1_epi32(2);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i lt2 = _mm256_cmpgt_epi32(two, e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, lt2));
+}
+INLINE vf vf_e8m0(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return mkvf(e8m0_8(v), e8m0_8(_mm_srli_si128(v, 8)));
 }
 INLINE vf vf_u8(const uint8_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
@@ -525,6 +564,7 @@ INLINE vf vf_set1(float s) { vf r; for (int i = 0; i < 16; i++) r.v[i] = s; retu
 INLINE vf vf_mul(vf x, vf y) { for (int i = 0; i < 16; i++) x.v[i] *= y.v[i]; return x; }
 INLINE vf vf_fmadd(vf x, vf y, vf z) { for (int i = 0; i < 16; i++) z.v[i] = fmaf(x.v[i], y.v[i], z.v[i]); return z; }
 INLINE vf vf_half(const uint8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = f16(p + 2 * i); return r; }
+INLINE vf vf_e8m0(const uint8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = e8m0_half(p[i]); return r; }
 INLINE vf vf_u8(const uint8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = p[i]; return r; }
 INLINE vf vf_i8(const uint8_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = (int8_t)p[i]; return r; }
 INLINE vf vf_abs(vf x) { for (int i = 0; i < 16; i++) x.v[i] = fabsf(x.v[i]); return x; }
@@ -634,6 +674,11 @@ INLINE void prefetch(const uint8_t *p, int64_t n) {
 // The block factors of one unit of a legacy type: scale fw, and mw (minimum, or the offset
 // term -8 / -16 * d).
 INLINE void legacy_factors(int64_t type, const uint8_t *u, vf *fw, vf *mw) {
+    if (type == ZOO_MXFP4) {  // codes made unsigned: value + 12 (mk_legacy), so -12 * d
+        *fw = vf_e8m0(u);
+        *mw = vf_mul(*fw, vf_set1(-12.0f));
+        return;
+    }
     *fw = vf_half(u);
     if (type == ZOO_Q4_1 || type == ZOO_Q5_1)
         *mw = vf_half(u + 32);
@@ -698,7 +743,9 @@ INLINE void mk_legacy(int64_t type, const uint8_t *w, int64_t nu, const q8row_t 
     const layout_t l = layout(type);
     const uint8_t *codes = w + pad64(nu * l.header);
     const vb low = vb_set1(0x0F);
-    const int five = type == ZOO_Q5_0 || type == ZOO_Q5_1;
+    const int five = type == ZOO_Q5_0 || type == ZOO_Q5_1, fp4 = type == ZOO_MXFP4;
+    // MXFP4's codes -> their doubled e2m1 values + 12 (0..24: unsigned, as the products need)
+    const vb fp4_values = vb_lanes4(0x0F0E0D0Cu, 0x18141210u, 0x090A0B0Cu, 0x00040608u);
     for (int64_t b = 0; b < nu; b++) {
         const uint8_t *u = w + b * l.header, *qh = codes + b * l.codes, *qs = qh + (five ? 64 : 0);
         prefetch(qh + PF_AHEAD * l.codes, l.codes);
@@ -726,6 +773,10 @@ UNROLL
                 if (five) {
                     lo = vb_or(lo, q5_high(hb, 4 * g));
                     hi = vb_or(hi, q5_high(hb, 16 + 4 * g));
+                }
+                if (fp4) {
+                    lo = vb_shuffle(fp4_values, lo);
+                    hi = vb_shuffle(fp4_values, hi);
                 }
 UNROLL
                 for (int r = 0; r < M; r++) {

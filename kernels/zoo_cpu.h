@@ -4,7 +4,7 @@
 
 // GGML block types (GGML's own ids) that qdot.c multiplies as the file stores them.
 enum { ZOO_Q4_0 = 2, ZOO_Q4_1 = 3, ZOO_Q5_0 = 6, ZOO_Q5_1 = 7, ZOO_Q8_0 = 8, ZOO_Q4_K = 12,
-       ZOO_Q5_K = 13, ZOO_Q6_K = 14 };
+       ZOO_Q5_K = 13, ZOO_Q6_K = 14, ZOO_MXFP4 = 39 };
 
 // A (N, K) weight as the CPU kernels read it: plain fp32 rows (type 0), or GGML blocks
 // repacked in groups of 16 rows by qdot.c's zoo_repack (type: ZOO_Q4_0 ...).

@@ -196,12 +196,32 @@ class SafetensorsCheckpoint:
         return t
 
     def quant_format(self, name: str) -> str | None:
-        """`fp8_e4m3` for a block-scaled fp8 weight, None for the rest (floats, MXFP4 blocks)."""
+        """`fp8_e4m3` for a block-scaled fp8 weight, `mxfp4` for MXFP4 blocks, None for
+        floats."""
         if self._fp8 is not None and name + SCALE_SUFFIX in self._where:
             from kernels.qweight import FP8  # torch loads only when weights are read
 
             return FP8
+        if self._mxfp4 and name.endswith(mxfp4.BLOCKS):
+            return "mxfp4"
         return None
+
+    def blocks(self, name: str):
+        """MXFP4 blocks as GGML stores them ((..., rows, bytes per row) uint8; the loader asks
+        only where core/quantize.py keeps MXFP4: CPUs), in the stored row order (None)."""
+        scales = self._read(name.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES)
+        return "mxfp4", mxfp4.to_ggml(self._read(name), scales), None
+
+    def stored_bytes(self, name: str) -> int:
+        """The tensor's bytes in the file (MXFP4: its blocks and scales)."""
+        names = [name]
+        if self._mxfp4 and name.endswith(mxfp4.BLOCKS):
+            names.append(name.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES)
+        total = 0
+        for n in names:
+            begin, end = self._where[n][2]["data_offsets"]
+            total += end - begin
+        return total
 
     def read_quantized(self, name: str):
         """An fp8 weight and its scales as a `QuantWeight`, the bytes as stored (the loader

@@ -6,17 +6,20 @@ nibble first, and `X_scales` (..., G) uint8, one e8m0 exponent (biased by 127) p
 
     w[..., 32 g + 2 j + h] = FP4[nibble h of blocks[..., g, j]] * 2 ** (scales[..., g] - 127)
 
-The reader hides the `_scales` tensors and returns each `X_blocks` dequantized to fp32,
-(..., G * 32), by the same lookup table and ldexp as transformers'
+The reader hides the `_scales` tensors and offers each `X_blocks` two ways: kept, as GGML's
+MXFP4 blocks (`to_ggml`: the same values, what llama.cpp's converter writes), which the CPU
+kernels multiply as stored (a gpt-oss-20b resident in about its file's size); or dequantized
+to fp32, (..., G * 32), by the same lookup table and ldexp as transformers'
 `convert_moe_packed_tensors` (bit-exact), less its final gpt-oss transpose: the weight map says
-where the (E, out, in) result goes. Weights are not kept 4-bit yet: MXFP4 has no QFormat in
-kernels/qweight.py, so a gpt-oss-20b's experts take 4x their stored bytes in bf16.
+where the (E, out, in) result goes (GPUs, and `dequantize=True`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from core.errors import CheckpointError
 
@@ -86,3 +89,16 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     out[..., 1::2] = lut[(blocks >> 4).int()]
     torch.ldexp(out, (scales.int() - 127)[..., None], out=out)
     return out.flatten(-2)
+
+
+def to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """(..., G, 16) codes and (..., G) scales -> GGML MXFP4 blocks (..., G * 17) uint8: per 32
+    values the scale byte (the same e8m0: GGML doubles the e2m1 values and halves the scale),
+    then 16 bytes holding value j in the low nibble of byte j and value j + 16 in its high
+    nibble (here values 2j and 2j + 1 share byte j)."""
+    b = blocks.numpy()
+    codes = np.empty((*b.shape[:-1], 32), dtype=np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = b & 0x0F, b >> 4
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate([scales.numpy()[..., None], packed], axis=-1)
+    return out.reshape(*b.shape[:-2], -1)

@@ -15,6 +15,7 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import make_checkpoint, save_in_memory_names
+from fixtures.texts import judge
 from parity import (
     ParitySuite,
     check_greedy,
@@ -25,6 +26,8 @@ from parity import (
 from safetensors.torch import load_file, save_file
 
 from core import ConfigError, load_model
+from core.quantize import weight_formats
+from kernels.blocks import BlockExperts
 from plugins.gpt_oss import GptOssConfig
 
 GPT_OSS = dict(
@@ -133,10 +136,11 @@ def _pack(rng: torch.Generator, shape: tuple[int, ...]):
 
 
 @torch.no_grad()
-def test_mxfp4_checkpoint_matches_transformers_dequantized(tmp_path):
-    """Experts stored as the released checkpoints store them: `_blocks` + `_scales` in the
-    (E, out, in) orientation, quantization_config {quant_method: mxfp4}. The reference model
-    takes transformers' own dequantization of the same bytes (convert_moe_packed_tensors)."""
+def mxfp4_checkpoint(tmp_path):
+    """(folder, reference): experts stored as the released checkpoints store them: `_blocks` +
+    `_scales` in the (E, out, in) orientation, quantization_config {quant_method: mxfp4}. The
+    reference model takes transformers' own dequantization of the same bytes
+    (convert_moe_packed_tensors)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     spec = dict(GPT_OSS, hidden_size=64, intermediate_size=32)
@@ -157,7 +161,14 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(tmp_path):
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
     }
     (root / "config.json").write_text(json.dumps(cfg))
-    m = load_model(root, max_seq_len=64, max_batch_size=2)
+    return root, ref
+
+
+@torch.no_grad()
+def test_mxfp4_checkpoint_matches_transformers_dequantized(tmp_path):
+    """dequantize=True (what GPUs do): transformers' floats, bit for bit."""
+    root, ref = mxfp4_checkpoint(tmp_path)
+    m = load_model(root, max_seq_len=64, max_batch_size=2, dequantize=True)
     want = ref.model.layers[1].mlp.experts.gate_up_proj.transpose(1, 2)
     assert torch.equal(m.net.model.layers[1].mlp.experts.gate_up_proj.weight, want)
     check_prefill(m, ref, ids(VOCAB, 2, 40))
@@ -170,6 +181,26 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(tmp_path):
     x = ids(VOCAB, 1, 12)
     assert rel_err(m.forward(x), ref(x).logits) > 1e-3
     w.copy_(saved)
+
+
+@torch.no_grad()
+def test_mxfp4_experts_are_kept_on_cpus(tmp_path):
+    """On CPUs the experts stay MXFP4 (GGML's blocks of the same values: the bytes they were
+    stored in) and meet the standard for kept weights against the same model dequantized
+    (teacher-forced: top-1 >= 99%, mean KL <= 1e-3)."""
+    root, ref = mxfp4_checkpoint(tmp_path)
+    kept = load_model(root, max_seq_len=128)
+    floats = load_model(root, max_seq_len=128, dequantize=True)
+    experts = kept.net.model.layers[1].mlp.experts.gate_up_proj.weight
+    assert isinstance(experts, BlockExperts) and experts.fmt.name == "mxfp4"
+    want = floats.net.model.layers[1].mlp.experts.gate_up_proj.weight
+    assert torch.equal(experts.dequantize(3), want[3])  # the same values, bit for bit
+    stored = 4 * (64 * 2 * 17 + 64 * 17)  # per layer: E experts' blocks + scales
+    # (repacked: each group of 16 rows' scale bytes padded to 64 bytes)
+    assert weight_formats(kept.net)["mxfp4"][1] <= 1.2 * stored * len(ref.model.layers)
+    x = ids(VOCAB, 1, 120, seed=4)
+    top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
+    assert top1 >= 0.99 and kl <= 1e-3
 
 
 def test_registry_shape_is_gpt_oss_20b():
