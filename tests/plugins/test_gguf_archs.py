@@ -11,14 +11,13 @@ mean KL <= 1e-3). An architecture Zoo does not map is refused with the list of t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import gguf
 import pytest
 import torch
 from conftest import make_checkpoint
-from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
 from test_mistral import MISTRAL_V03
@@ -32,7 +31,7 @@ from core import CheckpointError, ConfigError, load_model
 from core.quantize import weight_formats
 from plugins.gguf import ARCHITECTURES, GGUFCheckpoint
 
-VOCAB = 320  # the tokenizer's ids (300 BPE + specials) fit
+VOCAB = 320  # the tokenizers' ids (300 BPE or 305 sentencepiece pieces + specials) fit
 CASES = {  # name: (spec, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
     # Qwen3-30B-A3B-style: every layer MoE (llama.cpp's converter has no dense layers in a qwen3moe)
@@ -56,9 +55,14 @@ CASES = {  # name: (spec, the file's general.architecture)
 # the model_type a file loads as, where it cannot say the checkpoint's: llama.cpp writes Mistral
 # as llama, the same network (v0.1's window is dropped: llama.cpp runs it without one)
 LOADS_AS = {"mistral": "llama"}
-# the converter reads Phi-3's vocabulary from a sentencepiece tokenizer.model unless the
-# tokenizer_config says GPT2Tokenizer (as Phi-4-mini's does)
-TOKENIZER_CLASS = {"phi3": "GPT2Tokenizer", "phi3-longrope": "GPT2Tokenizer"}
+# each case's tokenizer, Qwen2.5's unless named here. Phi-3-mini and Mistral ship a
+# sentencepiece tokenizer.model (the file's vocabulary: llama); Phi-4-mini a byte-level BPE,
+# which the converter reads as one only where tokenizer_config says GPT2Tokenizer, as it does
+TOKENIZERS = {
+    "phi3": "sentencepiece",
+    "mistral": "sentencepiece",
+    "phi3-longrope": dataclasses.replace(QWEN2, tokenizer_class="GPT2Tokenizer"),
+}
 TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
 
 
@@ -68,12 +72,13 @@ def case(request, tmp_path_factory):
     spec, arch = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     folder = root / "hf"
-    special = build_tokenizer_folder(folder, "qwen2")
-    if request.param in TOKENIZER_CLASS:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-        config["tokenizer_class"] = TOKENIZER_CLASS[request.param]
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    spec = dict(spec, vocab_size=VOCAB, bos_token_id=None, eos_token_id=special["<|im_end|>"])
+    tokenizer = TOKENIZERS.get(request.param, "qwen2")
+    if tokenizer == "sentencepiece":
+        special = build_sentencepiece_folder(folder)
+    else:
+        special = build_tokenizer_folder(folder, tokenizer)
+    bos, eos = special.get("<s>"), special["<|im_end|>"]
+    spec = dict(spec, vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
     make_checkpoint(folder, spec, seed=3)
     return request.param, folder, convert(folder, root / "f32.gguf"), arch
 
