@@ -10,6 +10,7 @@ permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGU
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ class Arch:
     config: dict[str, str] = field(default_factory=dict)  # beside CONFIG_KEYS: {arch}.key -> key
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp implies, not stores
     moe: Arch | None = None  # what the architecture is when the file has experts (llama: Mixtral)
+    # rope.dimension_count is the roped part of each head (partial_rotary_factor), not head_dim
+    partial_rope: bool = False
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -96,8 +99,25 @@ ARCHITECTURES = {
     ),
     # llama.cpp runs every 4th layer without rope (its own constant, as transformers' default)
     "smollm3": Arch("smollm3", permuted=True, defaults={"no_rope_layer_interval": 4}),
+    # Phi-3 / 3.5 / 4-mini: the hub's fused q|k|v and gate|up as they are; a sliding window of 0
+    # is none (what the converter writes for a null one); LongRoPE's factors are tensors
+    "phi3": Arch(
+        "phi3",
+        tensors={
+            "blk.{}.attn_qkv": "model.layers.{}.self_attn.qkv_proj",
+            "blk.{}.ffn_up": "model.layers.{}.mlp.gate_up_proj",
+        },
+        config={
+            "attention.sliding_window": "sliding_window",
+            "rope.scaling.original_context_length": "original_max_position_embeddings",
+        },
+        partial_rope=True,
+    ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
+# LongRoPE (Phi-3's 128k models): the hub's long_factor and short_factor, as float32 tensors
+LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = (ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS)  # read into the config, not weights
 
 # {arch}.<key> -> config.json key
 CONFIG_KEYS = {
@@ -157,7 +177,7 @@ class GGUFCheckpoint:
         self._names: dict[str, str] = {}  # hub name -> the file's
         self._expert: dict[str, int] = {}  # hub name -> its expert's index in a stacked tensor
         for n in self.file.tensors:
-            if n == ROPE_FREQS:
+            if n in ROPE_TENSORS:
                 continue
             for hub, e in hub_names(n, tensors, experts):
                 self._names[hub] = n
@@ -178,8 +198,11 @@ class GGUFCheckpoint:
         cfg: dict[str, Any] = {"model_type": self.spec.model_type, **self.spec.defaults}
         keys = {**CONFIG_KEYS, **self.spec.config}
         cfg.update({hub: self._meta(key) for key, hub in keys.items() if self._meta(key)})
-        if "head_dim" not in cfg and self._meta("rope.dimension_count"):
-            cfg["head_dim"] = self._meta("rope.dimension_count")  # as transformers reads it
+        rope_dim = self._meta("rope.dimension_count")
+        if self.spec.partial_rope and rope_dim:
+            cfg["partial_rotary_factor"] = rotary_factor(rope_dim, cfg)
+        elif "head_dim" not in cfg and rope_dim:
+            cfg["head_dim"] = rope_dim  # as transformers reads it
         if "vocab_size" not in cfg:  # older files: the vocabulary's or the embedding's length
             embd = self.file.tensors.get("token_embd.weight")
             cfg["vocab_size"] = len(meta.get("tokenizer.ggml.tokens") or ()) or (
@@ -195,6 +218,8 @@ class GGUFCheckpoint:
 
     def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
         kind = self._meta("rope.scaling.type")
+        if LONG_FACTORS in self.file.tensors and kind in (None, "none", "longrope"):
+            return self._longrope(cfg)
         if kind in ("linear", "yarn"):
             out = {"rope_type": kind, "factor": self._meta("rope.scaling.factor")}
             if self._meta("rope.scaling.original_context_length"):
@@ -214,6 +239,29 @@ class GGUFCheckpoint:
         dim = dim or cfg.get("hidden_size", 0) // heads
         factors = self.file.read(ROPE_FREQS).double().numpy()
         return llama3_rope_scaling(factors, cfg.get("rope_theta", 10000.0), dim, self.path)
+
+    def _longrope(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """LongRoPE's parameters: the factors as stored (float32, each read as the float64 it
+        is: Phi-3's hub configs spell them so), the original length, and the attention factor
+        where it is not the one the lengths imply (llama.cpp's converter writes that one)."""
+        if SHORT_FACTORS not in self.file.tensors:
+            raise CheckpointError(
+                f"{self.path}: has {LONG_FACTORS} but no {SHORT_FACTORS}; LongRoPE needs both "
+                "(convert the checkpoint again with llama.cpp's convert_hf_to_gguf.py)"
+            )
+        out: dict[str, Any] = {"rope_type": "longrope"}
+        for key, name in (("long_factor", LONG_FACTORS), ("short_factor", SHORT_FACTORS)):
+            out[key] = self.file.read(name).double().tolist()
+        length = cfg.get("max_position_embeddings") or 1  # missing: fails validation later
+        orig = out["original_max_position_embeddings"] = (
+            cfg.get("original_max_position_embeddings") or length
+        )
+        stored = self._meta("rope.scaling.attn_factor")
+        scale = length / orig
+        implied = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+        if stored and np.float32(stored) != np.float32(implied):
+            out["attention_factor"] = stored
+        return out
 
     def generation_config(self) -> dict[str, Any]:
         meta = self.file.metadata
@@ -314,6 +362,19 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
         .transpose(1, 2)
         .reshape(w.shape)
     )
+
+
+def rotary_factor(rope_dim: int, cfg: dict[str, Any]) -> float:
+    """partial_rotary_factor of `rope_dim` roped dims per head: the hub's factor f gives
+    int(head_dim * f) of them, so the smallest f that gives `rope_dim` (1.0: all)."""
+    heads = cfg.get("num_attention_heads") or 1  # missing fields fail validation later
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads
+    if not head_dim or rope_dim >= head_dim:
+        return 1.0
+    f = rope_dim / head_dim
+    while int(head_dim * f) < rope_dim:  # a quotient a rounding below (1 / 49 * 49 < 1)
+        f = math.nextafter(f, 1.0)
+    return f
 
 
 def llama3_rope_scaling(

@@ -10,23 +10,28 @@ mean KL <= 1e-3). An architecture Zoo does not map is refused with the list of t
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import gguf
 import pytest
 import torch
 from conftest import make_checkpoint
-from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
+from test_mistral import MISTRAL_V03
 from test_mixtral import MIXTRAL
+from test_phi3 import PHI3_MINI, PHI4_MINI, ROT
 from test_qwen3 import QWEN3
 from test_qwen3_moe import QWEN3_MOE
 from test_smollm3 import SMOLLM3
 
-from core import ConfigError, load_model
+from core import CheckpointError, ConfigError, load_model
 from core.quantize import weight_formats
-from plugins.gguf import ARCHITECTURES
+from plugins.gguf import ARCHITECTURES, GGUFCheckpoint
 
-VOCAB = 320  # the tokenizer's ids (300 BPE + specials) fit
+VOCAB = 320  # the tokenizers' ids (300 BPE or 305 sentencepiece pieces + specials) fit
 CASES = {  # name: (spec, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
     # Qwen3-30B-A3B-style: every layer MoE (llama.cpp's converter has no dense layers in a qwen3moe)
@@ -34,6 +39,30 @@ CASES = {  # name: (spec, the file's general.architecture)
     "qwen3moe": (dict(QWEN3_MOE, mlp_only_layers=[], moe_intermediate_size=32), "qwen3moe"),
     "mixtral": (MIXTRAL, "llama"),  # llama.cpp writes Mixtral as llama with experts
     "smollm3": (SMOLLM3, "smollm3"),  # NoPE on layer 3
+    "phi3": (PHI3_MINI, "phi3"),  # a window on every layer
+    # Phi-4-mini-style: LongRoPE on 3/4 of each head; the factors float32 values, as the file
+    # stores them (and Phi-3's hub configs spell them)
+    "phi3-longrope": (
+        dict(
+            PHI4_MINI,
+            rope_scaling=dict(
+                PHI4_MINI["rope_scaling"], short_factor=[1.0 + i / 8 for i in range(ROT)]
+            ),
+        ),
+        "phi3",
+    ),
+    "mistral": (MISTRAL_V03, "llama"),  # llama.cpp writes Mistral as llama
+}
+# the model_type a file loads as, where it cannot say the checkpoint's: llama.cpp writes Mistral
+# as llama, the same network (v0.1's window is dropped: llama.cpp runs it without one)
+LOADS_AS = {"mistral": "llama"}
+# each case's tokenizer, Qwen2.5's unless named here. Phi-3-mini and Mistral ship a
+# sentencepiece tokenizer.model (the file's vocabulary: llama); Phi-4-mini a byte-level BPE,
+# which the converter reads as one only where tokenizer_config says GPT2Tokenizer, as it does
+TOKENIZERS = {
+    "phi3": "sentencepiece",
+    "mistral": "sentencepiece",
+    "phi3-longrope": dataclasses.replace(QWEN2, tokenizer_class="GPT2Tokenizer"),
 }
 TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
 
@@ -44,8 +73,13 @@ def case(request, tmp_path_factory):
     spec, arch = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     folder = root / "hf"
-    special = build_tokenizer_folder(folder, "qwen2")
-    spec = dict(spec, vocab_size=VOCAB, bos_token_id=None, eos_token_id=special["<|im_end|>"])
+    tokenizer = TOKENIZERS.get(request.param, "qwen2")
+    if tokenizer == "sentencepiece":
+        special = build_sentencepiece_folder(folder)
+    else:
+        special = build_tokenizer_folder(folder, tokenizer)
+    bos, eos = special.get("<s>"), special["<|im_end|>"]
+    spec = dict(spec, vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
     make_checkpoint(folder, spec, seed=3)
     return request.param, folder, convert(folder, root / "f32.gguf"), arch
 
@@ -58,10 +92,11 @@ def test_the_file_is_llama_cpps(case):
 
 
 def test_f32_file_equals_the_checkpoint(case):
-    _, folder, path, _ = case
+    name, folder, path, _ = case
     kw = dict(max_seq_len=64, max_batch_size=2)
     ours, theirs = load_model(path, **kw), load_model(folder, **kw)
-    assert ours.config == theirs.config
+    model_type = LOADS_AS.get(name, theirs.config.model_type)
+    assert ours.config == dataclasses.replace(theirs.config, model_type=model_type)
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     want, got = theirs.forward(x), ours.forward(x)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
@@ -108,3 +143,36 @@ def test_an_architecture_not_mapped_is_refused_with_the_list(tmp_path):
     message = str(err.value)
     assert "'rwkv7' is not supported" in message
     assert all(arch in message for arch in ARCHITECTURES)
+
+
+def longrope_file(path, attn_factor: float, short: bool = True):
+    """A phi3 file's LongRoPE part: the lengths 64 / 16, the factors, the attention factor."""
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_context_length(64)
+    w.add_rope_scaling_orig_ctx_len(16)
+    w.add_rope_scaling_attn_factors(attn_factor)
+    w.add_tensor("rope_factors_long.weight", torch.full((4,), 2.0).numpy())
+    if short:
+        w.add_tensor("rope_factors_short.weight", torch.full((4,), 1.5).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_longrope_attention_factor_kept_only_where_the_lengths_do_not_imply_it(tmp_path):
+    """The converter writes sqrt(1 + ln 4 / ln 16) for 64 / 16 positions, what the hub config
+    implies (not written back); an early Phi-3 "yarn" config's 0.1 ln 4 + 1 is written back."""
+    implied, yarn = (1 + math.log(4) / math.log(16)) ** 0.5, 0.1 * math.log(4) + 1
+    rope = GGUFCheckpoint(longrope_file(tmp_path / "a.gguf", implied)).config()["rope_scaling"]
+    assert rope == {
+        "rope_type": "longrope",
+        "long_factor": [2.0] * 4,
+        "short_factor": [1.5] * 4,
+        "original_max_position_embeddings": 16,
+    }
+    rope = GGUFCheckpoint(longrope_file(tmp_path / "b.gguf", yarn)).config()["rope_scaling"]
+    assert rope["attention_factor"] == pytest.approx(yarn, rel=1e-6)
+    with pytest.raises(CheckpointError, match="rope_factors_short"):
+        GGUFCheckpoint(longrope_file(tmp_path / "c.gguf", implied, short=False)).config()
