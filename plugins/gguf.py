@@ -6,11 +6,13 @@ from the `{arch}.*` metadata, tensor names are the hub's (`blk.0.attn_q.weight` 
 as their blocks repacked (`read_quantized`, plugins/gguf_quant.py), and the tokenizer is
 rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
 permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGUF loader does.
+A hub tensor llama.cpp splits (DeepSeek's MLA `kv_b_proj`) is joined back on read (`Join`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,16 @@ if TYPE_CHECKING:  # torch loads only when a model is built: listing plugins sta
 
 
 @dataclass(frozen=True)
+class Join:
+    """One hub tensor that llama.cpp stores as several: `parts` (the file's names, layer as {},
+    no leaf), whose tensors `join` puts back together in that order. Read as floats: its
+    blocks are not kept (the join moves values across the rows that blocks are made of)."""
+
+    parts: tuple[str, ...]
+    join: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
 class Arch:
     """How one `general.architecture` of llama.cpp's maps onto a hub checkpoint."""
 
@@ -39,6 +51,10 @@ class Arch:
     moe: Arch | None = None  # what the architecture is when the file has experts (llama: Mixtral)
     # rope.dimension_count is the roped part of each head (partial_rotary_factor), not head_dim
     partial_rope: bool = False
+    joins: dict[str, Join] = field(default_factory=dict)  # hub name (layer as {}) -> its parts
+    # what the metadata implies beyond renames, last: (meta(key, default), config, the file's
+    # path) -> config
+    configure: Callable[[Callable[..., Any], dict[str, Any], Path], dict[str, Any]] | None = None
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -76,6 +92,86 @@ MIXTRAL = {  # Mixtral's hub names: w1 gate, w3 up, w2 down
     "blk.{}.ffn_up_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w3",
     "blk.{}.ffn_down_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w2",
 }
+_ATTN = "model.layers.{}.self_attn"
+DEEPSEEK2 = {  # MLA's projections and norms, shared experts, the router's correction bias
+    **EXPERTS,
+    "blk.{}.attn_q_a": f"{_ATTN}.q_a_proj",
+    "blk.{}.attn_q_a_norm": f"{_ATTN}.q_a_layernorm",
+    "blk.{}.attn_q_b": f"{_ATTN}.q_b_proj",
+    "blk.{}.attn_kv_a_mqa": f"{_ATTN}.kv_a_proj_with_mqa",
+    "blk.{}.attn_kv_a_norm": f"{_ATTN}.kv_a_layernorm",
+    "blk.{}.attn_kv_b": f"{_ATTN}.kv_b_proj",  # files converted before llama.cpp split it
+    "blk.{}.ffn_gate_shexp": "model.layers.{}.mlp.shared_experts.gate_proj",
+    "blk.{}.ffn_up_shexp": "model.layers.{}.mlp.shared_experts.up_proj",
+    "blk.{}.ffn_down_shexp": "model.layers.{}.mlp.shared_experts.down_proj",
+    "blk.{}.exp_probs_b.bias": "model.layers.{}.mlp.gate.e_score_correction_bias",  # whole name
+}
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's kv_b_proj (heads x (nope + v), kv_lora_rank): per head its k rows, then its v
+    rows, from llama.cpp's attn_k_b (heads, kv_lora_rank, nope: the k rows transposed) and
+    attn_v_b (heads, v, kv_lora_rank)."""
+    import torch
+
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1)
+
+
+def _deepseek2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """DeepSeek's config.json from llama.cpp's deepseek2 metadata (V2, V2-Lite, V3, R1 and
+    their kin). llama.cpp writes MLA as MQA over the latent (head_count_kv 1, key_length
+    kv_lora_rank + rope) and keeps the per-head sizes in *_length_mla (files converted before
+    that: in key_length / value_length); it leaves out settings that are false, zero or absent
+    (q_lora_rank, norm_topk_prob, ...); it stores YaRN's mscale_all_dim as 0.1 * it and runs
+    mscale = mscale_all_dim; V3's MTP layer is not converted. Sigmoid router scores
+    make the file a V3 (noaux_tc routing, with the correction bias); softmax ones a V2, greedy
+    or, with groups, group_limited_greedy (groups ranked by their best expert, as DeepSeek's
+    code does; llama.cpp's graph ranks them by their top two)."""
+    gating = meta("expert_gating_func", 1)  # 1 softmax (absent in older V2 files), 2 sigmoid
+    if gating not in (1, 2):
+        raise ConfigError(
+            f"{path}: deepseek2.expert_gating_func {gating} is not supported (DeepSeek's routers "
+            "score with softmax, 1, or sigmoid, 2)"
+        )
+    sigmoid = gating == 2
+    groups = meta("expert_group_count") or 1
+    head_k = meta("attention.key_length_mla") or meta("attention.key_length")
+    head_v = meta("attention.value_length_mla") or meta("attention.value_length")
+    rope = meta("rope.dimension_count")
+    if not (head_k and head_v and rope and meta("attention.kv_lora_rank")):
+        raise ConfigError(
+            f"{path}: a deepseek2 file needs the metadata keys deepseek2.attention.kv_lora_rank, "
+            "deepseek2.attention.key_length(_mla), value_length(_mla) and rope.dimension_count; "
+            "convert it again with a current llama.cpp"
+        )
+    cfg.pop("head_dim", None)
+    cfg.update(
+        model_type="deepseek_v3" if sigmoid else "deepseek_v2",
+        num_key_value_heads=cfg.get("num_attention_heads"),  # MLA has no kv heads of its own
+        q_lora_rank=meta("attention.q_lora_rank"),  # absent: a plain q_proj (V2-Lite)
+        kv_lora_rank=meta("attention.kv_lora_rank"),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=head_k - rope,
+        v_head_dim=head_v,
+        n_routed_experts=meta("expert_count"),  # absent: every MLP dense
+        n_shared_experts=meta("expert_shared_count", 0),
+        first_k_dense_replace=meta("leading_dense_block_count", 0),
+        moe_layer_freq=1,
+        scoring_func="sigmoid" if sigmoid else "softmax",
+        topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+        n_group=groups,
+        topk_group=meta("expert_group_used_count") or groups,
+        norm_topk_prob=bool(meta("expert_weights_norm", False)),
+        routed_scaling_factor=meta("expert_weights_scale", 1.0),
+        num_nextn_predict_layers=0,
+    )
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    if cfg.get("rope_scaling") and log_mul:
+        mscale = float(str(np.float32(log_mul / 0.1)))  # the shortest decimal: 0.707
+        cfg["rope_scaling"] = dict(cfg["rope_scaling"], mscale=mscale, mscale_all_dim=mscale)
+    return cfg
+
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -113,6 +209,17 @@ ARCHITECTURES = {
         },
         partial_rope=True,
     ),
+    # DeepSeek V2 / V2-Lite / V3 / R1: MLA, MoE with shared experts after leading dense layers
+    "deepseek2": Arch(
+        "deepseek_v2",
+        tensors=DEEPSEEK2,
+        config={
+            "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size",
+        },
+        joins={f"{_ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), _kv_b)},
+        configure=_deepseek2,
+    ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 # LongRoPE (Phi-3's 128k models): the hub's long_factor and short_factor, as float32 tensors
@@ -139,15 +246,23 @@ FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 def hub_names(name: str, tensors: dict[str, str], experts: int = 0) -> list[tuple[str, int | None]]:
     """`blk.3.attn_q.weight` -> [(`model.layers.3.self_attn.q_proj.weight`, None)]; a stack of
     experts -> [(expert e's hub name, e) for each of the `experts`]."""
-    module, _, leaf = name.rpartition(".")
-    parts = module.split(".")
-    target = tensors.get(".".join("{}" if p.isdigit() else p for p in parts))
+    key, layer, leaf = _template(name)
+    if f"{key}.{leaf}" in tensors:  # a whole name: the hub's leaf is not the file's
+        return [(tensors[f"{key}.{leaf}"].format(*layer), None)]
+    target = tensors.get(key)
     if target is None:
         return [(name, None)]
-    layer = [p for p in parts if p.isdigit()]
     if "{e}" not in target:
         return [(f"{target.format(*layer)}.{leaf}", None)]
     return [(f"{target.format(*layer, e=e)}.{leaf}", e) for e in range(experts)]
+
+
+def _template(name: str) -> tuple[str, list[str], str]:
+    """`blk.3.attn_q.weight` -> (`blk.{}.attn_q`, ["3"], `weight`)."""
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".")
+    key = ".".join("{}" if p.isdigit() else p for p in parts)
+    return key, [p for p in parts if p.isdigit()], leaf
 
 
 class GGUFCheckpoint:
@@ -176,13 +291,30 @@ class GGUFCheckpoint:
         tensors = {**TENSOR_NAMES, **self.spec.tensors}
         self._names: dict[str, str] = {}  # hub name -> the file's
         self._expert: dict[str, int] = {}  # hub name -> its expert's index in a stacked tensor
+        part_of = {p: hub for hub, j in self.spec.joins.items() for p in j.parts}
+        self._joined: dict[str, tuple[Join, dict[str, str]]] = {}  # hub -> (join, part -> file's)
         for n in self.file.tensors:
             if n in ROPE_TENSORS:
+                continue
+            key, layer, leaf = _template(n)
+            if key in part_of:
+                hub = f"{part_of[key].format(*layer)}.{leaf}"
+                self._joined.setdefault(hub, (self.spec.joins[part_of[key]], {}))[1][key] = n
                 continue
             for hub, e in hub_names(n, tensors, experts):
                 self._names[hub] = n
                 if e is not None:
                     self._expert[hub] = e
+        for join, found in self._joined.values():
+            missing = [p for p in join.parts if p not in found]
+            if missing:
+                first = next(iter(found.values()))
+                _, layer, leaf = _template(first)
+                partner = f"{missing[0].format(*layer)}.{leaf}"
+                raise CheckpointError(
+                    f"{path}: tensor {first!r} comes with {partner!r}, which the file lacks; "
+                    "it is incomplete: convert or download it again"
+                )
         self._config: dict[str, Any] | None = None
 
     def _meta(self, key: str, default: Any = None) -> Any:
@@ -214,7 +346,8 @@ class GGUFCheckpoint:
         cfg["torch_dtype"] = FILE_DTYPES.get(meta.get("general.file_type"), "bfloat16")
         gen = self.generation_config()
         cfg.update({k: v for k, v in gen.items() if k in ("bos_token_id", "eos_token_id")})
-        return {k: v for k, v in cfg.items() if v is not None}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        return self.spec.configure(self._meta, cfg, self.path) if self.spec.configure else cfg
 
     def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
         kind = self._meta("rope.scaling.type")
@@ -272,24 +405,43 @@ class GGUFCheckpoint:
         return {k: v for k, v in out.items() if v is not None}
 
     def tensor_names(self) -> list[str]:
-        return list(self._names)
+        return [*self._names, *self._joined]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._joined:  # joined on the meta device: shapes, no data
+            import torch
+
+            parts = [
+                torch.empty(self.file.tensors[n].shape, device="meta") for n in self._parts(name)
+            ]
+            return tuple(self._joined[name][0].join(*parts).shape)
         shape = self.file.tensors[self._names[name]].shape
         return shape[1:] if name in self._expert else shape
 
     def read(self, name: str) -> torch.Tensor:
+        if name in self._joined:
+            return self._joined[name][0].join(*(self.file.read(n) for n in self._parts(name)))
         w = self.file.read(self._names[name], self._expert.get(name))
         return self._unpermuted(name, w)
 
+    def _parts(self, name: str) -> list[str]:
+        """The file's tensors that a joined hub tensor is made of, in the join's order."""
+        join, found = self._joined[name]
+        return [found[p] for p in join.parts]
+
     def stored_name(self, name: str) -> str:
         """The file's own name for a tensor (`output.weight` for `lm_head.weight`; one expert
-        of a stack: `blk.0.ffn_up_exps.weight[5]`)."""
+        of a stack: `blk.0.ffn_up_exps.weight[5]`; joined: `blk.0.attn_k_b.weight + ...`)."""
+        if name in self._joined:
+            return " + ".join(self._parts(name))
         e = self._expert.get(name)
         return self._names[name] + ("" if e is None else f"[{e}]")
 
     def quant_format(self, name: str) -> str | None:
-        """The tensor's block format (`q4_k`), or None for floats (F32, F16, BF16)."""
+        """The tensor's block format (`q4_k`), or None for floats (F32, F16, BF16; and joined
+        tensors, read as floats)."""
+        if name in self._joined:
+            return None
         kind = self.file.type_name(self._names[name]).lower()
         return None if kind in ("f32", "f16", "bf16") else kind
 

@@ -6,20 +6,25 @@ to logits equal to the checkpoint's own (1e-4 relative), the same config, the sa
 the same text and the same chat template; a Q8_0 file, its blocks kept, meets the project's
 standard for kept weights against the same file dequantized (teacher-forced: top-1 >= 99%,
 mean KL <= 1e-3). An architecture Zoo does not map is refused with the list of those it does.
+DeepSeek files as llama.cpp's older converters wrote them (MLA's kv_b_proj whole) load the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
+from safetensors.torch import load_file
+from test_deepseek import V3, make_deepseek
 from test_mistral import MISTRAL_V03
 from test_mixtral import MIXTRAL
 from test_phi3 import PHI3_MINI, PHI4_MINI, ROT
@@ -28,11 +33,21 @@ from test_qwen3_moe import QWEN3_MOE
 from test_smollm3 import SMOLLM3
 
 from core import CheckpointError, ConfigError, load_model
+from core.layers.moe import StackedLinear
 from core.quantize import weight_formats
+from kernels.blocks import BlockExperts
 from plugins.gguf import ARCHITECTURES, GGUFCheckpoint
 
 VOCAB = 320  # the tokenizers' ids (300 BPE or 305 sentencepiece pieces + specials) fit
-CASES = {  # name: (spec, the file's general.architecture)
+
+
+def deepseek(case: str, **changes):
+    """A maker of test_deepseek's DeepSeek checkpoints as the hub ships them (one tensor per
+    expert, the hub's config keys): (folder, **spec changes) -> None."""
+    return lambda folder, **kw: make_deepseek(folder, case, **changes, **kw)
+
+
+CASES = {  # name: (spec or maker, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
     # Qwen3-30B-A3B-style: every layer MoE (llama.cpp's converter has no dense layers in a qwen3moe)
     # (experts 32 wide, so that the converter writes their down projections in blocks too)
@@ -52,6 +67,14 @@ CASES = {  # name: (spec, the file's general.architecture)
         "phi3",
     ),
     "mistral": (MISTRAL_V03, "llama"),  # llama.cpp writes Mistral as llama
+    # plain q_proj, softmax greedy routing, 2 shared experts, YaRN with mscale 0.707
+    "deepseek2-v2-lite": (deepseek("v2-lite"), "deepseek2"),
+    # q_lora, sigmoid routing with a correction bias over 4 groups, scaled; YaRN's mscale equal
+    # to mscale_all_dim, as in V3's config (llama.cpp stores the one and runs both as it)
+    "deepseek2-v3": (
+        deepseek("v3", rope_scaling=dict(V3["rope_scaling"], mscale_all_dim=1.0)),
+        "deepseek2",
+    ),
 }
 # the model_type a file loads as, where it cannot say the checkpoint's: llama.cpp writes Mistral
 # as llama, the same network (v0.1's window is dropped: llama.cpp runs it without one)
@@ -79,8 +102,11 @@ def case(request, tmp_path_factory):
     else:
         special = build_tokenizer_folder(folder, tokenizer)
     bos, eos = special.get("<s>"), special["<|im_end|>"]
-    spec = dict(spec, vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
-    make_checkpoint(folder, spec, seed=3)
+    changes = dict(vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
+    if callable(spec):  # a family whose own test module makes its hub-style checkpoints
+        spec(folder, **changes)
+    else:
+        make_checkpoint(folder, dict(spec, **changes), seed=3)
     return request.param, folder, convert(folder, root / "f32.gguf"), arch
 
 
@@ -118,16 +144,88 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     """llama.cpp's converter writes the linear weights as Q8_0 blocks; Zoo keeps them as
     stored and is judged as llama.cpp judges a quantization: against the same file
     dequantized, teacher-forced."""
-    _, folder, _, _ = case
+    name, folder, _, _ = case
     path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0")
     kept = load_model(path, max_seq_len=128)
     floats = load_model(path, max_seq_len=128, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
-    # routed experts stay in their stacked blocks too (only the chosen ones are read)
-    assert not [n for n, _ in kept.net.named_parameters() if ".experts." in n]
+    # routed experts stay in their stacked blocks too (only the chosen ones are read); where
+    # the converter could write them in blocks (rows of a multiple of 32 values: all of the
+    # qwen3moe case's)
+    stacked = [m.weight for m in kept.net.modules() if isinstance(m, StackedLinear)]
+    assert any(isinstance(w, BlockExperts) for w in stacked) == bool(stacked)
+    if name == "qwen3moe":
+        assert all(isinstance(w, BlockExperts) for w in stacked)
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
+
+
+def rewritten(path: Path, out: Path, edit) -> Path:
+    """A copy at `out` of the F32 file `path`, its metadata (key -> value) and tensors (name ->
+    array, in order) changed by `edit(arch, values, tensors)` in place."""
+    reader = gguf.GGUFReader(path)
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = fields.pop("general.architecture").contents()
+    values = {k: f.contents() for k, f in fields.items()}
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in reader.tensors)
+    tensors = {t.name: t.data for t in reader.tensors}
+    edit(arch, values, tensors)
+    writer = gguf.GGUFWriter(out, arch)
+    for k, value in values.items():
+        kind, *sub = fields[k].types
+        writer.add_key_value(k, value, kind, sub_type=sub[0] if sub else None)
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def older_deepseek2(arch: str, values: dict, tensors: dict) -> None:
+    """A deepseek2 file as llama.cpp's converter wrote it before it split MLA's kv_b_proj into
+    attn_k_b / attn_v_b (2025): one `attn_kv_b` per layer (the hub's tensor as it is), the
+    per-head sizes in key_length / value_length (no *_length_mla keys), kv heads = heads."""
+    key = f"{arch}.attention."
+    values[key + "key_length"] = values.pop(key + "key_length_mla")
+    values[key + "value_length"] = values.pop(key + "value_length_mla")
+    values[key + "head_count_kv"] = values[key + "head_count"]
+    for name in [n for n in tensors if ".attn_k_b." in n]:
+        # (heads, rank, nope) and (heads, v, rank) -> per head its k rows, then its v rows
+        k_b, v_b = tensors.pop(name), tensors.pop(name.replace("attn_k_b", "attn_v_b"))
+        kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+        tensors[name.replace("attn_k_b", "attn_kv_b")] = kv_b.reshape(-1, k_b.shape[1])
+
+
+@pytest.mark.parametrize("case", ["deepseek2-v2-lite", "deepseek2-v3"], indirect=True)
+def test_deepseek2_file_of_older_converters_loads_the_same(case, tmp_path):
+    _, folder, path, _ = case
+    older = rewritten(path, tmp_path / "older.gguf", older_deepseek2)
+    stored = {t.name: t.data for t in gguf.GGUFReader(older).tensors}
+    assert not any(".attn_k_b." in n for n in stored)
+    hub = load_file(folder / "model.safetensors")
+    for i in range(3):  # the rewrite is the hub's kv_b_proj, as older converters stored it
+        want = hub[f"model.layers.{i}.self_attn.kv_b_proj.weight"].numpy()
+        assert np.array_equal(stored[f"blk.{i}.attn_kv_b.weight"], want)
+    kw = dict(max_seq_len=64, max_batch_size=2)
+    new, old = load_model(path, **kw), load_model(older, **kw)
+    assert old.config == new.config
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(old.forward(x), new.forward(x))
+
+
+@pytest.mark.parametrize("case", ["deepseek2-v2-lite"], indirect=True)
+def test_deepseek2_half_of_a_split_kv_b_is_named(case, tmp_path):
+    def drop(arch, values, tensors):
+        del tensors["blk.1.attn_v_b.weight"]
+
+    path = rewritten(case[2], tmp_path / "broken.gguf", drop)
+    with pytest.raises(
+        CheckpointError, match=r"'blk\.1\.attn_k_b\.weight'.*'blk\.1\.attn_v_b\.weight'"
+    ):
+        load_model(path, max_seq_len=16)
 
 
 def test_an_architecture_not_mapped_is_refused_with_the_list(tmp_path):
