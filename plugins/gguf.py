@@ -5,11 +5,13 @@ from the `{arch}.*` metadata, tensor names are the hub's (`blk.0.attn_q.weight` 
 `model.layers.0.self_attn.q_proj.weight`), tensors come back as floats or, for linear weights,
 as their blocks repacked (`read_quantized`, plugins/gguf_quant.py), and the tokenizer is
 rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
-permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGUF loader does.
+permuted for its rope kernel, and Gemma's (1 + w) norm weights as 1 + w; `read()` undoes both (the
+permutation exactly as transformers' GGUF loader does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +38,9 @@ class Arch:
     config: dict[str, str] = field(default_factory=dict)  # beside CONFIG_KEYS: {arch}.key -> key
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp implies, not stores
     moe: Arch | None = None  # what the architecture is when the file has experts (llama: Mixtral)
+    norm_offset: float = 0.0  # llama.cpp stored each norm weight plus this (Gemma's 1 + w: 1)
+    # config keys llama.cpp derives from the others rather than reading, given the config so far
+    implied: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -73,6 +78,39 @@ MIXTRAL = {  # Mixtral's hub names: w1 gate, w3 up, w2 down
     "blk.{}.ffn_up_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w3",
     "blk.{}.ffn_down_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w2",
 }
+GEMMA2_NORMS = {  # Gemma 2/3's sandwich norms: after attention, before and after the MLP
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.ffn_norm": "model.layers.{}.pre_feedforward_layernorm",
+    "blk.{}.post_ffw_norm": "model.layers.{}.post_feedforward_layernorm",
+}
+GEMMA2_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+
+def gemma_attention_scale(layers_27b: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Gemma 2/3's query_pre_attn_scalar, which llama.cpp's converter does not store: its loader
+    takes hidden / heads for the 27B (recognised by its layer count), head_dim for every other
+    size, as the releases have it (gemma_pytorch's config)."""
+
+    def implied(cfg: dict[str, Any]) -> dict[str, Any]:
+        hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+        if cfg.get("num_hidden_layers") == layers_27b and hidden and heads:
+            return {"query_pre_attn_scalar": hidden // heads}
+        return {"query_pre_attn_scalar": cfg["head_dim"]} if cfg.get("head_dim") else {}
+
+    return implied
+
+
+def gemma3_implied(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's scale as Gemma 2's; a file with no window has global layers only (the converter
+    writes none for sliding_window_pattern 1, and llama.cpp then runs no window)."""
+    out = gemma_attention_scale(62)(cfg)
+    return out if "sliding_window" in cfg else {**out, "sliding_window_pattern": 1}
+
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -96,6 +134,30 @@ ARCHITECTURES = {
     ),
     # llama.cpp runs every 4th layer without rope (its own constant, as transformers' default)
     "smollm3": Arch("smollm3", permuted=True, defaults={"no_rope_layer_interval": 4}),
+    # Gemma's norms are (1 + w). The Gemma 1/2 converters store no rope base: llama.cpp runs its
+    # default, 10000. llama.cpp windows Gemma 2's layers 1 in 2 and Gemma 3's 5 in 6 (unless the
+    # file says otherwise), as transformers' defaults have them.
+    "gemma": Arch("gemma", norm_offset=1.0, defaults={"rope_theta": 10000.0}),
+    "gemma2": Arch(
+        "gemma2",
+        norm_offset=1.0,
+        tensors=GEMMA2_NORMS,
+        config=GEMMA2_KEYS,
+        defaults={"rope_theta": 10000.0},
+        implied=gemma_attention_scale(46),
+    ),
+    "gemma3": Arch(
+        "gemma3_text",
+        norm_offset=1.0,
+        tensors=GEMMA2_NORMS,
+        config={
+            **GEMMA2_KEYS,
+            "attention.sliding_window_pattern": "sliding_window_pattern",
+            "rope.freq_base_swa": "rope_local_base_freq",
+        },
+        defaults={"rope_theta": 10000.0},
+        implied=gemma3_implied,
+    ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 
@@ -185,6 +247,8 @@ class GGUFCheckpoint:
             cfg["vocab_size"] = len(meta.get("tokenizer.ggml.tokens") or ()) or (
                 embd.shape[0] if embd else None
             )
+        if self.spec.implied is not None:
+            cfg.update(self.spec.implied(cfg))
         cfg["rope_scaling"] = self._rope_scaling(cfg)
         cfg["tie_word_embeddings"] = "output.weight" not in self.file.tensors
         cfg["attention_bias"] = "blk.0.attn_q.bias" in self.file.tensors
@@ -232,6 +296,8 @@ class GGUFCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         w = self.file.read(self._names[name], self._expert.get(name))
+        if self.spec.norm_offset and name.endswith("norm.weight"):  # as the converter added it
+            w = w.float() - self.spec.norm_offset
         return self._unpermuted(name, w)
 
     def stored_name(self, name: str) -> str:

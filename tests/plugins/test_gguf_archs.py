@@ -1,11 +1,12 @@
 """GGUF files of every architecture Zoo maps, as llama.cpp's own converter writes them.
 
-Each case is a tiny random checkpoint of a built-in family with a small chat tokenizer,
-converted by `convert_hf_to_gguf.py` (tests/fixtures/llama_cpp_convert.py): the F32 file loads
-to logits equal to the checkpoint's own (1e-4 relative), the same config, the same tokens for
-the same text and the same chat template; a Q8_0 file, its blocks kept, meets the project's
-standard for kept weights against the same file dequantized (teacher-forced: top-1 >= 99%,
-mean KL <= 1e-3). An architecture Zoo does not map is refused with the list of those it does.
+Each case is a tiny random checkpoint of a built-in family with a small chat tokenizer (Gemma's:
+a sentencepiece one, the only kind its converters read), converted by `convert_hf_to_gguf.py`
+(tests/fixtures/llama_cpp_convert.py): the F32 file loads to logits equal to the checkpoint's
+own (1e-4 relative), the same config, the same tokens for the same text and the same chat
+template; a Q8_0 file, its blocks kept, meets the project's standard for kept weights against
+the same file dequantized (teacher-forced: top-1 >= 99%, mean KL <= 1e-3). An architecture Zoo
+does not map is refused with the list of those it does.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import pytest
 import torch
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
+from test_gemma import GEMMA, GEMMA2, GEMMA3, gemma_checkpoint
 from test_mixtral import MIXTRAL
 from test_qwen3 import QWEN3
 from test_qwen3_moe import QWEN3_MOE
@@ -26,14 +29,23 @@ from core import ConfigError, load_model
 from core.quantize import weight_formats
 from plugins.gguf import ARCHITECTURES
 
-VOCAB = 320  # the tokenizer's ids (300 BPE + specials) fit
+VOCAB = 320  # the tokenizer's ids (300 BPE + specials) fit; Gemma's vocabulary is larger (512)
 CASES = {  # name: (spec, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
     # Qwen3-30B-A3B-style: every layer MoE (llama.cpp's converter has no dense layers in a qwen3moe)
     "qwen3moe": (dict(QWEN3_MOE, mlp_only_layers=[]), "qwen3moe"),
     "mixtral": (MIXTRAL, "llama"),  # llama.cpp writes Mixtral as llama with experts
     "smollm3": (SMOLLM3, "smollm3"),  # NoPE on layer 3
+    # Gemma's (1 + w) norms; Gemma 2's window (5), soft-caps and sandwich norms; Gemma 3's q/k norms
+    # and local rope base beside a linearly scaled global one. llama.cpp implies what the
+    # converter leaves out, and the checkpoints have it so: Gemma 2 at the 27B's layer count (46)
+    # scales scores by hidden / heads (48 / 4), Gemma 3 (any other count) by head_dim (16);
+    # Gemma 3's window pattern is 6 (5 windowed, 1 global)
+    "gemma": (GEMMA, "gemma"),
+    "gemma2": (dict(GEMMA2, num_hidden_layers=46, query_pre_attn_scalar=12), "gemma2"),
+    "gemma3": (dict(GEMMA3, sliding_window_pattern=6, query_pre_attn_scalar=16), "gemma3"),
 }
+GEMMA_IDS = {"bos_token_id": "<bos>", "eos_token_id": "<end_of_turn>", "pad_token_id": "<pad>"}
 TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
 
 
@@ -43,9 +55,14 @@ def case(request, tmp_path_factory):
     spec, arch = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     folder = root / "hf"
-    special = build_tokenizer_folder(folder, "qwen2")
-    spec = dict(spec, vocab_size=VOCAB, bos_token_id=None, eos_token_id=special["<|im_end|>"])
-    make_checkpoint(folder, spec, seed=3)
+    if arch.startswith("gemma"):  # in the released repos' config keys
+        special = build_gemma_tokenizer_folder(folder)
+        ids = {k: special[t] for k, t in GEMMA_IDS.items()}
+        gemma_checkpoint(folder, dict(spec, **ids, vocab_size=special["vocab_size"]))
+    else:
+        special = build_tokenizer_folder(folder, "qwen2")
+        spec = dict(spec, vocab_size=VOCAB, bos_token_id=None, eos_token_id=special["<|im_end|>"])
+        make_checkpoint(folder, spec, seed=3)
     return request.param, folder, convert(folder, root / "f32.gguf"), arch
 
 
