@@ -5,8 +5,9 @@ from the `{arch}.*` metadata, tensor names are the hub's (`blk.0.attn_q.weight` 
 `model.layers.0.self_attn.q_proj.weight`), tensors come back as floats or, for linear weights,
 as their blocks repacked (`read_quantized`, plugins/gguf_quant.py), and the tokenizer is
 rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
-permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGUF loader does.
-A hub tensor llama.cpp splits (DeepSeek's MLA `kv_b_proj`) is joined back on read (`Join`).
+permuted for its rope kernel, and Gemma's (1 + w) norm weights as 1 + w; `read()` undoes both (the
+permutation exactly as transformers' GGUF loader does). A hub tensor llama.cpp splits (DeepSeek's
+MLA `kv_b_proj`) is joined back on read (`Join`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Arch:
     # what the metadata implies beyond renames, last: (meta(key, default), config, the file's
     # path) -> config
     configure: Callable[[Callable[..., Any], dict[str, Any], Path], dict[str, Any]] | None = None
+    norm_offset: float = 0.0  # llama.cpp stored each norm weight plus this (Gemma's 1 + w: 1)
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -172,6 +174,39 @@ def _deepseek2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dic
     return cfg
 
 
+GEMMA2_NORMS = {  # Gemma 2/3's sandwich norms: after attention, before and after the MLP
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.ffn_norm": "model.layers.{}.pre_feedforward_layernorm",
+    "blk.{}.post_ffw_norm": "model.layers.{}.post_feedforward_layernorm",
+}
+GEMMA2_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+
+def _gemma_scale(cfg: dict[str, Any], layers_27b: int) -> dict[str, Any]:
+    """Gemma 2/3's query_pre_attn_scalar, which llama.cpp's converter does not store: its loader
+    takes hidden / heads for the 27B (recognised by its layer count), head_dim for every other
+    size, as the releases have it (gemma_pytorch's config)."""
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if cfg.get("num_hidden_layers") == layers_27b and hidden and heads:
+        return {**cfg, "query_pre_attn_scalar": hidden // heads}
+    return {**cfg, "query_pre_attn_scalar": cfg["head_dim"]} if cfg.get("head_dim") else cfg
+
+
+def _gemma2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    return _gemma_scale(cfg, 46)
+
+
+def _gemma3(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 3's scale as Gemma 2's; a file with no window has global layers only (the converter
+    writes none for sliding_window_pattern 1, and llama.cpp then runs no window)."""
+    cfg = _gemma_scale(cfg, 62)
+    return cfg if "sliding_window" in cfg else {**cfg, "sliding_window_pattern": 1}
+
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -219,6 +254,30 @@ ARCHITECTURES = {
         },
         joins={f"{_ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), _kv_b)},
         configure=_deepseek2,
+    ),
+    # Gemma's norms are (1 + w). The Gemma 1/2 converters store no rope base: llama.cpp runs its
+    # default, 10000. llama.cpp windows Gemma 2's layers 1 in 2 and Gemma 3's 5 in 6 (unless the
+    # file says otherwise), as transformers' defaults have them.
+    "gemma": Arch("gemma", norm_offset=1.0, defaults={"rope_theta": 10000.0}),
+    "gemma2": Arch(
+        "gemma2",
+        norm_offset=1.0,
+        tensors=GEMMA2_NORMS,
+        config=GEMMA2_KEYS,
+        defaults={"rope_theta": 10000.0},
+        configure=_gemma2,
+    ),
+    "gemma3": Arch(
+        "gemma3_text",
+        norm_offset=1.0,
+        tensors=GEMMA2_NORMS,
+        config={
+            **GEMMA2_KEYS,
+            "attention.sliding_window_pattern": "sliding_window_pattern",
+            "rope.freq_base_swa": "rope_local_base_freq",
+        },
+        defaults={"rope_theta": 10000.0},
+        configure=_gemma3,
     ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
@@ -422,6 +481,8 @@ class GGUFCheckpoint:
         if name in self._joined:
             return self._joined[name][0].join(*(self.file.read(n) for n in self._parts(name)))
         w = self.file.read(self._names[name], self._expert.get(name))
+        if self.spec.norm_offset and name.endswith("norm.weight"):  # as the converter added it
+            w = w.float() - self.spec.norm_offset
         return self._unpermuted(name, w)
 
     def _parts(self, name: str) -> list[str]:

@@ -1,11 +1,12 @@
 """GGUF files of every architecture Zoo maps, as llama.cpp's own converter writes them.
 
-Each case is a tiny random checkpoint of a built-in family with a small chat tokenizer,
-converted by `convert_hf_to_gguf.py` (tests/fixtures/llama_cpp_convert.py): the F32 file loads
-to logits equal to the checkpoint's own (1e-4 relative), the same config, the same tokens for
-the same text and the same chat template; a Q8_0 file, its blocks kept, meets the project's
-standard for kept weights against the same file dequantized (teacher-forced: top-1 >= 99%,
-mean KL <= 1e-3). An architecture Zoo does not map is refused with the list of those it does.
+Each case is a tiny random checkpoint of a built-in family with a small chat tokenizer (Gemma's:
+a sentencepiece one, the only kind its converters read), converted by `convert_hf_to_gguf.py`
+(tests/fixtures/llama_cpp_convert.py): the F32 file loads to logits equal to the checkpoint's
+own (1e-4 relative), the same config, the same tokens for the same text and the same chat
+template; a Q8_0 file, its blocks kept, meets the project's standard for kept weights against
+the same file dequantized (teacher-forced: top-1 >= 99%, mean KL <= 1e-3). An architecture Zoo
+does not map is refused with the list of those it does.
 DeepSeek files as llama.cpp's older converters wrote them (MLA's kv_b_proj whole) load the same.
 """
 
@@ -21,10 +22,12 @@ import pytest
 import torch
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_tokenizer_folder
+from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
 from safetensors.torch import load_file
 from test_deepseek import V3, make_deepseek
+from test_gemma import GEMMA, GEMMA2, GEMMA3, gemma_checkpoint
 from test_mistral import MISTRAL_V03
 from test_mixtral import MIXTRAL
 from test_phi3 import PHI3_MINI, PHI4_MINI, ROT
@@ -38,7 +41,8 @@ from core.quantize import weight_formats
 from kernels.blocks import BlockExperts
 from plugins.gguf import ARCHITECTURES, GGUFCheckpoint
 
-VOCAB = 320  # the tokenizers' ids (300 BPE or 305 sentencepiece pieces + specials) fit
+VOCAB = 320  # the tokenizers' ids (300 BPE or 305 sentencepiece pieces + specials) fit;
+# Gemma's vocabulary is larger (512)
 
 
 def deepseek(case: str, **changes):
@@ -75,6 +79,14 @@ CASES = {  # name: (spec or maker, the file's general.architecture)
         deepseek("v3", rope_scaling=dict(V3["rope_scaling"], mscale_all_dim=1.0)),
         "deepseek2",
     ),
+    # Gemma's (1 + w) norms; Gemma 2's window (5), soft-caps and sandwich norms; Gemma 3's q/k norms
+    # and local rope base beside a linearly scaled global one. llama.cpp implies what the
+    # converter leaves out, and the checkpoints have it so: Gemma 2 at the 27B's layer count (46)
+    # scales scores by hidden / heads (48 / 4), Gemma 3 (any other count) by head_dim (16);
+    # Gemma 3's window pattern is 6 (5 windowed, 1 global)
+    "gemma": (GEMMA, "gemma"),
+    "gemma2": (dict(GEMMA2, num_hidden_layers=46, query_pre_attn_scalar=12), "gemma2"),
+    "gemma3": (dict(GEMMA3, sliding_window_pattern=6, query_pre_attn_scalar=16), "gemma3"),
 }
 # the model_type a file loads as, where it cannot say the checkpoint's: llama.cpp writes Mistral
 # as llama, the same network (v0.1's window is dropped: llama.cpp runs it without one)
@@ -87,6 +99,7 @@ TOKENIZERS = {
     "mistral": "sentencepiece",
     "phi3-longrope": dataclasses.replace(QWEN2, tokenizer_class="GPT2Tokenizer"),
 }
+GEMMA_IDS = {"bos_token_id": "<bos>", "eos_token_id": "<end_of_turn>", "pad_token_id": "<pad>"}
 TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
 
 
@@ -96,17 +109,22 @@ def case(request, tmp_path_factory):
     spec, arch = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     folder = root / "hf"
-    tokenizer = TOKENIZERS.get(request.param, "qwen2")
-    if tokenizer == "sentencepiece":
-        special = build_sentencepiece_folder(folder)
+    if arch.startswith("gemma"):  # in the released repos' config keys
+        special = build_gemma_tokenizer_folder(folder)
+        ids = {k: special[t] for k, t in GEMMA_IDS.items()}
+        gemma_checkpoint(folder, dict(spec, **ids, vocab_size=special["vocab_size"]))
     else:
-        special = build_tokenizer_folder(folder, tokenizer)
-    bos, eos = special.get("<s>"), special["<|im_end|>"]
-    changes = dict(vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
-    if callable(spec):  # a family whose own test module makes its hub-style checkpoints
-        spec(folder, **changes)
-    else:
-        make_checkpoint(folder, dict(spec, **changes), seed=3)
+        tokenizer = TOKENIZERS.get(request.param, "qwen2")
+        if tokenizer == "sentencepiece":
+            special = build_sentencepiece_folder(folder)
+        else:
+            special = build_tokenizer_folder(folder, tokenizer)
+        bos, eos = special.get("<s>"), special["<|im_end|>"]
+        changes = dict(vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
+        if callable(spec):  # a family whose own test module makes its hub-style checkpoints
+            spec(folder, **changes)
+        else:
+            make_checkpoint(folder, dict(spec, **changes), seed=3)
     return request.param, folder, convert(folder, root / "f32.gguf"), arch
 
 
