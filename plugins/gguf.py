@@ -6,6 +6,8 @@ from the `{arch}.*` metadata, tensor names are the hub's (`blk.0.attn_q.weight` 
 as their blocks repacked (`read_quantized`, plugins/gguf_quant.py), and the tokenizer is
 rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
 permuted for its rope kernel; `read()` undoes that, exactly as transformers' GGUF loader does.
+Where the converter split one hub tensor in two (gpt-oss's interleaved gate_up), both file
+tensors carry the hub's name and `read()` interleaves their rows again.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ class Arch:
     config: dict[str, str] = field(default_factory=dict)  # beside CONFIG_KEYS: {arch}.key -> key
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp implies, not stores
     moe: Arch | None = None  # what the architecture is when the file has experts (llama: Mixtral)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # implied beside a stored scaling
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
 # (and the loader reports them as unexpected). Stacked experts (`_exps`, (experts, rows, cols))
-# become the hub's one tensor per expert ({e}), each read as its slice of the stack.
+# become the hub's one tensor per expert ({e}), each read as its slice of the stack. A key may
+# name a whole tensor, leaf included, whose hub name has no `.weight` (looked up first). Two
+# file tensors given one hub name make it with their rows alternating, in the keys' order.
 TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -73,6 +78,20 @@ MIXTRAL = {  # Mixtral's hub names: w1 gate, w3 up, w2 down
     "blk.{}.ffn_up_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w3",
     "blk.{}.ffn_down_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w2",
 }
+GPT_OSS = {  # transformers' names; the experts under the released checkpoint's (E, out, in) ones
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.attn_sinks.weight": "model.layers.{}.self_attn.sinks",
+    "blk.{}.ffn_gate_inp": "model.layers.{}.mlp.router",
+    # the converter splits the hub's interleaved (gate, up) rows (and bias) into gate and up;
+    # MXFP4 experts stay MXFP4 (read dequantized, as plugins/safetensors_mxfp4.py reads the
+    # hub's), float ones are written transposed to (E, out, in): the `_blocks` orientation
+    "blk.{}.ffn_gate_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
+    "blk.{}.ffn_up_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
+    "blk.{}.ffn_gate_exps.bias": "model.layers.{}.mlp.experts.gate_up_proj_bias",
+    "blk.{}.ffn_up_exps.bias": "model.layers.{}.mlp.experts.gate_up_proj_bias",
+    "blk.{}.ffn_down_exps.weight": "model.layers.{}.mlp.experts.down_proj_blocks",
+    "blk.{}.ffn_down_exps.bias": "model.layers.{}.mlp.experts.down_proj_bias",
+}
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -96,6 +115,20 @@ ARCHITECTURES = {
     ),
     # llama.cpp runs every 4th layer without rope (its own constant, as transformers' default)
     "smollm3": Arch("smollm3", permuted=True, defaults={"no_rope_layer_interval": 4}),
+    # llama.cpp's graph hard-codes gpt-oss's SwiGLU (alpha 1.702, clamped at 7) and slides every
+    # even layer (set_swa_pattern(2): GptOssConfig's default without layer_types). Its yarn
+    # rounds the correction range; the model's own (OpenAI's, transformers') does not.
+    "gpt-oss": Arch(
+        "gpt_oss",
+        tensors=GPT_OSS,
+        config={
+            "attention.sliding_window": "sliding_window",
+            "expert_count": "num_local_experts",
+            "expert_used_count": "num_experts_per_tok",
+        },
+        defaults={"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+        rope_scaling={"truncate": False},
+    ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 
@@ -117,17 +150,42 @@ FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
 def hub_names(name: str, tensors: dict[str, str], experts: int = 0) -> list[tuple[str, int | None]]:
-    """`blk.3.attn_q.weight` -> [(`model.layers.3.self_attn.q_proj.weight`, None)]; a stack of
-    experts -> [(expert e's hub name, e) for each of the `experts`]."""
+    """`blk.3.attn_q.weight` -> [(`model.layers.3.self_attn.q_proj.weight`, None)] (a whole-name
+    key: `blk.3.attn_sinks.weight` -> `model.layers.3.self_attn.sinks`); a stack of experts ->
+    [(expert e's hub name, e) for each of the `experts`]."""
     module, _, leaf = name.rpartition(".")
     parts = module.split(".")
-    target = tensors.get(".".join("{}" if p.isdigit() else p for p in parts))
+    layer = [p for p in parts if p.isdigit()]
+    whole = tensors.get(_template(name))
+    if whole is not None:
+        return [(whole.format(*layer), None)]
+    target = tensors.get(_template(module))
     if target is None:
         return [(name, None)]
-    layer = [p for p in parts if p.isdigit()]
     if "{e}" not in target:
         return [(f"{target.format(*layer)}.{leaf}", None)]
     return [(f"{target.format(*layer, e=e)}.{leaf}", e) for e in range(experts)]
+
+
+def _template(name: str) -> str:
+    return ".".join("{}" if p.isdigit() else p for p in name.split("."))
+
+
+def interleave(parts: list, axis: int):
+    """Tensors (or arrays) of one shape -> one whose `axis` alternates between them: index i
+    of part k goes to i * len(parts) + k."""
+    shape = list(parts[0].shape)
+    shape[axis] *= len(parts)
+    if isinstance(parts[0], np.ndarray):
+        return np.stack(parts, axis).reshape(shape)
+    import torch
+
+    return torch.stack(parts, axis).reshape(shape)
+
+
+def _rows(name: str) -> int:
+    """The axis of a file tensor's rows: a weight's (out, in) matrices, a bias's last."""
+    return -1 if name.endswith(".bias") else -2
 
 
 class GGUFCheckpoint:
@@ -154,15 +212,23 @@ class GGUFCheckpoint:
         if experts and self.spec.moe is not None:
             self.spec = self.spec.moe
         tensors = {**TENSOR_NAMES, **self.spec.tensors}
-        self._names: dict[str, str] = {}  # hub name -> the file's
+        self._names: dict[str, str] = {}  # hub name -> the file's (the first, of several)
+        self._parts: dict[str, list[str]] = {}  # hub name -> the file's, rows interleaved
         self._expert: dict[str, int] = {}  # hub name -> its expert's index in a stacked tensor
         for n in self.file.tensors:
             if n == ROPE_FREQS:
                 continue
             for hub, e in hub_names(n, tensors, experts):
-                self._names[hub] = n
+                self._parts.setdefault(hub, []).append(n)
                 if e is not None:
                     self._expert[hub] = e
+        order = {key: i for i, key in enumerate(tensors)}
+        for hub, files in list(self._parts.items()):
+            if len(files) == 1:
+                del self._parts[hub]
+            else:  # in the order of their keys (whole names, as gpt-oss's are)
+                files.sort(key=lambda n: order[_template(n)])
+            self._names[hub] = files[0]
         self._config: dict[str, Any] | None = None
 
     def _meta(self, key: str, default: Any = None) -> Any:
@@ -196,7 +262,8 @@ class GGUFCheckpoint:
     def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
         kind = self._meta("rope.scaling.type")
         if kind in ("linear", "yarn"):
-            out = {"rope_type": kind, "factor": self._meta("rope.scaling.factor")}
+            out = {"rope_type": kind, **self.spec.rope_scaling}
+            out["factor"] = self._meta("rope.scaling.factor")
             if self._meta("rope.scaling.original_context_length"):
                 out["original_max_position_embeddings"] = self._meta(
                     "rope.scaling.original_context_length"
@@ -227,27 +294,38 @@ class GGUFCheckpoint:
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        shape = self.file.tensors[self._names[name]].shape
-        return shape[1:] if name in self._expert else shape
+        shape = list(self.file.tensors[self._names[name]].shape)
+        if name in self._parts:
+            shape[_rows(self._names[name])] *= len(self._parts[name])
+        return tuple(shape[1:] if name in self._expert else shape)
 
     def read(self, name: str) -> torch.Tensor:
-        w = self.file.read(self._names[name], self._expert.get(name))
-        return self._unpermuted(name, w)
+        e = self._expert.get(name)
+        if name in self._parts:
+            parts = [self.file.read(n, e) for n in self._parts[name]]
+            return interleave(parts, _rows(self._names[name]))
+        return self._unpermuted(name, self.file.read(self._names[name], e))
+
+    def _files(self, name: str) -> list[str]:
+        """The file's tensors that make the hub's `name`: one, or those interleaved."""
+        return self._parts.get(name) or [self._names[name]]
 
     def stored_name(self, name: str) -> str:
         """The file's own name for a tensor (`output.weight` for `lm_head.weight`; one expert
-        of a stack: `blk.0.ffn_up_exps.weight[5]`)."""
+        of a stack: `blk.0.ffn_up_exps.weight[5]`; interleaved ones joined by `+`)."""
         e = self._expert.get(name)
-        return self._names[name] + ("" if e is None else f"[{e}]")
+        return "+".join(n + ("" if e is None else f"[{e}]") for n in self._files(name))
 
     def quant_format(self, name: str) -> str | None:
-        """The tensor's block format (`q4_k`), or None for floats (F32, F16, BF16)."""
-        kind = self.file.type_name(self._names[name]).lower()
-        return None if kind in ("f32", "f16", "bf16") else kind
+        """The tensor's block format (`q4_k`, `mxfp4`), or None for floats (F32, F16, BF16) and
+        for interleaved tensors stored in different formats (read only as floats)."""
+        kinds = {self.file.type_name(n).lower() for n in self._files(name)}
+        return None if len(kinds) > 1 or kinds <= {"f32", "f16", "bf16"} else kinds.pop()
 
     def blocks(self, name: str) -> tuple[str, np.ndarray, np.ndarray | None]:
         """The tensor's block format, its bytes as stored ((rows, bytes per row) uint8, memory-
-        mapped) and the stored row of each row of the hub's tensor (None: the same order)."""
+        mapped; a copy where interleaved) and the stored row of each row of the hub's tensor
+        (None: the same order)."""
         import torch
 
         info = self.file.tensors[self._names[name]]
@@ -258,13 +336,14 @@ class GGUFCheckpoint:
 
     def stored_bytes(self, name: str) -> int:
         """The tensor's bytes in the file (its blocks, or floats)."""
-        info = self.file.tensors[self._names[name]]
-        return info.nbytes // info.shape[0] if name in self._expert else info.nbytes
+        infos = [self.file.tensors[n] for n in self._files(name)]
+        return sum(i.nbytes // i.shape[0] if name in self._expert else i.nbytes for i in infos)
 
     def release(self, name: str) -> None:
         """The tensor's pages may leave this process's resident memory (their blocks were
         copied); see GGUFFile.release."""
-        self.file.release(self._names[name])
+        for n in self._files(name):
+            self.file.release(n)
 
     def read_quantized(self, name: str) -> QuantWeight:
         """The tensor's blocks as a `QuantWeight` (lossless; see plugins/gguf_quant.py)."""
@@ -277,9 +356,15 @@ class GGUFCheckpoint:
         return repack(self.quant_format(name), raw, self.shape(name))
 
     def _raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as stored (its expert's, of a stack), memory-mapped."""
-        raw = self.file.raw(self._names[name])
-        return raw[self._expert[name]] if name in self._expert else raw
+        """The tensor's bytes as stored (its expert's, of a stack), memory-mapped; interleaved
+        ones (a matrix's rows of blocks: weights only) copied into the hub's row order. What
+        `blocks` and `read_quantized` take; MXFP4's are ggml's `block_mxfp4` (an e8m0 scale
+        byte, then 16 bytes: value j in the low nibble, j + 16 in the high one), not the hub's
+        (plugins/safetensors_mxfp4.py), and `read` dequantizes them with the `gguf` package."""
+        raws = [self.file.raw(n) for n in self._files(name)]
+        if name in self._expert:
+            raws = [raw[self._expert[name]] for raw in raws]
+        return raws[0] if len(raws) == 1 else interleave(raws, -2)
 
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp stored this tensor's rows in its own q/k order."""

@@ -10,6 +10,8 @@ mean KL <= 1e-3). An architecture Zoo does not map is refused with the list of t
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import pytest
 import torch
@@ -17,6 +19,7 @@ from conftest import make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
+from test_gpt_oss import GPT_OSS, to_mxfp4
 from test_mixtral import MIXTRAL
 from test_qwen3 import QWEN3
 from test_qwen3_moe import QWEN3_MOE
@@ -33,7 +36,24 @@ CASES = {  # name: (spec, the file's general.architecture)
     "qwen3moe": (dict(QWEN3_MOE, mlp_only_layers=[]), "qwen3moe"),
     "mixtral": (MIXTRAL, "llama"),  # llama.cpp writes Mixtral as llama with experts
     "smollm3": (SMOLLM3, "smollm3"),  # NoPE on layer 3
+    # llama.cpp runs gpt-oss's SwiGLU clamped at 7, whatever the config says (GPT_OSS: 1.5).
+    # Float experts are written split into gate and up, transposed; Q8_0 by --outtype q8_0.
+    "gpt-oss": (dict(GPT_OSS, swiglu_limit=7.0), "gpt-oss"),
+    # MXFP4 experts, as released: repacked to ggml's MXFP4 whatever the --outtype, so the
+    # Q8_0 file holds them as the F32 file does
+    "gpt-oss-mxfp4": (dict(GPT_OSS, swiglu_limit=7.0), "gpt-oss"),
 }
+
+
+def released_mxfp4(folder):
+    """The experts in MXFP4 and config.json's torch_dtype bfloat16, as openai/gpt-oss-20b's
+    (the GGUF file's type, MOSTLY_MXFP4_MOE, reads as bfloat16, as every block format does)."""
+    to_mxfp4(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="bfloat16")))
+
+
+FINISH = {"gpt-oss-mxfp4": released_mxfp4}  # what rewrites a case's saved checkpoint
 TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
 
 
@@ -46,6 +66,8 @@ def case(request, tmp_path_factory):
     special = build_tokenizer_folder(folder, "qwen2")
     spec = dict(spec, vocab_size=VOCAB, bos_token_id=None, eos_token_id=special["<|im_end|>"])
     make_checkpoint(folder, spec, seed=3)
+    if request.param in FINISH:
+        FINISH[request.param](folder)
     return request.param, folder, convert(folder, root / "f32.gguf"), arch
 
 
@@ -58,7 +80,7 @@ def test_the_file_is_llama_cpps(case):
 
 def test_f32_file_equals_the_checkpoint(case):
     _, folder, path, _ = case
-    kw = dict(max_seq_len=64, max_batch_size=2)
+    kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")  # the file's floats are F32
     ours, theirs = load_model(path, **kw), load_model(folder, **kw)
     assert ours.config == theirs.config
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
