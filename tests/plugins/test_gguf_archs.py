@@ -5,7 +5,9 @@ converted by `convert_hf_to_gguf.py` (tests/fixtures/llama_cpp_convert.py): the 
 to logits equal to the checkpoint's own (1e-4 relative), the same config, the same tokens for
 the same text and the same chat template; a Q8_0 file, its blocks kept, meets the project's
 standard for kept weights against the same file dequantized (teacher-forced: top-1 >= 99%,
-mean KL <= 1e-3). An architecture Zoo does not map is refused with the list of those it does.
+mean KL <= 1e-3), and dequantized holds the F32 file's weights to Q8_0's rounding (the weights
+Zoo does not keep, such as gpt-oss's experts, included). An architecture Zoo does not map is
+refused with the list of those it does.
 """
 
 from __future__ import annotations
@@ -103,8 +105,10 @@ def test_tokenizer_and_chat_template_come_from_the_file(case):
 def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     """llama.cpp's converter writes the linear weights as Q8_0 blocks; Zoo keeps them as
     stored and is judged as llama.cpp judges a quantization: against the same file
-    dequantized, teacher-forced."""
-    _, folder, _, _ = case
+    dequantized, teacher-forced. Dequantized, each weight is the F32 file's to within Q8_0's
+    rounding (half a step, the step 1/127 of a block's largest value, in fp16; here bounded by
+    the tensor's largest / 200): the weights Zoo reads as floats too, such as gpt-oss's experts."""
+    _, folder, f32_path, _ = case
     path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0")
     kept = load_model(path, max_seq_len=128)
     floats = load_model(path, max_seq_len=128, dequantize=True)
@@ -112,6 +116,10 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
+    got = load_model(path, max_seq_len=8, dequantize=True, dtype="float32").net.named_parameters()
+    want = dict(load_model(f32_path, max_seq_len=8, dtype="float32").net.named_parameters())
+    for name, w in got:
+        assert (w - want[name]).abs().max() <= want[name].abs().max() / 200, name
 
 
 def test_an_architecture_not_mapped_is_refused_with_the_list(tmp_path):
