@@ -18,9 +18,10 @@ import gguf
 import pytest
 import torch
 from conftest import make_checkpoint
-from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.chat_tokenizers import QWEN2, build_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
+from fixtures.tool_templates import GPT_OSS as HARMONY
 from test_gpt_oss import GPT_OSS, to_mxfp4
 from test_mixtral import MIXTRAL
 from test_qwen3 import QWEN3
@@ -56,21 +57,29 @@ def released_mxfp4(folder):
 
 
 FINISH = {"gpt-oss-mxfp4": released_mxfp4}  # what rewrites a case's saved checkpoint
-TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
+# a case's tokenizer family and the tokenizer.ggml.pre llama.cpp names its regex by (unlisted:
+# Qwen2.5's, `qwen2`); gpt-oss's: o200k's regex, harmony's markers and template
+TOKENIZERS = dict.fromkeys(("gpt-oss", "gpt-oss-mxfp4"), (HARMONY, "gpt-4o"))
+QWEN25 = (QWEN2, "qwen2")
+TEXT = (
+    "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light. "
+    "It's JSONParser's camelCase 1234567/path\n"
+)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     """(name, checkpoint folder, its F32 GGUF file, the architecture written)."""
     spec, arch = CASES[request.param]
+    family, pre = TOKENIZERS.get(request.param, QWEN25)
     root = tmp_path_factory.mktemp(request.param)
     folder = root / "hf"
-    special = build_tokenizer_folder(folder, "qwen2")
-    spec = dict(spec, vocab_size=VOCAB, bos_token_id=None, eos_token_id=special["<|im_end|>"])
+    special = build_tokenizer_folder(folder, family)
+    spec = dict(spec, vocab_size=VOCAB, bos_token_id=None, eos_token_id=special[family.eos])
     make_checkpoint(folder, spec, seed=3)
     if request.param in FINISH:
         FINISH[request.param](folder)
-    return request.param, folder, convert(folder, root / "f32.gguf"), arch
+    return request.param, folder, convert(folder, root / "f32.gguf", pre=pre), arch
 
 
 def test_the_file_is_llama_cpps(case):
@@ -97,6 +106,11 @@ def test_tokenizer_and_chat_template_come_from_the_file(case):
     _, folder, path, _ = case
     ours, theirs = load_model(path, max_seq_len=64), load_model(folder, max_seq_len=64)
     assert ours.tokenizer.encode(TEXT) == theirs.tokenizer.encode(TEXT)
+    # the pieces the regex splits TEXT into: the tiny BPE seldom merges across two regexes'
+    # different splits, so equal ids alone would not tell them apart
+    pieces = [[p for p, _ in m.tokenizer._tok.pre_tokenizer.pre_tokenize_str(TEXT)]
+              for m in (ours, theirs)]  # fmt: skip
+    assert pieces[0] == pieces[1]
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
     assert ours.tokenizer.apply_chat_template(chat) == theirs.tokenizer.apply_chat_template(chat)
     assert ours.tokenizer.eos_token_id == theirs.tokenizer.eos_token_id
@@ -108,8 +122,9 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     dequantized, teacher-forced. Dequantized, each weight is the F32 file's to within Q8_0's
     rounding (half a step, the step 1/127 of a block's largest value, in fp16; here bounded by
     the tensor's largest / 200): the weights Zoo reads as floats too, such as gpt-oss's experts."""
-    _, folder, f32_path, _ = case
-    path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0")
+    name, folder, f32_path, _ = case
+    pre = TOKENIZERS.get(name, QWEN25)[1]
+    path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0", pre=pre)
     kept = load_model(path, max_seq_len=128)
     floats = load_model(path, max_seq_len=128, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
