@@ -82,9 +82,8 @@ GPT_OSS = {  # transformers' names; the experts under the released checkpoint's 
     "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
     "blk.{}.attn_sinks.weight": "model.layers.{}.self_attn.sinks",
     "blk.{}.ffn_gate_inp": "model.layers.{}.mlp.router",
-    # the converter splits the hub's interleaved (gate, up) rows (and bias) into gate and up;
-    # MXFP4 experts stay MXFP4 (read dequantized, as plugins/safetensors_mxfp4.py reads the
-    # hub's), float ones are written transposed to (E, out, in): the `_blocks` orientation
+    # the converter splits the hub's interleaved (gate, up) rows into gate and up, MXFP4 ones
+    # repacked (read dequantized), float ones transposed to (E, out, in), as `_blocks` are
     "blk.{}.ffn_gate_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
     "blk.{}.ffn_up_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
     "blk.{}.ffn_gate_exps.bias": "model.layers.{}.mlp.experts.gate_up_proj_bias",
@@ -171,20 +170,9 @@ def _template(name: str) -> str:
     return ".".join("{}" if p.isdigit() else p for p in name.split("."))
 
 
-def interleave(parts: list, axis: int):
-    """Tensors (or arrays) of one shape -> one whose `axis` alternates between them: index i
-    of part k goes to i * len(parts) + k."""
-    shape = list(parts[0].shape)
-    shape[axis] *= len(parts)
-    if isinstance(parts[0], np.ndarray):
-        return np.stack(parts, axis).reshape(shape)
-    import torch
-
-    return torch.stack(parts, axis).reshape(shape)
-
-
 def _rows(name: str) -> int:
-    """The axis of a file tensor's rows: a weight's (out, in) matrices, a bias's last."""
+    """The axis of a file tensor's rows, which interleaving alternates (row i of part k of n
+    becomes row i * n + k): a weight's -2, a bias's -1."""
     return -1 if name.endswith(".bias") else -2
 
 
@@ -222,12 +210,11 @@ class GGUFCheckpoint:
                 self._parts.setdefault(hub, []).append(n)
                 if e is not None:
                     self._expert[hub] = e
-        order = {key: i for i, key in enumerate(tensors)}
         for hub, files in list(self._parts.items()):
-            if len(files) == 1:
+            if len(files) > 1:  # in the order of their keys (whole names, as gpt-oss's are)
+                files.sort(key=lambda n: list(tensors).index(_template(n)))
+            else:
                 del self._parts[hub]
-            else:  # in the order of their keys (whole names, as gpt-oss's are)
-                files.sort(key=lambda n: order[_template(n)])
             self._names[hub] = files[0]
         self._config: dict[str, Any] | None = None
 
@@ -300,10 +287,12 @@ class GGUFCheckpoint:
         return tuple(shape[1:] if name in self._expert else shape)
 
     def read(self, name: str) -> torch.Tensor:
+        import torch
+
         e = self._expert.get(name)
         if name in self._parts:
             parts = [self.file.read(n, e) for n in self._parts[name]]
-            return interleave(parts, _rows(self._names[name]))
+            return torch.stack(parts, _rows(self._names[name])).reshape(self.shape(name))
         return self._unpermuted(name, self.file.read(self._names[name], e))
 
     def _files(self, name: str) -> list[str]:
@@ -364,7 +353,9 @@ class GGUFCheckpoint:
         raws = [self.file.raw(n) for n in self._files(name)]
         if name in self._expert:
             raws = [raw[self._expert[name]] for raw in raws]
-        return raws[0] if len(raws) == 1 else interleave(raws, -2)
+        if len(raws) == 1:
+            return raws[0]
+        return np.stack(raws, -2).reshape(*raws[0].shape[:-2], -1, raws[0].shape[-1])
 
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp stored this tensor's rows in its own q/k order."""
