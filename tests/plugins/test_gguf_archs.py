@@ -30,7 +30,7 @@ from test_smollm3 import SMOLLM3
 
 from core import ConfigError, load_model
 from core.quantize import weight_formats
-from plugins.gguf import ARCHITECTURES
+from plugins.gguf import ARCHITECTURES, GGUFCheckpoint
 
 VOCAB = 320  # the tokenizer's ids (300 BPE + specials) fit
 CASES = {  # name: (spec, the file's general.architecture)
@@ -135,6 +135,21 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     want = dict(load_model(f32_path, max_seq_len=8, dtype="float32").net.named_parameters())
     for name, w in got:
         assert (w - want[name]).abs().max() <= want[name].abs().max() / 200, name
+
+
+@pytest.mark.parametrize("case", ["gpt-oss-mxfp4"], indirect=True)
+def test_mxfp4_experts_blocks_are_what_is_read(case):
+    """The bytes a kept MXFP4 format would take (`blocks`: ggml's block_mxfp4, the gate and up
+    rows interleaved as the hub's) dequantize to the weights `read` gives."""
+    from gguf.quants import dequantize
+
+    ckpt = GGUFCheckpoint(case[2])
+    name = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    kind, raw, order = ckpt.blocks(name)
+    assert (kind, order, ckpt.quant_format(name)) == ("mxfp4", None, "mxfp4")
+    want = ckpt.read(name)
+    assert want.shape == ckpt.shape(name) == (4, 64, 64)
+    assert torch.equal(torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType.MXFP4)), want)
 
 
 def test_an_architecture_not_mapped_is_refused_with_the_list(tmp_path):
