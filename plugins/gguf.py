@@ -7,7 +7,9 @@ as their blocks repacked (`read_quantized`, plugins/gguf_quant.py), and the toke
 rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
 permuted for its rope kernel, and Gemma's (1 + w) norm weights as 1 + w; `read()` undoes both (the
 permutation exactly as transformers' GGUF loader does). A hub tensor llama.cpp splits (DeepSeek's
-MLA `kv_b_proj`) is joined back on read (`Join`).
+MLA `kv_b_proj`) is joined back on read (`Join`); where it split one hub tensor's rows in two
+(gpt-oss's interleaved gate_up), both file tensors carry the hub's name and `read()` interleaves
+their rows again.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Arch:
     # path) -> config
     configure: Callable[[Callable[..., Any], dict[str, Any], Path], dict[str, Any]] | None = None
     norm_offset: float = 0.0  # llama.cpp stored each norm weight plus this (Gemma's 1 + w: 1)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # implied beside a stored scaling
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -174,6 +177,20 @@ def _deepseek2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dic
     return cfg
 
 
+GPT_OSS = {  # transformers' names; the experts under the released checkpoint's (E, out, in) ones
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.attn_sinks.weight": "model.layers.{}.self_attn.sinks",
+    "blk.{}.ffn_gate_inp": "model.layers.{}.mlp.router",
+    # the converter splits the hub's interleaved (gate, up) rows into gate and up, MXFP4 ones
+    # repacked, float ones transposed to (E, out, in), as `_blocks` are: two file tensors of one
+    # hub name, their rows alternating in the keys' order
+    "blk.{}.ffn_gate_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
+    "blk.{}.ffn_up_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
+    "blk.{}.ffn_gate_exps.bias": "model.layers.{}.mlp.experts.gate_up_proj_bias",
+    "blk.{}.ffn_up_exps.bias": "model.layers.{}.mlp.experts.gate_up_proj_bias",
+    "blk.{}.ffn_down_exps.weight": "model.layers.{}.mlp.experts.down_proj_blocks",
+    "blk.{}.ffn_down_exps.bias": "model.layers.{}.mlp.experts.down_proj_bias",
+}
 GEMMA2_NORMS = {  # Gemma 2/3's sandwich norms: after attention, before and after the MLP
     "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
     "blk.{}.ffn_norm": "model.layers.{}.pre_feedforward_layernorm",
@@ -279,6 +296,20 @@ ARCHITECTURES = {
         defaults={"rope_theta": 10000.0},
         configure=_gemma3,
     ),
+    # llama.cpp's graph hard-codes gpt-oss's SwiGLU (alpha 1.702, clamped at 7) and slides every
+    # even layer (set_swa_pattern(2): GptOssConfig's default without layer_types). Its yarn
+    # rounds the correction range; the model's own (OpenAI's, transformers') does not.
+    "gpt-oss": Arch(
+        "gpt_oss",
+        tensors=GPT_OSS,
+        config={
+            "attention.sliding_window": "sliding_window",
+            "expert_count": "num_local_experts",
+            "expert_used_count": "num_experts_per_tok",
+        },
+        defaults={"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+        rope_scaling={"truncate": False},
+    ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 # LongRoPE (Phi-3's 128k models): the hub's long_factor and short_factor, as float32 tensors
@@ -324,6 +355,12 @@ def _template(name: str) -> tuple[str, list[str], str]:
     return key, [p for p in parts if p.isdigit()], leaf
 
 
+def _rows(name: str) -> int:
+    """The axis of a file tensor's rows, which interleaving alternates (row i of part k of n
+    becomes row i * n + k): a weight's -2, a bias's -1."""
+    return -1 if name.endswith(".bias") else -2
+
+
 class GGUFCheckpoint:
     def __init__(self, path: Path):
         self.path = path
@@ -348,7 +385,8 @@ class GGUFCheckpoint:
         if experts and self.spec.moe is not None:
             self.spec = self.spec.moe
         tensors = {**TENSOR_NAMES, **self.spec.tensors}
-        self._names: dict[str, str] = {}  # hub name -> the file's
+        self._names: dict[str, str] = {}  # hub name -> the file's (the first, of several)
+        self._interleaved: dict[str, list[str]] = {}  # hub name -> the file's, rows alternating
         self._expert: dict[str, int] = {}  # hub name -> its expert's index in a stacked tensor
         part_of = {p: hub for hub, j in self.spec.joins.items() for p in j.parts}
         self._joined: dict[str, tuple[Join, dict[str, str]]] = {}  # hub -> (join, part -> file's)
@@ -361,9 +399,16 @@ class GGUFCheckpoint:
                 self._joined.setdefault(hub, (self.spec.joins[part_of[key]], {}))[1][key] = n
                 continue
             for hub, e in hub_names(n, tensors, experts):
-                self._names[hub] = n
+                self._interleaved.setdefault(hub, []).append(n)
                 if e is not None:
                     self._expert[hub] = e
+        order = list(tensors)
+        for hub, files in list(self._interleaved.items()):
+            if len(files) > 1:  # in the order of their keys (whole names, as gpt-oss's are)
+                files.sort(key=lambda n: order.index("{}.{}".format(*_template(n)[::2])))
+            else:
+                del self._interleaved[hub]
+            self._names[hub] = files[0]
         for join, found in self._joined.values():
             missing = [p for p in join.parts if p not in found]
             if missing:
@@ -413,7 +458,8 @@ class GGUFCheckpoint:
         if LONG_FACTORS in self.file.tensors and kind in (None, "none", "longrope"):
             return self._longrope(cfg)
         if kind in ("linear", "yarn"):
-            out = {"rope_type": kind, "factor": self._meta("rope.scaling.factor")}
+            out = {"rope_type": kind, **self.spec.rope_scaling}
+            out["factor"] = self._meta("rope.scaling.factor")
             if self._meta("rope.scaling.original_context_length"):
                 out["original_max_position_embeddings"] = self._meta(
                     "rope.scaling.original_context_length"
@@ -474,13 +520,21 @@ class GGUFCheckpoint:
                 torch.empty(self.file.tensors[n].shape, device="meta") for n in self._parts(name)
             ]
             return tuple(self._joined[name][0].join(*parts).shape)
-        shape = self.file.tensors[self._names[name]].shape
-        return shape[1:] if name in self._expert else shape
+        shape = list(self.file.tensors[self._names[name]].shape)
+        if name in self._interleaved:
+            shape[_rows(self._names[name])] *= len(self._interleaved[name])
+        return tuple(shape[1:] if name in self._expert else shape)
 
     def read(self, name: str) -> torch.Tensor:
+        import torch
+
         if name in self._joined:
             return self._joined[name][0].join(*(self.file.read(n) for n in self._parts(name)))
-        w = self.file.read(self._names[name], self._expert.get(name))
+        e = self._expert.get(name)
+        if name in self._interleaved:
+            parts = [self.file.read(n, e) for n in self._interleaved[name]]
+            return torch.stack(parts, _rows(self._names[name])).reshape(self.shape(name))
+        w = self.file.read(self._names[name], e)
         if self.spec.norm_offset and name.endswith("norm.weight"):  # as the converter added it
             w = w.float() - self.spec.norm_offset
         return self._unpermuted(name, w)
@@ -490,25 +544,30 @@ class GGUFCheckpoint:
         join, found = self._joined[name]
         return [found[p] for p in join.parts]
 
+    def _files(self, name: str) -> list[str]:
+        """The file's tensors that make the hub's `name`: one, or those interleaved."""
+        return self._interleaved.get(name) or [self._names[name]]
+
     def stored_name(self, name: str) -> str:
         """The file's own name for a tensor (`output.weight` for `lm_head.weight`; one expert
-        of a stack: `blk.0.ffn_up_exps.weight[5]`; joined: `blk.0.attn_k_b.weight + ...`)."""
+        of a stack: `blk.0.ffn_up_exps.weight[5]`; joined or interleaved: `a + b`)."""
         if name in self._joined:
             return " + ".join(self._parts(name))
         e = self._expert.get(name)
-        return self._names[name] + ("" if e is None else f"[{e}]")
+        return " + ".join(n + ("" if e is None else f"[{e}]") for n in self._files(name))
 
     def quant_format(self, name: str) -> str | None:
-        """The tensor's block format (`q4_k`), or None for floats (F32, F16, BF16; and joined
-        tensors, read as floats)."""
+        """The tensor's block format (`q4_k`, `mxfp4`), or None for floats (F32, F16, BF16), for
+        joined tensors and for interleaved ones stored in different formats (read as floats)."""
         if name in self._joined:
             return None
-        kind = self.file.type_name(self._names[name]).lower()
-        return None if kind in ("f32", "f16", "bf16") else kind
+        kinds = {self.file.type_name(n).lower() for n in self._files(name)}
+        return None if len(kinds) > 1 or kinds <= {"f32", "f16", "bf16"} else kinds.pop()
 
     def blocks(self, name: str) -> tuple[str, np.ndarray, np.ndarray | None]:
         """The tensor's block format, its bytes as stored ((rows, bytes per row) uint8, memory-
-        mapped) and the stored row of each row of the hub's tensor (None: the same order)."""
+        mapped; a copy where interleaved) and the stored row of each row of the hub's tensor
+        (None: the same order)."""
         import torch
 
         info = self.file.tensors[self._names[name]]
@@ -519,13 +578,14 @@ class GGUFCheckpoint:
 
     def stored_bytes(self, name: str) -> int:
         """The tensor's bytes in the file (its blocks, or floats)."""
-        info = self.file.tensors[self._names[name]]
-        return info.nbytes // info.shape[0] if name in self._expert else info.nbytes
+        infos = [self.file.tensors[n] for n in self._files(name)]
+        return sum(i.nbytes // i.shape[0] if name in self._expert else i.nbytes for i in infos)
 
     def release(self, name: str) -> None:
         """The tensor's pages may leave this process's resident memory (their blocks were
         copied); see GGUFFile.release."""
-        self.file.release(self._names[name])
+        for n in self._files(name):
+            self.file.release(n)
 
     def read_quantized(self, name: str) -> QuantWeight:
         """The tensor's blocks as a `QuantWeight` (lossless; see plugins/gguf_quant.py)."""
@@ -538,9 +598,16 @@ class GGUFCheckpoint:
         return repack(self.quant_format(name), raw, self.shape(name))
 
     def _raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as stored (its expert's, of a stack), memory-mapped."""
-        raw = self.file.raw(self._names[name])
-        return raw[self._expert[name]] if name in self._expert else raw
+        """The tensor's bytes as stored (its expert's, of a stack), memory-mapped; interleaved
+        ones (a matrix's rows of blocks: weights only) copied into the hub's row order. MXFP4's
+        are ggml's `block_mxfp4` (an e8m0 scale byte, then 16 bytes: value j in the low nibble,
+        j + 16 in the high one), which the CPU kernels keep as they are."""
+        raws = [self.file.raw(n) for n in self._files(name)]
+        if name in self._expert:
+            raws = [raw[self._expert[name]] for raw in raws]
+        if len(raws) == 1:
+            return raws[0]
+        return np.stack(raws, -2).reshape(*raws[0].shape[:-2], -1, raws[0].shape[-1])
 
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp stored this tensor's rows in its own q/k order."""

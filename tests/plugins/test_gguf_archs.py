@@ -6,13 +6,15 @@ a sentencepiece one, the only kind its converters read), converted by `convert_h
 own (1e-4 relative), the same config, the same tokens for the same text and the same chat
 template; a Q8_0 file, its blocks kept, meets the project's standard for kept weights against
 the same file dequantized (teacher-forced: top-1 >= 99%, mean KL <= 1e-3). An architecture Zoo
-does not map is refused with the list of those it does.
+does not map is refused with the list of those it does. Dequantized, the Q8_0 file holds the
+F32 file's weights to Q8_0's rounding (the weights Zoo does not keep included).
 DeepSeek files as llama.cpp's older converters wrote them (MLA's kv_b_proj whole) load the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -25,9 +27,11 @@ from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_to
 from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
+from fixtures.tool_templates import GPT_OSS as HARMONY
 from safetensors.torch import load_file
 from test_deepseek import V3, make_deepseek
 from test_gemma import GEMMA, GEMMA2, GEMMA3, gemma_checkpoint
+from test_gpt_oss import GPT_OSS, to_mxfp4
 from test_mistral import MISTRAL_V03
 from test_mixtral import MIXTRAL
 from test_phi3 import PHI3_MINI, PHI4_MINI, ROT
@@ -87,7 +91,24 @@ CASES = {  # name: (spec or maker, the file's general.architecture)
     "gemma": (GEMMA, "gemma"),
     "gemma2": (dict(GEMMA2, num_hidden_layers=46, query_pre_attn_scalar=12), "gemma2"),
     "gemma3": (dict(GEMMA3, sliding_window_pattern=6, query_pre_attn_scalar=16), "gemma3"),
+    # llama.cpp runs gpt-oss's SwiGLU clamped at 7, whatever the config says (GPT_OSS: 1.5).
+    # Float experts are written split into gate and up, transposed; Q8_0 by --outtype q8_0.
+    "gpt-oss": (dict(GPT_OSS, swiglu_limit=7.0), "gpt-oss"),
+    # MXFP4 experts, as released: repacked to ggml's MXFP4 whatever the --outtype, so the
+    # Q8_0 file holds them as the F32 file does
+    "gpt-oss-mxfp4": (dict(GPT_OSS, swiglu_limit=7.0), "gpt-oss"),
 }
+
+
+def released_mxfp4(folder):
+    """The experts in MXFP4 and config.json's torch_dtype bfloat16, as openai/gpt-oss-20b's
+    (the GGUF file's type, MOSTLY_MXFP4_MOE, reads as bfloat16, as every block format does)."""
+    to_mxfp4(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="bfloat16")))
+
+
+FINISH = {"gpt-oss-mxfp4": released_mxfp4}  # what rewrites a case's saved checkpoint
 # the model_type a file loads as, where it cannot say the checkpoint's: llama.cpp writes Mistral
 # as llama, the same network (v0.1's window is dropped: llama.cpp runs it without one)
 LOADS_AS = {"mistral": "llama"}
@@ -98,9 +119,17 @@ TOKENIZERS = {
     "phi3": "sentencepiece",
     "mistral": "sentencepiece",
     "phi3-longrope": dataclasses.replace(QWEN2, tokenizer_class="GPT2Tokenizer"),
+    # gpt-oss's: o200k's regex, harmony's markers and template
+    "gpt-oss": HARMONY,
+    "gpt-oss-mxfp4": HARMONY,
 }
+# the tokenizer.ggml.pre llama.cpp names a case's regex by (unlisted: Qwen2.5's, `qwen2`)
+PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o"}
 GEMMA_IDS = {"bos_token_id": "<bos>", "eos_token_id": "<end_of_turn>", "pad_token_id": "<pad>"}
-TEXT = "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light."
+TEXT = (
+    "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light. "
+    "It's JSONParser's camelCase 1234567/path\n"
+)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -119,13 +148,17 @@ def case(request, tmp_path_factory):
             special = build_sentencepiece_folder(folder)
         else:
             special = build_tokenizer_folder(folder, tokenizer)
-        bos, eos = special.get("<s>"), special["<|im_end|>"]
+        eos = special[getattr(tokenizer, "eos", "<|im_end|>")]
+        bos = special.get("<s>")
         changes = dict(vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
         if callable(spec):  # a family whose own test module makes its hub-style checkpoints
             spec(folder, **changes)
         else:
             make_checkpoint(folder, dict(spec, **changes), seed=3)
-    return request.param, folder, convert(folder, root / "f32.gguf"), arch
+    if request.param in FINISH:
+        FINISH[request.param](folder)
+    pre = PRE.get(request.param, "qwen2")
+    return request.param, folder, convert(folder, root / "f32.gguf", pre=pre), arch
 
 
 def test_the_file_is_llama_cpps(case):
@@ -137,7 +170,7 @@ def test_the_file_is_llama_cpps(case):
 
 def test_f32_file_equals_the_checkpoint(case):
     name, folder, path, _ = case
-    kw = dict(max_seq_len=64, max_batch_size=2)
+    kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")  # the file's floats are F32
     ours, theirs = load_model(path, **kw), load_model(folder, **kw)
     model_type = LOADS_AS.get(name, theirs.config.model_type)
     assert ours.config == dataclasses.replace(theirs.config, model_type=model_type)
@@ -153,6 +186,11 @@ def test_tokenizer_and_chat_template_come_from_the_file(case):
     _, folder, path, _ = case
     ours, theirs = load_model(path, max_seq_len=64), load_model(folder, max_seq_len=64)
     assert ours.tokenizer.encode(TEXT) == theirs.tokenizer.encode(TEXT)
+    # the pieces the regex splits TEXT into: the tiny BPE seldom merges across two regexes'
+    # different splits, so equal ids alone would not tell them apart
+    pieces = [[p for p, _ in m.tokenizer._tok.pre_tokenizer.pre_tokenize_str(TEXT)]
+              for m in (ours, theirs)]  # fmt: skip
+    assert pieces[0] == pieces[1]
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
     assert ours.tokenizer.apply_chat_template(chat) == theirs.tokenizer.apply_chat_template(chat)
     assert ours.tokenizer.eos_token_id == theirs.tokenizer.eos_token_id
@@ -161,9 +199,11 @@ def test_tokenizer_and_chat_template_come_from_the_file(case):
 def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     """llama.cpp's converter writes the linear weights as Q8_0 blocks; Zoo keeps them as
     stored and is judged as llama.cpp judges a quantization: against the same file
-    dequantized, teacher-forced."""
-    name, folder, _, _ = case
-    path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0")
+    dequantized, teacher-forced. Dequantized, each weight is the F32 file's to within Q8_0's
+    rounding (half a step, the step 1/127 of a block's largest value, in fp16; here bounded by
+    the tensor's largest / 200)."""
+    name, folder, f32_path, _ = case
+    path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0", pre=PRE.get(name, "qwen2"))
     kept = load_model(path, max_seq_len=128)
     floats = load_model(path, max_seq_len=128, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
@@ -177,6 +217,30 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
+    got = load_model(path, max_seq_len=8, dequantize=True, dtype="float32").net.named_parameters()
+    f32 = load_model(f32_path, max_seq_len=8, dtype="float32", dequantize=True)  # MXFP4 too
+    want = dict(f32.net.named_parameters())
+    for param, w in got:
+        assert (w - want[param]).abs().max() <= want[param].abs().max() / 200, param
+
+
+@pytest.mark.parametrize("case", ["gpt-oss-mxfp4"], indirect=True)
+def test_mxfp4_experts_are_kept_as_the_blocks_read_gives(case):
+    """gpt-oss's MXFP4 experts (ggml's block_mxfp4, the gate and up rows interleaved as the
+    hub's) dequantize to the weights `read` gives, and on CPUs stay those blocks: the kept
+    model's experts dequantize to the same floats, bit for bit."""
+    from gguf.quants import dequantize
+
+    ckpt = GGUFCheckpoint(case[2])
+    name = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    kind, raw, order = ckpt.blocks(name)
+    assert (kind, order, ckpt.quant_format(name)) == ("mxfp4", None, "mxfp4")
+    want = ckpt.read(name)
+    assert want.shape == ckpt.shape(name) == (4, 64, 64)
+    assert torch.equal(torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType.MXFP4)), want)
+    kept = load_model(case[2], max_seq_len=16).net.model.layers[1].mlp.experts.gate_up_proj
+    assert isinstance(kept.weight, BlockExperts) and kept.weight.fmt.name == "mxfp4"
+    assert torch.equal(torch.stack([kept.weight.dequantize(e) for e in range(4)]), want)
 
 
 def rewritten(path: Path, out: Path, edit) -> Path:

@@ -135,6 +135,27 @@ def _pack(rng: torch.Generator, shape: tuple[int, ...]):
     return blocks, scales
 
 
+def to_mxfp4(root, seed: int = 5) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Rewrite a saved gpt-oss folder as the released checkpoints store it: each layer's experts
+    as random MXFP4 `_blocks` + `_scales` in the (E, out, in) orientation, config.json with
+    quantization_config {quant_method: mxfp4}. Returns {stacked name: (blocks, scales)}."""
+    state = load_file(root / "model.safetensors")
+    rng = torch.Generator().manual_seed(seed)
+    packed = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, cols, rows = state.pop(name).shape  # stored (E, in, out), as transformers holds it
+        packed[name] = _pack(rng, (e, rows, cols))  # (E, out, in / 32, 16)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = packed[name]
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (root / "config.json").write_text(json.dumps(cfg))
+    return packed
+
+
 @torch.no_grad()
 def mxfp4_checkpoint(tmp_path):
     """(folder, reference): experts stored as the released checkpoints store them: `_blocks` +
@@ -145,22 +166,12 @@ def mxfp4_checkpoint(tmp_path):
 
     spec = dict(GPT_OSS, hidden_size=64, intermediate_size=32)
     root, ref = make_gpt_oss(tmp_path, spec)
-    state = load_file(root / "model.safetensors")
-    rng = torch.Generator().manual_seed(5)
+    packed = to_mxfp4(root)
     for i, layer in enumerate(ref.model.layers):
         ex, key = layer.mlp.experts, f"model.layers.{i}.mlp.experts"
-        for name, shape in (("gate_up_proj", (4, 64, 64)), ("down_proj", (4, 64, 32))):
-            blocks, scales = _pack(rng, shape)  # (E, out, in / 32, 16)
-            getattr(ex, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-            del state[f"{key}.{name}"]
-            state[f"{key}.{name}_blocks"], state[f"{key}.{name}_scales"] = blocks, scales
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((root / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
-    }
-    (root / "config.json").write_text(json.dumps(cfg))
+        for name in ("gate_up_proj", "down_proj"):
+            w = convert_moe_packed_tensors(*packed[f"{key}.{name}"], dtype=torch.float32)
+            getattr(ex, name).copy_(w)
     return root, ref
 
 
