@@ -183,14 +183,15 @@ def test_f32_file_equals_the_checkpoint(case):
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(case):
-    _, folder, path, _ = case
+    name, folder, path, arch = case
     ours, theirs = load_model(path, max_seq_len=64), load_model(folder, max_seq_len=64)
     assert ours.tokenizer.encode(TEXT) == theirs.tokenizer.encode(TEXT)
-    # the pieces the regex splits TEXT into: the tiny BPE seldom merges across two regexes'
-    # different splits, so equal ids alone would not tell them apart
-    pieces = [[p for p, _ in m.tokenizer._tok.pre_tokenizer.pre_tokenize_str(TEXT)]
-              for m in (ours, theirs)]  # fmt: skip
-    assert pieces[0] == pieces[1]
+    # byte-level BPEs: the pieces the regex splits TEXT into (the tiny BPE seldom merges across
+    # two regexes' different splits, so equal ids alone would not tell them apart)
+    if not arch.startswith("gemma") and TOKENIZERS.get(name) != "sentencepiece":
+        pieces = [[p for p, _ in m.tokenizer._tok.pre_tokenizer.pre_tokenize_str(TEXT)]
+                  for m in (ours, theirs)]  # fmt: skip
+        assert pieces[0] == pieces[1]
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
     assert ours.tokenizer.apply_chat_template(chat) == theirs.tokenizer.apply_chat_template(chat)
     assert ours.tokenizer.eos_token_id == theirs.tokenizer.eos_token_id
