@@ -1,0 +1,321 @@
+"""llama.cpp's GGUF architectures, as plugins/gguf.py maps them onto hub checkpoints.
+
+Per `general.architecture` (`ARCHITECTURES`): the hub's model_type, the file's tensor names ->
+the hub's, `{arch}.*` metadata keys -> config.json keys, and what llama.cpp implies without
+storing it (defaults, and `configure` functions for what takes more than a rename).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Join:
+    """One hub tensor that llama.cpp stores as several: `parts` (the file's names, layer as {},
+    no leaf), whose tensors `join` puts back together in that order. Read as floats: its
+    blocks are not kept (the join moves values across the rows that blocks are made of)."""
+
+    parts: tuple[str, ...]
+    join: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one `general.architecture` of llama.cpp's maps onto a hub checkpoint."""
+
+    model_type: str  # the hub's model_type (config.json)
+    permuted: bool = False  # llama.cpp stored the q/k rows in its own rope order
+    tensors: dict[str, str] = field(default_factory=dict)  # beside TENSOR_NAMES
+    config: dict[str, str] = field(default_factory=dict)  # beside CONFIG_KEYS: {arch}.key -> key
+    defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp implies, not stores
+    moe: Arch | None = None  # what the architecture is when the file has experts (llama: Mixtral)
+    # rope.dimension_count is the roped part of each head (partial_rotary_factor), not head_dim
+    partial_rope: bool = False
+    joins: dict[str, Join] = field(default_factory=dict)  # hub name (layer as {}) -> its parts
+    # what the metadata implies beyond renames, last: (meta(key, default), config, the file's
+    # path) -> config
+    configure: Callable[[Callable[..., Any], dict[str, Any], Path], dict[str, Any]] | None = None
+    norm_offset: float = 0.0  # llama.cpp stored each norm weight plus this (Gemma's 1 + w: 1)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # implied beside a stored scaling
+
+
+# llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
+# (and the loader reports them as unexpected). Stacked experts (`_exps`, (experts, rows, cols))
+# become the hub's one tensor per expert ({e}), each read as its slice of the stack.
+TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{}.attn_norm": "model.layers.{}.input_layernorm",
+    "blk.{}.attn_q": "model.layers.{}.self_attn.q_proj",
+    "blk.{}.attn_k": "model.layers.{}.self_attn.k_proj",
+    "blk.{}.attn_v": "model.layers.{}.self_attn.v_proj",
+    "blk.{}.attn_output": "model.layers.{}.self_attn.o_proj",
+    "blk.{}.attn_q_norm": "model.layers.{}.self_attn.q_norm",
+    "blk.{}.attn_k_norm": "model.layers.{}.self_attn.k_norm",
+    "blk.{}.ffn_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.ffn_gate": "model.layers.{}.mlp.gate_proj",
+    "blk.{}.ffn_up": "model.layers.{}.mlp.up_proj",
+    "blk.{}.ffn_down": "model.layers.{}.mlp.down_proj",
+}
+EXPERTS = {  # a MoE MLP's router and routed experts, under Qwen's and DeepSeek's hub names
+    "blk.{}.ffn_gate_inp": "model.layers.{}.mlp.gate",
+    "blk.{}.ffn_gate_exps": "model.layers.{}.mlp.experts.{e}.gate_proj",
+    "blk.{}.ffn_up_exps": "model.layers.{}.mlp.experts.{e}.up_proj",
+    "blk.{}.ffn_down_exps": "model.layers.{}.mlp.experts.{e}.down_proj",
+}
+MOE_KEYS = {
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
+MIXTRAL = {  # Mixtral's hub names: w1 gate, w3 up, w2 down
+    "blk.{}.ffn_gate_inp": "model.layers.{}.block_sparse_moe.gate",
+    "blk.{}.ffn_gate_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w1",
+    "blk.{}.ffn_up_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w3",
+    "blk.{}.ffn_down_exps": "model.layers.{}.block_sparse_moe.experts.{e}.w2",
+}
+_ATTN = "model.layers.{}.self_attn"
+DEEPSEEK2 = {  # MLA's projections and norms, shared experts, the router's correction bias
+    **EXPERTS,
+    "blk.{}.attn_q_a": f"{_ATTN}.q_a_proj",
+    "blk.{}.attn_q_a_norm": f"{_ATTN}.q_a_layernorm",
+    "blk.{}.attn_q_b": f"{_ATTN}.q_b_proj",
+    "blk.{}.attn_kv_a_mqa": f"{_ATTN}.kv_a_proj_with_mqa",
+    "blk.{}.attn_kv_a_norm": f"{_ATTN}.kv_a_layernorm",
+    "blk.{}.attn_kv_b": f"{_ATTN}.kv_b_proj",  # files converted before llama.cpp split it
+    "blk.{}.ffn_gate_shexp": "model.layers.{}.mlp.shared_experts.gate_proj",
+    "blk.{}.ffn_up_shexp": "model.layers.{}.mlp.shared_experts.up_proj",
+    "blk.{}.ffn_down_shexp": "model.layers.{}.mlp.shared_experts.down_proj",
+    "blk.{}.exp_probs_b.bias": "model.layers.{}.mlp.gate.e_score_correction_bias",  # whole name
+}
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's kv_b_proj (heads x (nope + v), kv_lora_rank): per head its k rows, then its v
+    rows, from llama.cpp's attn_k_b (heads, kv_lora_rank, nope: the k rows transposed) and
+    attn_v_b (heads, v, kv_lora_rank)."""
+    import torch
+
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1)
+
+
+def _deepseek2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """DeepSeek's config.json from llama.cpp's deepseek2 metadata (V2, V2-Lite, V3, R1 and
+    their kin). llama.cpp writes MLA as MQA over the latent (head_count_kv 1, key_length
+    kv_lora_rank + rope) and keeps the per-head sizes in *_length_mla (files converted before
+    that: in key_length / value_length); it leaves out settings that are false, zero or absent
+    (q_lora_rank, norm_topk_prob, ...); it stores YaRN's mscale_all_dim as 0.1 * it and runs
+    mscale = mscale_all_dim; V3's MTP layer is not converted. Sigmoid router scores
+    make the file a V3 (noaux_tc routing, with the correction bias); softmax ones a V2, greedy
+    or, with groups, group_limited_greedy (groups ranked by their best expert, as DeepSeek's
+    code does; llama.cpp's graph ranks them by their top two)."""
+    gating = meta("expert_gating_func", 1)  # 1 softmax (absent in older V2 files), 2 sigmoid
+    if gating not in (1, 2):
+        raise ConfigError(
+            f"{path}: deepseek2.expert_gating_func {gating} is not supported (DeepSeek's routers "
+            "score with softmax, 1, or sigmoid, 2)"
+        )
+    sigmoid = gating == 2
+    groups = meta("expert_group_count") or 1
+    head_k = meta("attention.key_length_mla") or meta("attention.key_length")
+    head_v = meta("attention.value_length_mla") or meta("attention.value_length")
+    rope = meta("rope.dimension_count")
+    if not (head_k and head_v and rope and meta("attention.kv_lora_rank")):
+        raise ConfigError(
+            f"{path}: a deepseek2 file needs the metadata keys deepseek2.attention.kv_lora_rank, "
+            "deepseek2.attention.key_length(_mla), value_length(_mla) and rope.dimension_count; "
+            "convert it again with a current llama.cpp"
+        )
+    cfg.pop("head_dim", None)
+    cfg.update(
+        model_type="deepseek_v3" if sigmoid else "deepseek_v2",
+        num_key_value_heads=cfg.get("num_attention_heads"),  # MLA has no kv heads of its own
+        q_lora_rank=meta("attention.q_lora_rank"),  # absent: a plain q_proj (V2-Lite)
+        kv_lora_rank=meta("attention.kv_lora_rank"),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=head_k - rope,
+        v_head_dim=head_v,
+        n_routed_experts=meta("expert_count"),  # absent: every MLP dense
+        n_shared_experts=meta("expert_shared_count", 0),
+        first_k_dense_replace=meta("leading_dense_block_count", 0),
+        moe_layer_freq=1,
+        scoring_func="sigmoid" if sigmoid else "softmax",
+        topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+        n_group=groups,
+        topk_group=meta("expert_group_used_count") or groups,
+        norm_topk_prob=bool(meta("expert_weights_norm", False)),
+        routed_scaling_factor=meta("expert_weights_scale", 1.0),
+        num_nextn_predict_layers=0,
+    )
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    if cfg.get("rope_scaling") and log_mul:
+        mscale = float(str(np.float32(log_mul / 0.1)))  # the shortest decimal: 0.707
+        cfg["rope_scaling"] = dict(cfg["rope_scaling"], mscale=mscale, mscale_all_dim=mscale)
+    return cfg
+
+
+GPT_OSS = {  # transformers' names; the experts under the released checkpoint's (E, out, in) ones
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.attn_sinks.weight": "model.layers.{}.self_attn.sinks",
+    "blk.{}.ffn_gate_inp": "model.layers.{}.mlp.router",
+    # the converter splits the hub's interleaved (gate, up) rows into gate and up, MXFP4 ones
+    # repacked, float ones transposed to (E, out, in), as `_blocks` are: two file tensors of one
+    # hub name, their rows alternating in the keys' order
+    "blk.{}.ffn_gate_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
+    "blk.{}.ffn_up_exps.weight": "model.layers.{}.mlp.experts.gate_up_proj_blocks",
+    "blk.{}.ffn_gate_exps.bias": "model.layers.{}.mlp.experts.gate_up_proj_bias",
+    "blk.{}.ffn_up_exps.bias": "model.layers.{}.mlp.experts.gate_up_proj_bias",
+    "blk.{}.ffn_down_exps.weight": "model.layers.{}.mlp.experts.down_proj_blocks",
+    "blk.{}.ffn_down_exps.bias": "model.layers.{}.mlp.experts.down_proj_bias",
+}
+GEMMA2_NORMS = {  # Gemma 2/3's sandwich norms: after attention, before and after the MLP
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.ffn_norm": "model.layers.{}.pre_feedforward_layernorm",
+    "blk.{}.post_ffw_norm": "model.layers.{}.post_feedforward_layernorm",
+}
+GEMMA2_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+
+def _gemma_scale(cfg: dict[str, Any], layers_27b: int) -> dict[str, Any]:
+    """Gemma 2/3's query_pre_attn_scalar, which llama.cpp's converter does not store: its loader
+    takes hidden / heads for the 27B (recognised by its layer count), head_dim for every other
+    size, as the releases have it (gemma_pytorch's config)."""
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if cfg.get("num_hidden_layers") == layers_27b and hidden and heads:
+        return {**cfg, "query_pre_attn_scalar": hidden // heads}
+    return {**cfg, "query_pre_attn_scalar": cfg["head_dim"]} if cfg.get("head_dim") else cfg
+
+
+def _gemma2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    return _gemma_scale(cfg, 46)
+
+
+def _gemma3(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 3's scale as Gemma 2's; a file with no window has global layers only (the converter
+    writes none for sliding_window_pattern 1, and llama.cpp then runs no window)."""
+    cfg = _gemma_scale(cfg, 62)
+    return cfg if "sliding_window" in cfg else {**cfg, "sliding_window_pattern": 1}
+
+
+ARCHITECTURES = {
+    # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
+    "llama": Arch(
+        "llama",
+        permuted=True,
+        moe=Arch(
+            "mixtral",
+            permuted=True,
+            tensors=MIXTRAL,
+            config={"expert_count": "num_local_experts", **MOE_KEYS},
+        ),
+    ),
+    "qwen2": Arch("qwen2"),
+    "qwen3": Arch("qwen3"),
+    # llama.cpp's qwen3moe graph always renormalizes the chosen experts' weights
+    "qwen3moe": Arch(
+        "qwen3_moe",
+        tensors=EXPERTS,
+        config={"expert_count": "num_experts", **MOE_KEYS},
+        defaults={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
+    # llama.cpp runs every 4th layer without rope (its own constant, as transformers' default)
+    "smollm3": Arch("smollm3", permuted=True, defaults={"no_rope_layer_interval": 4}),
+    # Phi-3 / 3.5 / 4-mini: the hub's fused q|k|v and gate|up as they are; a sliding window of 0
+    # is none (what the converter writes for a null one); LongRoPE's factors are tensors
+    "phi3": Arch(
+        "phi3",
+        tensors={
+            "blk.{}.attn_qkv": "model.layers.{}.self_attn.qkv_proj",
+            "blk.{}.ffn_up": "model.layers.{}.mlp.gate_up_proj",
+        },
+        config={
+            "attention.sliding_window": "sliding_window",
+            "rope.scaling.original_context_length": "original_max_position_embeddings",
+        },
+        partial_rope=True,
+    ),
+    # DeepSeek V2 / V2-Lite / V3 / R1: MLA, MoE with shared experts after leading dense layers
+    "deepseek2": Arch(
+        "deepseek_v2",
+        tensors=DEEPSEEK2,
+        config={
+            "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size",
+        },
+        joins={f"{_ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), _kv_b)},
+        configure=_deepseek2,
+    ),
+    # Gemma's norms are (1 + w). The Gemma 1/2 converters store no rope base: llama.cpp runs its
+    # default, 10000. llama.cpp windows Gemma 2's layers 1 in 2 and Gemma 3's 5 in 6 (unless the
+    # file says otherwise), as transformers' defaults have them.
+    "gemma": Arch("gemma", norm_offset=1.0, defaults={"rope_theta": 10000.0}),
+    "gemma2": Arch(
+        "gemma2",
+        norm_offset=1.0,
+        tensors=GEMMA2_NORMS,
+        config=GEMMA2_KEYS,
+        defaults={"rope_theta": 10000.0},
+        configure=_gemma2,
+    ),
+    "gemma3": Arch(
+        "gemma3_text",
+        norm_offset=1.0,
+        tensors=GEMMA2_NORMS,
+        config={
+            **GEMMA2_KEYS,
+            "attention.sliding_window_pattern": "sliding_window_pattern",
+            "rope.freq_base_swa": "rope_local_base_freq",
+        },
+        defaults={"rope_theta": 10000.0},
+        configure=_gemma3,
+    ),
+    # llama.cpp's graph hard-codes gpt-oss's SwiGLU (alpha 1.702, clamped at 7) and slides every
+    # even layer (set_swa_pattern(2): GptOssConfig's default without layer_types). Its yarn
+    # rounds the correction range; the model's own (OpenAI's, transformers') does not.
+    "gpt-oss": Arch(
+        "gpt_oss",
+        tensors=GPT_OSS,
+        config={
+            "attention.sliding_window": "sliding_window",
+            "expert_count": "num_local_experts",
+            "expert_used_count": "num_experts_per_tok",
+        },
+        defaults={"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+        rope_scaling={"truncate": False},
+    ),
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
+# LongRoPE (Phi-3's 128k models): the hub's long_factor and short_factor, as float32 tensors
+LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = (ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS)  # read into the config, not weights
+
+# {arch}.<key> -> config.json key
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+# general.file_type (llama.cpp's llama_ftype) -> torch_dtype; block formats: bfloat16
+FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
