@@ -1,7 +1,8 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
 
 Where each block of a fp32 CPU model is of the core's plain kind (pre-norm RMSNorm, GQA
-attention without q/k norms, a gated SiLU / GELU MLP; weights fp32 or kept quantized), the step
+attention with or without RMSNorm q/k norms, a gated SiLU / GELU MLP or a MoE of them routed by
+softmax top-k, without shared experts; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -15,9 +16,10 @@ import os
 import torch
 
 from core.layers import GatedMLP, GQAAttention, LMHead, RMSNorm
+from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
-from kernels.cpu_decode import ACTS, Block, Blocks
+from kernels.cpu_decode import ACTS, Block, Blocks, Experts
 from kernels.cpu_quant import MAX_ROWS, library
 from kernels.qweight import QuantStack, QuantWeight
 
@@ -33,15 +35,32 @@ def why_not(net: CausalLM) -> str | None:
         if type(layer) is not DecoderBlock or post:
             return f"block {i} is {type(layer).__name__}{' with post-norms' * post}"
         attn, mlp = layer.self_attn, layer.mlp
-        kinds = ((attn, GQAAttention), (mlp, GatedMLP), (layer.input_layernorm, RMSNorm),
+        mlp_kind = MoE if type(mlp) is MoE else GatedMLP
+        kinds = ((attn, GQAAttention), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
                  (layer.post_attention_layernorm, RMSNorm))  # fmt: skip
         for part, kind in kinds:
             if type(part) is not kind:  # a subclass may compute more (tensor parallelism's sum)
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
-        if attn.spec.qk_norm is not None:
-            return f"block {i} norms q and k"
-        if mlp.act not in ACTS:
-            return f"block {i}'s activation is {mlp.act}"
+        if attn.spec.qk_norm is not None and type(attn.q_norm) is not RMSNorm:
+            return f"block {i} norms q and k with a {type(attn.q_norm).__name__}"
+        why = _moe_why_not(mlp) if type(mlp) is MoE else None
+        if why is None and type(mlp) is GatedMLP and mlp.act not in ACTS:
+            why = f"activation is {mlp.act}"
+        if why:
+            return f"block {i}'s {why}"
+    return None
+
+
+def _moe_why_not(mlp: MoE) -> str | None:
+    """Why the C step cannot run this MoE MLP (None: it can): it takes softmax top-k routing
+    without biases, and routed SiLU-gated experts only."""
+    s = mlp.gate.spec
+    if s.scoring != "softmax" or s.topk_method != "greedy" or s.routed_scaling_factor != 1.0:
+        return f"MoE routes by {s.scoring} / {s.topk_method} (the fused step: softmax top-k)"
+    if s.bias or s.glu is not None or s.act != "silu":
+        return "MoE has expert biases or a clamped SwiGLU"
+    if hasattr(mlp, "shared_experts"):
+        return "MoE has shared experts"
     return None
 
 
@@ -69,10 +88,10 @@ def blocks(net: CausalLM) -> Blocks | None:
                 qkv_bias=attn.qkv_proj.bias,
                 o=attn.o_proj.weight,
                 o_bias=attn.o_proj.bias,
-                gate_up=mlp.gate_up_proj.weight,
-                gate_up_bias=mlp.gate_up_proj.bias,
-                down=mlp.down_proj.weight,
-                down_bias=mlp.down_proj.bias,
+                gate_up=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.weight,
+                gate_up_bias=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.bias,
+                down=getattr(mlp, "down_proj", None) and mlp.down_proj.weight,
+                down_bias=getattr(mlp, "down_proj", None) and mlp.down_proj.bias,
                 k_cache=k,
                 v_cache=v,
                 ring=s.window is not None,
@@ -85,8 +104,10 @@ def blocks(net: CausalLM) -> Blocks | None:
                 scale=s.scale,
                 softcap=s.softcap,
                 sinks=attn.sinks if s.sinks else None,
-                act=mlp.act,
-                intermediate=mlp.down_proj.in_features,
+                act=getattr(mlp, "act", "silu"),  # (MoE: its experts' SiLU)
+                intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
+                qk_norm=_qk_norm(attn),
+                moe=_experts(mlp) if type(mlp) is MoE else None,
             )
         )
     tied = net.lm_head.tied_to[0]
@@ -101,6 +122,24 @@ def blocks(net: CausalLM) -> Blocks | None:
             tied.weight if tied is not None else net.lm_head.weight,
         )
     return Blocks.build(out, net.config.hidden_size, head)
+
+
+def _qk_norm(attn: GQAAttention) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    if attn.spec.qk_norm is None:
+        return None
+    return _norm_weight(attn.q_norm), _norm_weight(attn.k_norm), attn.q_norm.eps
+
+
+def _experts(mlp: MoE) -> Experts:
+    s, ex = mlp.gate.spec, mlp.experts
+    return Experts(
+        router=mlp.gate.weight,
+        top_k=s.top_k,
+        renorm=s.norm_topk_prob,
+        intermediate=s.intermediate_size,
+        gate_up=ex.gate_up_proj.weight,
+        down=ex.down_proj.weight,
+    )
 
 
 def _first_weight(net: CausalLM) -> torch.Tensor:

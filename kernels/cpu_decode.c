@@ -61,6 +61,13 @@ typedef struct {
     const float *sinks;          // (hq,) or NULL
     int64_t act, inter;          // 0 SiLU, 1 GELU (tanh); intermediate size
     int64_t kv_half;             // the caches hold fp16 (else fp32)
+    const float *qnorm, *knorm;  // (d,): RMSNorm of each q and k head before rope, or NULL
+    float qk_eps;
+    // A MoE MLP in place of gate_up / down where experts > 0: softmax over the router's logits,
+    // the top `topk` experts (renormalised where `renorm`), each a gated MLP of `einter` rows
+    int64_t experts, topk, renorm, einter;
+    zlinear_t router;                      // (experts, H)
+    const qweight_t *egate_up, *edown;     // per expert: (2 einter, H) [gate | up], (H, einter)
 } zblock_t;
 
 // A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
@@ -186,6 +193,83 @@ static void activate(const float *gate, const float *up, float *out, int64_t n, 
     }
 }
 
+// Row r's routing: the `topk` largest of softmax(logits) (E), by probability, the lower index
+// first among equals; their probabilities, renormalised to sum 1 where `renorm`.
+static void route(const float *logits, int64_t E, int64_t topk, int64_t renorm, int64_t *ids,
+                  float *w) {
+    float top = logits[0], sum = 0.0f;
+    for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
+    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - top);
+    float chosen = 0.0f;
+    for (int64_t k = 0; k < topk; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        ids[k] = best;
+        w[k] = expf(logits[best] - top) / sum;
+        chosen += w[k];
+    }
+    if (renorm)
+        for (int64_t k = 0; k < topk; k++) w[k] /= chosen;
+}
+
+// A MoE MLP on the normed rows xn (M, H): h[:, h0:h1] += sum_k w_k expert_k(xn) for each row,
+// the experts' gate|up rows i0..i1 (and the down rows h0..h1) on this thread. logit (M, E),
+// gu (M K, 2I), act (M K, I), y (M K, H): shared; px, buf, ebuf: this thread's.
+static void moe(const zblock_t *b, const float *xn, float *h, int64_t M, int64_t H, int64_t t,
+                int64_t T, float *logit, float *gu, float *act, float *y, qx_t *px, char *buf,
+                char *ebuf, spin_barrier_t *bar) {
+    const int64_t E = b->experts, K = b->topk, I = b->einter;
+    prepare(&b->router, xn, M, px, buf);
+    linear_rows(&b->router, px, logit, E, M, share(E, t, T), share(E, t + 1, T));
+    meet(bar, T);
+    int64_t ids[MAX_ROWS * 64];
+    float w[MAX_ROWS * 64];
+    for (int64_t r = 0; r < M; r++)  // every thread routes every row, the same way
+        route(logit + r * E, E, K, b->renorm, ids + r * K, w + r * K);
+    qx_t xq;
+    zoo_qx_prepare(&b->egate_up[0], xn, M, &xq, buf);  // x quantized once for every expert
+    const int64_t i0 = share(I, t, T), i1 = share(I, t + 1, T);
+    for (int64_t p = 0; p < M * K; p++) {
+        const int64_t r = p / K;
+        const qweight_t *wg = &b->egate_up[ids[p]];
+        qx_t one = xq;
+        one.x = xn + r * H;
+        one.M = 1;
+        one.q8[0] = xq.q8[r];
+        zoo_qgemv_rows(wg, &one, gu + p * 2 * I, 2 * I, i0, i1);
+        zoo_qgemv_rows(wg, &one, gu + p * 2 * I, 2 * I, I + i0, I + i1);
+        activate(gu + p * 2 * I + i0, gu + p * 2 * I + I + i0, act + p * I + i0, i1 - i0, 0);
+    }
+    meet(bar, T);
+    const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T), ab = zoo_qx_bytes(&b->edown[0], 1);
+    for (int64_t p = 0; p < M * K; p++) {
+        qx_t aq;
+        zoo_qx_prepare(&b->edown[ids[p]], act + p * I, 1, &aq, ebuf + p * ((ab + 63) / 64 * 64));
+        zoo_qgemv_rows(&b->edown[ids[p]], &aq, y + p * H, H, h0, h1);
+    }
+    for (int64_t r = 0; r < M; r++) {  // the experts' sum in the order of their ids, as eager
+        int64_t order[64];
+        for (int64_t k = 0; k < K; k++) {
+            int64_t at = k;
+            while (at > 0 && ids[r * K + order[at - 1]] > ids[r * K + k]) {
+                order[at] = order[at - 1];
+                at--;
+            }
+            order[at] = k;
+        }
+        for (int64_t n = h0; n < h1; n++) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < K; j++)
+                sum += y[(r * K + order[j]) * H + n] * w[r * K + order[j]];
+            h[r * H + n] += sum;
+        }
+    }
+}
+
 // The final norm and the LM head: logits (M, V) = head(rms_norm(h)).
 typedef struct {
     const float *norm;
@@ -201,6 +285,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                        const float *const *sin, const int64_t *cstride, const zhead_t *hd,
                        float *logits, int threads) {
     int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1, group = 1;
+    int64_t pairs = 1, experts = 1, ebytes = 64;  // MoE: rows x chosen experts, router rows
     if (hd) {
         arena = prepare_bytes(&hd->head, M);
     }
@@ -209,6 +294,13 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         const zlinear_t *ls[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
         for (int i = 0; i < 4; i++) {
             arena = max64(arena, prepare_bytes(ls[i], M));
+        }
+        if (b->experts) {
+            arena = max64(arena, zoo_qx_bytes(&b->egate_up[0], M));
+            inter = max64(inter, b->topk * b->einter);
+            pairs = max64(pairs, b->topk);
+            experts = max64(experts, b->experts);
+            ebytes = max64(ebytes, M * b->topk * ((zoo_qx_bytes(&b->edown[0], 1) + 63) / 64 * 64));
         }
         nqkv = max64(nqkv, b->qkv.N);
         hqd = max64(hqd, b->hq * b->d);
@@ -221,7 +313,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     // shared: the q|k|v rows, attention's output, gate|up, act(gate) * up, a product's output
     float *qkv = malloc(M * nqkv * sizeof(float)), *att = malloc(M * hqd * sizeof(float));
     float *gu = malloc(M * 2 * inter * sizeof(float)), *act = malloc(M * inter * sizeof(float));
-    float *y = malloc(M * H * sizeof(float));
+    float *y = malloc(M * pairs * H * sizeof(float)), *logit = malloc(M * experts * sizeof(float));
     spin_barrier_t bar;
     atomic_init(&bar.arrived, 0);
     atomic_init(&bar.round, 0);
@@ -234,6 +326,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         float *p = malloc(group * slots * sizeof(float)), *q = malloc(group * d * sizeof(float));
         float *tmp = malloc((d + group) * sizeof(float));
         char *buf = aligned_alloc(64, (arena + 64) / 64 * 64);
+        char *ebuf = aligned_alloc(64, (ebytes + 63) / 64 * 64);
         qx_t px[MAX_PARTS];
         const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);  // this thread's columns of h
         for (int64_t l = 0; l < L; l++) {
@@ -255,6 +348,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 float *kr = qkv + r * nq + (b->hq + kh) * b->d, *vr = kr + b->hkv * b->d;
                 void *kc = slot_at(b->k, c * b->ksb + kh * b->ksh + slot * b->kss, b->kv_half);
                 void *vc = slot_at(b->v, c * b->vsb + kh * b->vsh + slot * b->vss, b->kv_half);
+                if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, b->d, b->qk_eps);
                 rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
                 if (b->kv_half) {
                     zoo_float_to_half(kr, kc, b->d);
@@ -264,7 +358,12 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                     memcpy(vc, vr, b->d * sizeof(float));
                 }
                 memcpy(q, qkv + r * nq + j0 * b->d, group * b->d * sizeof(float));
-                for (int64_t g = 0; g < group; g++) rotate(b, q + g * b->d, r, cos, sin, cstride);
+                for (int64_t g = 0; g < group; g++) {
+                    if (b->qnorm)
+                        zoo_rms_norm(q + g * b->d, NULL, NULL, b->qnorm, q + g * b->d, 1, b->d,
+                                     b->qk_eps);
+                    rotate(b, q + g * b->d, r, cos, sin, cstride);
+                }
                 const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
                 zoo_attend_group(q, group, b->d, slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half),
                                  b->kss, slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half),
@@ -278,6 +377,11 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
+            if (b->experts) {
+                moe(b, xn, h, M, H, t, T, logit, gu, act, y, px, buf, ebuf, &bar);
+                meet(&bar, T);
+                continue;
+            }
             prepare(&b->gate_up, xn, M, px, buf);
             const int64_t i0 = share(I, t, T), i1 = share(I, t + 1, T);
             linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1);
@@ -300,10 +404,12 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         free(q);
         free(tmp);
         free(buf);
+        free(ebuf);
     }
     free(qkv);
     free(att);
     free(gu);
     free(act);
     free(y);
+    free(logit);
 }

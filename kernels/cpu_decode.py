@@ -4,7 +4,8 @@ For a few rows (one token per sequence) of a small model, an eager step spends m
 dispatching its ~20 ops per block and forking and joining threads for each product than in
 the products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C
 function runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static
-cache with rope, a gated SiLU / GELU MLP; quantized or fp32 weights) inside one OpenMP region,
+cache with rope and optional q/k norms, a gated SiLU / GELU MLP or a MoE of them with softmax
+top-k routing; quantized or fp32 weights) inside one OpenMP region,
 with the arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors
 (built once: the tensors must stay where they are, which it checks by identity) and runs it.
 """
@@ -37,7 +38,9 @@ class _Block(ctypes.Structure):
         *((name, _i64) for name in ("ksb", "ksh", "kss", "vsb", "vsh", "vss", "slots", "ring",
                                     "hq", "hkv", "d", "rope", "half", "interleaved")),
         ("scale", _f32), ("softcap", _f32), ("sinks", _ptr), ("act", _i64), ("inter", _i64),
-        ("kv_half", _i64),
+        ("kv_half", _i64), ("qnorm", _ptr), ("knorm", _ptr), ("qk_eps", _f32),
+        ("experts", _i64), ("topk", _i64), ("renorm", _i64), ("einter", _i64),
+        ("router", _Linear), ("egate_up", _ptr), ("edown", _ptr),
     ]  # fmt: skip
 
 
@@ -78,6 +81,22 @@ class Block:
     sinks: torch.Tensor | None
     act: str
     intermediate: int
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None  # q's, k's weight, eps
+    moe: Experts | None = None  # in place of gate_up / down
+
+
+@dataclass
+class Experts:
+    """A MoE MLP the C step takes: softmax over `router` (E, H) fp32 logits, the top `top_k`
+    experts (renormalised where `renorm`), each a SiLU-gated MLP of `intermediate` rows: its
+    gate|up (E, 2I, H) and down (E, H, I), fp32 tensors or `BlockExperts` of one format."""
+
+    router: torch.Tensor
+    top_k: int
+    renorm: bool
+    intermediate: int
+    gate_up: object
+    down: object
 
 
 def _float(t: torch.Tensor | None) -> bool:
@@ -107,6 +126,38 @@ def _linear(weight, bias: torch.Tensor | None, keep: list) -> _Linear | None:
     return out
 
 
+def _experts(w, rows: int, cols: int) -> ctypes.Array | None:
+    """The C views of stacked experts' weights (E of them, each (rows, cols)), or None."""
+    if isinstance(w, torch.Tensor):
+        if w.dim() != 3 or w.shape[1:] != (rows, cols) or not _float(w):
+            return None
+        step = rows * cols * 4
+        views = [QWeightView(w.data_ptr() + e * step, rows, cols, 0) for e in range(w.shape[0])]
+    else:
+        parts = [_parts(x) for x in getattr(w, "experts", [None])]  # a BlockExperts' weights
+        if any(p is None or len(p) != 1 for p in parts):
+            return None
+        views = [p[0] for p in parts]
+        if {(v.N, v.K, v.type) for v in views} != {(rows, cols, views[0].type)}:
+            return None
+    return (QWeightView * len(views))(*views)
+
+
+def _moe(c, b: Block, hidden: int, keep: list) -> bool:
+    """Fill c's MoE fields from b.moe; False where the C step cannot take it."""
+    m = b.moe
+    router = _linear(m.router, None, keep) if _float(m.router) else None
+    i = m.intermediate
+    gate_up, down = _experts(m.gate_up, 2 * i, hidden), _experts(m.down, hidden, i)
+    if router is None or gate_up is None or down is None or not 0 < m.top_k <= 64:
+        return False
+    keep.append((m.gate_up, m.down, gate_up, down))
+    c.experts, c.topk, c.renorm, c.einter = m.router.shape[0], m.top_k, m.renorm, i
+    c.router = router
+    c.egate_up, c.edown = ctypes.addressof(gate_up), ctypes.addressof(down)
+    return True
+
+
 def _addr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -134,15 +185,18 @@ class Blocks:
                 c_head = _Head(norm=head[0].data_ptr(), eps=head[1], head=lin)
         arr = (_Block * len(blocks))()
         for c, b in zip(arr, blocks, strict=True):
-            linears = [
-                _linear(b.qkv, b.qkv_bias, keep),
-                _linear(b.o, b.o_bias, keep),
-                _linear(b.gate_up, b.gate_up_bias, keep),
-                _linear(b.down, b.down_bias, keep),
-            ]
+            linears = [_linear(b.qkv, b.qkv_bias, keep), _linear(b.o, b.o_bias, keep)]
+            if b.moe is None:
+                linears += [
+                    _linear(b.gate_up, b.gate_up_bias, keep),
+                    _linear(b.down, b.down_bias, keep),
+                ]
+            elif not _moe(c, b, hidden, keep):
+                return None
             d = b.head_dim
             rows = [None if lin is None else lin.N for lin in linears]
             want = [(b.heads + 2 * b.kv_heads) * d, hidden, 2 * b.intermediate, hidden]
+            want = want[: len(linears)]
             tensors = (b.norm1, b.norm2, b.sinks)
             caches = (b.k_cache, b.v_cache)
             half = b.k_cache.dtype == torch.float16
@@ -152,6 +206,12 @@ class Blocks:
             )  # fmt: skip
             if rows != want or not all(map(_float, tensors)) or not caches_ok or b.act not in ACTS:
                 return None
+            if b.qk_norm is not None:
+                qn, kn, eps = b.qk_norm
+                if not (_float(qn) and _float(kn) and qn.shape == kn.shape == (d,)):
+                    return None
+                keep.append((qn, kn))
+                c.qnorm, c.knorm, c.qk_eps = qn.data_ptr(), kn.data_ptr(), eps
             keep.append((*tensors, *caches))
             c.norm1, c.norm2, c.eps1, c.eps2 = (
                 b.norm1.data_ptr(),
@@ -159,7 +219,9 @@ class Blocks:
                 b.eps1,
                 b.eps2,
             )
-            c.qkv, c.o, c.gate_up, c.down = linears
+            c.qkv, c.o = linears[:2]
+            if b.moe is None:
+                c.gate_up, c.down = linears[2:]
             c.k, c.v = b.k_cache.data_ptr(), b.v_cache.data_ptr()
             c.ksb, c.ksh, c.kss = b.k_cache.stride()[:3]
             c.vsb, c.vsh, c.vss = b.v_cache.stride()[:3]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import LLAMA31, LLAMA32
+from fixtures.fused_steps import PROMPTS, decode, feed, rel_err
 
 from core import load_model
 from core.cpu_step import FusedStep, why_not
@@ -51,43 +52,33 @@ CASES = {
     "gemma": dict(
         BASE, model_type="gemma", head_dim=16, hidden_act="gelu_pytorch_tanh", bos_token_id=2
     ),
+    "qwen3-qk-norm": dict(BASE, model_type="qwen3", head_dim=16),  # q and k heads RMS-normed
+    # every layer a MoE of 8 experts, 3 chosen, their weights renormalised; q/k norms
+    "qwen3-moe": dict(
+        BASE,
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+    # top-2 of 4, not renormalised (Qwen3-MoE's default), one dense layer (mlp_only_layers)
+    "qwen3-moe-dense-layer": dict(
+        BASE,
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
+    "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
 }
-PROMPTS = ([5, 9, 14, 3, 22, 7, 40], [11, 30, 8])  # unequal: rows at their own positions
-STEPS = 9
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def decode(m, fused: bool, feed: list[list[int]]) -> list[torch.Tensor]:
-    """Prefill PROMPTS as a right-padded batch, then feed feed[i] (one token per row) per step,
-    through the fused step or the modules; logits (rows, vocab) per step."""
-    m.reset()
-    rows = len(PROMPTS)
-    ids = torch.zeros(rows, max(map(len, PROMPTS)), dtype=torch.long)
-    for r, p in enumerate(PROMPTS):
-        ids[r, : len(p)] = torch.tensor(p)
-    m.forward(ids, 0, lengths=[len(p) for p in PROMPTS])
-    pos = torch.tensor([len(p) for p in PROMPTS])
-    out = []
-    with torch.inference_mode():
-        for tokens in feed:
-            tokens, end = torch.tensor(tokens), int(pos.max()) + 1
-            if fused:
-                logits = m.step.fused(tokens, pos, end)
-                assert logits is not None, why_not(m.net)  # the fused step ran
-                assert m.step.fused._blocks().vocab == logits.shape[-1]  # the head in the call
-            else:  # the modules as a decode step runs them
-                logits = m.net(tokens[:, None], pos, end=end)[:, -1]
-            out.append(logits.clone())
-            pos = pos + 1
-    return out
-
-
-def feed(seed: int = 3) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 96, (STEPS, len(PROMPTS)), generator=g).tolist()
 
 
 @pytest.mark.parametrize("case", list(CASES))

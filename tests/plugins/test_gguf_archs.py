@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_tokenizer_folder
+from fixtures.fused_steps import decode, feed, rel_err
 from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
@@ -40,6 +41,7 @@ from test_qwen3_moe import QWEN3_MOE
 from test_smollm3 import SMOLLM3
 
 from core import CheckpointError, ConfigError, load_model
+from core.cpu_step import why_not
 from core.layers.moe import StackedLinear
 from core.quantize import weight_formats
 from kernels.blocks import BlockExperts
@@ -205,7 +207,7 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     the tensor's largest / 200)."""
     name, folder, f32_path, _ = case
     path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0", pre=PRE.get(name, "qwen2"))
-    kept = load_model(path, max_seq_len=128)
+    kept = load_model(path, max_seq_len=128, max_batch_size=2)
     floats = load_model(path, max_seq_len=128, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
     # routed experts stay in their stacked blocks too (only the chosen ones are read); where
@@ -215,6 +217,11 @@ def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
     assert any(isinstance(w, BlockExperts) for w in stacked) == bool(stacked)
     if name == "qwen3moe":
         assert all(isinstance(w, BlockExperts) for w in stacked)
+    if name in ("qwen3moe", "mixtral"):  # and decode on the fused CPU step, as the modules do
+        assert why_not(kept.net) is None
+        tokens = feed(5)
+        for got, want in zip(decode(kept, True, tokens), decode(kept, False, tokens), strict=True):
+            assert rel_err(got, want) < 5e-4  # (test_cpu_step's bound for kept weights)
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
