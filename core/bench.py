@@ -59,6 +59,27 @@ def _peak_gbps(device: torch.device) -> float | None:
 CPU_PROBE_BYTES = 1 << 30
 
 
+def read_per_step(net, weight_bytes: int, rows: int) -> float:
+    """The weight bytes a decode step of `rows` rows reads: all of them, less the routed experts
+    no row chose (of E experts, k per row chosen at random: E (1 - (1 - k / E) ^ rows) read)
+    and, untied from the head, the token embedding (a row per token)."""
+    from core.layers.moe import MoE
+
+    unread = 0.0
+    if net.lm_head.tied_to[0] is None:
+        unread += _nbytes(net.model.embed_tokens.weight)
+    for m in net.modules():
+        if isinstance(m, MoE):
+            spec, ex = m.gate.spec, m.experts
+            held = sum(_nbytes(p.weight) for p in (ex.gate_up_proj, ex.down_proj))
+            unread += held * (1 - spec.top_k / spec.num_experts) ** rows
+    return weight_bytes - unread
+
+
+def _nbytes(w) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
 def cpu_stream_gbps(nbytes: int = CPU_PROBE_BYTES, repeat: int = 5) -> float:
     """GB/s of a one-row fp32 `kernels.linear` over an `nbytes` weight (best of `repeat`)."""
     import kernels
@@ -175,7 +196,8 @@ def measure(
         tps = max(rates[1:])
         step_s = b / tps
         context = 32 + decode_tokens / 2  # average tokens attended per row
-        bytes_per_step = weight_bytes + b * context * report.kv_bytes_per_token
+        bytes_per_step = read_per_step(model.net, weight_bytes, b)
+        bytes_per_step += b * context * report.kv_bytes_per_token
         gbps = bytes_per_step / step_s / 1e9
         report.decode[b] = {"tokens_per_s": tps, "step_ms": step_s * 1e3, "achieved_gbps": gbps}
     _sync(dev)
