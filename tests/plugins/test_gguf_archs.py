@@ -23,7 +23,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_checkpoint
-from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_tokenizer_folder
+from fixtures.chat_tokenizers import (
+    QWEN2,
+    QWEN35_PATTERN,
+    build_sentencepiece_folder,
+    build_tokenizer_folder,
+)
 from fixtures.fused_steps import decode, feed, rel_err
 from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
@@ -161,9 +166,11 @@ TOKENIZERS = {
     # gpt-oss's: o200k's regex, harmony's markers and template
     "gpt-oss": HARMONY,
     "gpt-oss-mxfp4": HARMONY,
+    # Qwen3.5's: Qwen2.5's regex with combining marks kept in words
+    **dict.fromkeys(("qwen35", "qwen35moe"), dataclasses.replace(QWEN2, pattern=QWEN35_PATTERN)),
 }
 # the tokenizer.ggml.pre llama.cpp names a case's regex by (unlisted: Qwen2.5's, `qwen2`)
-PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o"}
+PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o", "qwen35": "qwen35", "qwen35moe": "qwen35"}
 GEMMA_IDS = {"bos_token_id": "<bos>", "eos_token_id": "<end_of_turn>", "pad_token_id": "<pad>"}
 TEXT = (
     "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light. "
