@@ -9,7 +9,9 @@ permuted for its rope kernel, and Gemma's (1 + w) norm weights as 1 + w; `read()
 permutation exactly as transformers' GGUF loader does). A hub tensor llama.cpp splits (DeepSeek's
 MLA `kv_b_proj`) is joined back on read (`Join`); where it split one hub tensor's rows in two
 (gpt-oss's interleaved gate_up), both file tensors carry the hub's name and `read()` interleaves
-their rows again.
+their rows again. Whatever else the converter did to a tensor (Qwen3-Next's and Qwen3.5's
+DeltaNet tensors: values transformed, rows or columns reordered, one hub tensor's rows split in
+two) its `Fix` undoes (plugins/gguf_fixes.py); multi-token-prediction blocks are skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from plugins.gguf_archs import (
     TENSOR_NAMES,
     Join,
 )
+from plugins.gguf_fixes import Fix
 from plugins.gguf_reader import GGUFFile
 
 if TYPE_CHECKING:  # torch loads only when a model is built: listing plugins stays light
@@ -98,18 +101,32 @@ class GGUFCheckpoint:
         self._expert: dict[str, int] = {}  # hub name -> its expert's index in a stacked tensor
         part_of = {p: hub for hub, j in self.spec.joins.items() for p in j.parts}
         self._joined: dict[str, tuple[Join, dict[str, str]]] = {}  # hub -> (join, part -> file's)
+        self._fixes: dict[str, Fix] = {}  # hub name -> what the converter did to it
+        self._fused: dict[str, list[str]] = {}  # hub name -> the file's (Fix.fused), rows stacked
+        fused = {t for fix in self.spec.fixes.values() for t in fix.fused}
+        mtp = int(self._meta("nextn_predict_layers", 0) or 0)
+        layers = int(self._meta("block_count", 0) or 0) - mtp
         for n in self.file.tensors:
             if n in ROPE_TENSORS:
                 continue
             key, layer, leaf = _template(n)
+            if mtp and n.startswith("blk.") and int(layer[0]) >= layers:
+                self._names[f"mtp.{n}"] = n  # multi-token prediction: the hub's mtp.*, not run
+                continue
             if key in part_of:
                 hub = f"{part_of[key].format(*layer)}.{leaf}"
                 self._joined.setdefault(hub, (self.spec.joins[part_of[key]], {}))[1][key] = n
                 continue
+            if key in fused:
+                continue  # read with the tensor whose rows it continues
+            fix = self.spec.fixes.get(f"{key}.{leaf}", self.spec.fixes.get(key))
             for hub, e in hub_names(n, tensors, experts):
                 self._interleaved.setdefault(hub, []).append(n)
                 if e is not None:
                     self._expert[hub] = e
+                if fix is not None:
+                    self._fixes[hub] = fix
+                    self._fused[hub] = [n, *(f"{t.format(*layer)}.{leaf}" for t in fix.fused)]
         order = list(tensors)
         for hub, files in list(self._interleaved.items()):
             if len(files) > 1:  # in the order of their keys (whole names, as gpt-oss's are)
@@ -117,6 +134,13 @@ class GGUFCheckpoint:
             else:
                 del self._interleaved[hub]
             self._names[hub] = files[0]
+        self._fused = {hub: files for hub, files in self._fused.items() if len(files) > 1}
+        for files in self._fused.values():
+            if missing := [n for n in files if n not in self.file.tensors]:
+                raise CheckpointError(
+                    f"{path}: tensor {files[0]!r} comes with {missing[0]!r}, which the file "
+                    "lacks; it is incomplete: convert or download it again"
+                )
         for join, found in self._joined.values():
             missing = [p for p in join.parts if p not in found]
             if missing:
@@ -142,6 +166,8 @@ class GGUFCheckpoint:
         cfg: dict[str, Any] = {"model_type": self.spec.model_type, **self.spec.defaults}
         keys = {**CONFIG_KEYS, **self.spec.config}
         cfg.update({hub: self._meta(key) for key, hub in keys.items() if self._meta(key)})
+        if self._meta("nextn_predict_layers") and "num_hidden_layers" in cfg:
+            cfg["num_hidden_layers"] -= self._meta("nextn_predict_layers")  # MTP blocks follow
         rope_dim = self._meta("rope.dimension_count")
         if self.spec.partial_rope and rope_dim:
             cfg["partial_rotary_factor"] = rotary_factor(rope_dim, cfg)
@@ -231,6 +257,10 @@ class GGUFCheckpoint:
         shape = list(self.file.tensors[self._names[name]].shape)
         if name in self._interleaved:
             shape[_rows(self._names[name])] *= len(self._interleaved[name])
+        if name in self._fused:
+            shape[0] = sum(self.file.tensors[n].shape[0] for n in self._fused[name])
+        if name in self._fixes:  # e.g. a conv's squeezed axis back
+            shape = self._fixes[name].shape(shape)
         return tuple(shape[1:] if name in self._expert else shape)
 
     def read(self, name: str) -> torch.Tensor:
@@ -242,7 +272,10 @@ class GGUFCheckpoint:
         if name in self._interleaved:
             parts = [self.file.read(n, e) for n in self._interleaved[name]]
             return torch.stack(parts, _rows(self._names[name])).reshape(self.shape(name))
-        w = self.file.read(self._names[name], e)
+        ws = [self.file.read(n, e) for n in self._files(name)]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)  # fused: rows stacked
+        if name in self._fixes:
+            return self._fixes[name].floats(w, self.config())
         if self.spec.norm_offset and name.endswith("norm.weight"):  # as the converter added it
             w = w.float() - self.spec.norm_offset
         return self._unpermuted(name, w)
@@ -253,8 +286,8 @@ class GGUFCheckpoint:
         return [found[p] for p in join.parts]
 
     def _files(self, name: str) -> list[str]:
-        """The file's tensors that make the hub's `name`: one, or those interleaved."""
-        return self._interleaved.get(name) or [self._names[name]]
+        """The file's tensors that make the hub's `name`: one, or those interleaved or fused."""
+        return self._interleaved.get(name) or self._fused.get(name) or [self._names[name]]
 
     def stored_name(self, name: str) -> str:
         """The file's own name for a tensor (`output.weight` for `lm_head.weight`; one expert
@@ -270,7 +303,10 @@ class GGUFCheckpoint:
         if name in self._joined:
             return None
         kinds = {self.file.type_name(n).lower() for n in self._files(name)}
-        return None if len(kinds) > 1 or kinds <= {"f32", "f16", "bf16"} else kinds.pop()
+        if len(kinds) > 1 or kinds <= {"f32", "f16", "bf16"}:
+            return None
+        fix, kind = self._fixes.get(name), self.file.tensors[self._names[name]].ggml_type
+        return None if fix and not fix.keeps_blocks(self.config(), kind) else kinds.pop()
 
     def blocks(self, name: str) -> tuple[str, np.ndarray, np.ndarray | None]:
         """The tensor's block format, its bytes as stored ((rows, bytes per row) uint8, memory-
@@ -282,6 +318,8 @@ class GGUFCheckpoint:
         order = None
         if self._permuted(name):
             order = self._unpermuted(name, torch.arange(info.shape[0])).numpy()
+        if (fix := self._fixes.get(name)) is not None and fix.rows is not None:
+            order = fix.rows(self.config())
         return self.quant_format(name), self._raw(name), order
 
     def stored_bytes(self, name: str) -> int:
@@ -303,19 +341,31 @@ class GGUFCheckpoint:
 
         raw = torch.from_numpy(np.array(self._raw(name)))  # (rows, bytes per row)
         raw = self._unpermuted(name, raw).numpy()
+        if (fix := self._fixes.get(name)) is not None and fix.rows is not None:
+            raw = raw[fix.rows(self.config())]
         return repack(self.quant_format(name), raw, self.shape(name))
 
     def _raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored (its expert's, of a stack), memory-mapped; interleaved
-        ones (a matrix's rows of blocks: weights only) copied into the hub's row order. MXFP4's
+        ones (a matrix's rows of blocks: weights only) copied into the hub's row order, fused
+        ones stacked, a Fix's columns moved back by whole blocks (copies). MXFP4's
         are ggml's `block_mxfp4` (an e8m0 scale byte, then 16 bytes: value j in the low nibble,
         j + 16 in the high one), which the CPU kernels keep as they are."""
         raws = [self.file.raw(n) for n in self._files(name)]
         if name in self._expert:
             raws = [raw[self._expert[name]] for raw in raws]
         if len(raws) == 1:
-            return raws[0]
-        return np.stack(raws, -2).reshape(*raws[0].shape[:-2], -1, raws[0].shape[-1])
+            raw = raws[0]
+        elif name in self._fused:
+            raw = np.concatenate(raws)
+        else:
+            raw = np.stack(raws, -2).reshape(*raws[0].shape[:-2], -1, raws[0].shape[-1])
+        if (fix := self._fixes.get(name)) is None:
+            return raw
+        order = fix.block_order(self.config(), self.file.tensors[self._names[name]].ggml_type)
+        if order is not None:  # a Fix's columns, moved by whole blocks
+            raw = raw.reshape(raw.shape[0], len(order), -1)[:, order].reshape(raw.shape[0], -1)
+        return raw
 
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp stored this tensor's rows in its own q/k order."""

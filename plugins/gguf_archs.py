@@ -15,6 +15,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.errors import ConfigError
+from plugins.gguf_fixes import (
+    HYBRID_KEYS,
+    QWEN3_5_FIXES,
+    QWEN3_5_TENSORS,
+    QWEN3_NEXT_FIXES,
+    QWEN3_NEXT_TENSORS,
+    Fix,
+    hybrid_config,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +57,7 @@ class Arch:
     configure: Callable[[Callable[..., Any], dict[str, Any], Path], dict[str, Any]] | None = None
     norm_offset: float = 0.0  # llama.cpp stored each norm weight plus this (Gemma's 1 + w: 1)
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # implied beside a stored scaling
+    fixes: dict[str, Fix] = field(default_factory=dict)  # file template -> what to undo on read
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -297,6 +307,37 @@ ARCHITECTURES = {
         },
         defaults={"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
         rope_scaling={"truncate": False},
+    ),
+    # Qwen3-Next, Qwen3.5 (dense, MoE): gated DeltaNet beside gated attention layers, norms
+    # (1 + w) (plugins/gguf_fixes.py). llama.cpp's qwen3next graph renormalizes the chosen
+    # experts' weights; its converter writes no dense layer in a qwen3next.
+    "qwen3next": Arch(
+        "qwen3_next",
+        tensors={**EXPERTS, **QWEN3_NEXT_TENSORS},
+        config={**MOE_KEYS, **HYBRID_KEYS},
+        defaults={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        partial_rope=True,
+        configure=hybrid_config,
+        norm_offset=1.0,
+        fixes=QWEN3_NEXT_FIXES,
+    ),
+    "qwen35": Arch(
+        "qwen3_5_text",
+        tensors=QWEN3_5_TENSORS,
+        config=HYBRID_KEYS,
+        partial_rope=True,
+        configure=hybrid_config,
+        norm_offset=1.0,
+        fixes=QWEN3_5_FIXES,
+    ),
+    "qwen35moe": Arch(
+        "qwen3_5_moe_text",
+        tensors={**EXPERTS, **QWEN3_5_TENSORS},
+        config={**MOE_KEYS, **HYBRID_KEYS},
+        partial_rope=True,
+        configure=hybrid_config,
+        norm_offset=1.0,
+        fixes=QWEN3_5_FIXES,
     ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors

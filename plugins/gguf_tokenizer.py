@@ -31,6 +31,10 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35 = (  # Qwen3.5's: Qwen2's with combining marks (\p{M}) kept in words
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _O200K = (  # o200k's (gpt-oss, GPT-4o): words also split where lower case turns upper
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
@@ -39,12 +43,14 @@ _O200K = (  # o200k's (gpt-oss, GPT-4o): words also split where lower case turns
 )
 # tokenizer.ggml.pre -> the regexes llama.cpp splits text with before BPE (llama-vocab.cpp);
 # unlisted: GPT-2's. SmolLM's splits digits apart first, as its tokenizer.json does. gpt-oss's
-# files say `gpt-4o` (its tokenizer's regex is tiktoken's o200k one, as GPT-4o's).
+# files say `gpt-4o` (its tokenizer's regex is tiktoken's o200k one, as GPT-4o's), Qwen3.5's
+# `qwen35`.
 PRE_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), (_QWEN2,)),
     "smollm": (r"\p{N}", _GPT2),
     "gpt-4o": (_O200K,),
+    "qwen35": (_QWEN35,),
 }
 
 

@@ -23,13 +23,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_checkpoint
-from fixtures.chat_tokenizers import QWEN2, build_sentencepiece_folder, build_tokenizer_folder
+from fixtures.chat_tokenizers import (
+    QWEN2,
+    QWEN35_PATTERN,
+    build_sentencepiece_folder,
+    build_tokenizer_folder,
+)
 from fixtures.fused_steps import decode, feed, rel_err
 from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
 from fixtures.tool_templates import GPT_OSS as HARMONY
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_deepseek import V3, make_deepseek
 from test_gemma import GEMMA, GEMMA2, GEMMA3, gemma_checkpoint
 from test_gpt_oss import GPT_OSS, to_mxfp4
@@ -38,6 +43,7 @@ from test_mixtral import MIXTRAL
 from test_phi3 import PHI3_MINI, PHI4_MINI, ROT
 from test_qwen3 import QWEN3
 from test_qwen3_moe import QWEN3_MOE
+from test_qwen3_next import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from test_smollm3 import SMOLLM3
 
 from core import CheckpointError, ConfigError, load_model
@@ -55,6 +61,36 @@ def deepseek(case: str, **changes):
     """A maker of test_deepseek's DeepSeek checkpoints as the hub ships them (one tensor per
     expert, the hub's config keys): (folder, **spec changes) -> None."""
     return lambda folder, **kw: make_deepseek(folder, case, **changes, **kw)
+
+
+def hybrid(spec: dict):
+    """A maker of Qwen's hybrids as released: saved as transformers 5 writes them
+    (rope_parameters: the partial rotary factor, Qwen3.5's mrope sections), with the
+    multi-token-prediction weights (mtp.*), which llama.cpp's converter writes as blocks after
+    the model's (and Zoo does not run)."""
+
+    def make(folder, **changes):
+        make_checkpoint(folder, dict(spec, **changes), seed=3, raw=True)
+        path = folder / "model.safetensors"
+        state = load_file(path)
+        last = f"model.layers.{spec['num_hidden_layers'] - 1}."  # the MTP layer: one like it
+        state.update({k.replace(last, "mtp.layers.0."): v for k, v in state.items() if last in k})
+        hidden = spec["hidden_size"]
+        state["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) / hidden  # embedding | hidden
+        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            state[f"mtp.{norm}.weight"] = torch.zeros(hidden)
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, path, {"format": "pt"})
+
+    return make
+
+
+# The hybrids' MoE layers route each token to all 4 experts. With 2 of 4, the random routers'
+# near-ties flip between the kept and the dequantized model (the CPU kernels round activations
+# to 15 bits; the DeltaNet layers' gated norm amplifies that for heads whose output nearly
+# cancels), and the Q8_0 judgement measured those flips (mean KL 6e-4 to 1e-2 over seeds);
+# with all 4 it is 3e-5 to 6e-5, and a misplaced expert still moves the F32 logits (each
+# expert weighted by its own probability). Experts 32 wide, as qwen3moe's.
+HYBRID_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=4)
 
 
 CASES = {  # name: (spec or maker, the file's general.architecture)
@@ -99,6 +135,12 @@ CASES = {  # name: (spec or maker, the file's general.architecture)
     # MXFP4 experts, as released: repacked to ggml's MXFP4 whatever the --outtype, so the
     # Q8_0 file holds them as the F32 file does
     "gpt-oss-mxfp4": (dict(GPT_OSS, swiglu_limit=7.0), "gpt-oss"),
+    # gated DeltaNet (2 key heads to 4 value heads) and gated attention, 3 to 1, (1 + w) norms:
+    # Qwen3.5's value heads stored reordered, Qwen3-Next's in_proj_qkvz split in two; every
+    # layer MoE with a gated shared expert (the converter writes no dense one in a qwen3next)
+    "qwen3next": (hybrid(dict(QWEN3_NEXT, mlp_only_layers=[], **HYBRID_MOE)), "qwen3next"),
+    "qwen35": (hybrid(QWEN3_5), "qwen35"),
+    "qwen35moe": (hybrid(dict(QWEN3_5_MOE, **HYBRID_MOE)), "qwen35moe"),
 }
 
 
@@ -124,9 +166,11 @@ TOKENIZERS = {
     # gpt-oss's: o200k's regex, harmony's markers and template
     "gpt-oss": HARMONY,
     "gpt-oss-mxfp4": HARMONY,
+    # Qwen3.5's: Qwen2.5's regex with combining marks kept in words
+    **dict.fromkeys(("qwen35", "qwen35moe"), dataclasses.replace(QWEN2, pattern=QWEN35_PATTERN)),
 }
 # the tokenizer.ggml.pre llama.cpp names a case's regex by (unlisted: Qwen2.5's, `qwen2`)
-PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o"}
+PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o", "qwen35": "qwen35", "qwen35moe": "qwen35"}
 GEMMA_IDS = {"bos_token_id": "<bos>", "eos_token_id": "<end_of_turn>", "pad_token_id": "<pad>"}
 TEXT = (
     "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light. "

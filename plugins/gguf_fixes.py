@@ -1,0 +1,187 @@
+"""What llama.cpp's converter (`convert_hf_to_gguf.py`) changes in a tensor beyond its name,
+undone on read by plugins/gguf.py: a `Fix` per file tensor (`Arch.fixes`). Here: the Fix and
+the tables of Qwen's hybrids, Qwen3-Next and Qwen3.5 (dense and MoE), with their config.
+
+What the converter does to those (conversion/qwen.py: `Qwen3NextModel`,
+`_LinearAttentionVReorderBase`, `_QwenMtpMixin`):
+- every (1 + w) RMSNorm weight is stored as 1 + w (`Arch.norm_offset`), but the gated DeltaNet
+  norm, plain w;
+- A_log is stored as A = -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the conv1d weight
+  squeezed to (channels, kernel);
+- Qwen3-Next's in_proj_qkvz (rows grouped per key head: q | k | v | z) is split into `attn_qkv`
+  (q | k | v, each over all heads) and `attn_gate` (z); in_proj_ba is stored as is (`ssm_ba`);
+- Qwen3.5's value heads, grouped by key head in the hub (k0: v0 v1, k1: v0 v1), are stored
+  tiled (v0: k0 k1, v1: k0 k1) wherever they appear: v's rows of in_proj_qkv and the conv,
+  in_proj_z, in_proj_b / a, A_log, dt_bias, and out_proj's columns;
+- the multi-token-prediction weights (mtp.*) become blocks after the model's (`nextn`).
+The rows a Fix moves stay whole, so its tensor keeps its blocks; so do columns moved in whole
+blocks (out_proj's value heads of 128 in Q8_0's blocks of 32, not in Q4_K's of 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    import torch
+
+
+@dataclass(frozen=True)
+class Fix:
+    """How the converter changed one tensor, all of it (not `Arch.norm_offset` too), undone on
+    read. `rows(cfg)` / `cols(cfg)`: for each row (column) of the hub's tensor, the stored one
+    it is (cfg: the hub config built from the metadata); `values(w)`: the hub's floats from the
+    stored ones (such a tensor is read as floats, not kept quantized); `fused`: file tensors
+    (templates, no leaf) whose rows follow this one's in the hub's tensor (the converter split
+    the hub's in several)."""
+
+    rows: Callable[[dict[str, Any]], np.ndarray] | None = None
+    cols: Callable[[dict[str, Any]], np.ndarray] | None = None
+    values: Callable[[torch.Tensor], torch.Tensor] | None = None
+    fused: tuple[str, ...] = ()
+
+    def floats(self, w: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+        """The hub's floats from the stored ones (its parts' rows stacked)."""
+        import torch
+
+        if self.rows is not None:
+            w = w[torch.from_numpy(self.rows(cfg))]
+        if self.cols is not None:
+            w = w[:, torch.from_numpy(self.cols(cfg))]
+        return w if self.values is None else self.values(w)
+
+    def shape(self, stored: list[int]) -> list[int]:
+        """The hub's shape of a tensor stored in this one (the values' on the meta device)."""
+        import torch
+
+        if self.values is None:
+            return stored
+        return list(self.values(torch.empty(stored, device="meta")).shape)
+
+    def block_order(self, cfg: dict[str, Any], ggml_type: int) -> np.ndarray | None:
+        """`cols` as whole blocks of the type moved within each row: the stored block of each
+        block; None where no columns move, or they move within blocks (or the type is floats)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        if self.cols is None:
+            return None
+        size = GGML_QUANT_SIZES.get(GGMLQuantizationType(ggml_type), (1,))[0]
+        blocks = self.cols(cfg).reshape(-1, size)
+        first = blocks[:, :1]
+        if size == 1 or (first % size).any() or (blocks != first + np.arange(size)).any():
+            return None
+        return first[:, 0] // size
+
+    def keeps_blocks(self, cfg: dict[str, Any], ggml_type: int) -> bool:
+        """Whether the tensor's blocks can be kept: its values as stored, whole rows moved,
+        columns (if any) by whole blocks."""
+        moved = self.cols is None or self.block_order(cfg, ggml_type) is not None
+        return self.values is None and moved
+
+
+# --- Qwen3-Next, Qwen3.5 ---------------------------------------------------------------------
+_L = "model.layers.{}"
+HYBRID_TENSORS = {  # beside TENSOR_NAMES and EXPERTS (file template -> the text model's names)
+    "blk.{}.post_attention_norm": f"{_L}.post_attention_layernorm",
+    "blk.{}.ssm_a": f"{_L}.linear_attn.A_log",  # whole names
+    "blk.{}.ssm_dt.bias": f"{_L}.linear_attn.dt_bias",
+    "blk.{}.ssm_conv1d": f"{_L}.linear_attn.conv1d",
+    "blk.{}.ssm_norm": f"{_L}.linear_attn.norm",
+    "blk.{}.ssm_out": f"{_L}.linear_attn.out_proj",
+    "blk.{}.ffn_gate_inp_shexp": f"{_L}.mlp.shared_expert_gate",
+    "blk.{}.ffn_gate_shexp": f"{_L}.mlp.shared_expert.gate_proj",
+    "blk.{}.ffn_up_shexp": f"{_L}.mlp.shared_expert.up_proj",
+    "blk.{}.ffn_down_shexp": f"{_L}.mlp.shared_expert.down_proj",
+}
+QWEN3_NEXT_TENSORS = {
+    **HYBRID_TENSORS,
+    "blk.{}.attn_qkv": f"{_L}.linear_attn.in_proj_qkvz",  # with attn_gate: see the fixes
+    "blk.{}.ssm_ba": f"{_L}.linear_attn.in_proj_ba",
+}
+QWEN3_5_TENSORS = {
+    **HYBRID_TENSORS,
+    "blk.{}.attn_qkv": f"{_L}.linear_attn.in_proj_qkv",
+    "blk.{}.attn_gate": f"{_L}.linear_attn.in_proj_z",
+    "blk.{}.ssm_beta": f"{_L}.linear_attn.in_proj_b",
+    "blk.{}.ssm_alpha": f"{_L}.linear_attn.in_proj_a",
+}
+HYBRID_KEYS = {  # {arch}.key -> config.json key
+    "ssm.conv_kernel": "linear_conv_kernel_dim",
+    "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads",
+    "ssm.time_step_rank": "linear_num_value_heads",
+    "full_attention_interval": "full_attention_interval",
+    "expert_count": "num_experts",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+
+def hybrid_config(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The fields the converter stores in other terms: the value heads' width (ssm.inner_size
+    is all of them) and which layers are linear (attention.recurrent_layers, which also lists
+    the multi-token-prediction blocks after the model's)."""
+    if meta("ssm.inner_size") and meta("ssm.time_step_rank"):
+        cfg["linear_value_head_dim"] = meta("ssm.inner_size") // meta("ssm.time_step_rank")
+    if recurrent := meta("attention.recurrent_layers"):
+        kinds = ["linear_attention" if r else "full_attention" for r in recurrent]
+        cfg["layer_types"] = kinds[: cfg.get("num_hidden_layers")]
+    return cfg
+
+
+def _heads(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(key heads, value heads per key head, key head dim, value head dim)."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    return nk, nv // nk, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+
+
+def grouped(cfg: dict[str, Any], dim: int) -> np.ndarray:
+    """Value heads of `dim` rows each, from the converter's tiled order back to the hub's
+    grouped one: hub head (k, j) is stored head (j, k)."""
+    nk, r, _, _ = _heads(cfg)
+    return np.arange(nk * r * dim).reshape(r, nk, dim).transpose(1, 0, 2).reshape(-1)
+
+
+def _qkv_grouped(cfg: dict[str, Any]) -> np.ndarray:
+    """q | k as stored, then the value heads regrouped (in_proj_qkv's rows, the conv's)."""
+    nk, _, dk, dv = _heads(cfg)
+    return np.concatenate([np.arange(2 * nk * dk), 2 * nk * dk + grouped(cfg, dv)])
+
+
+def _qkvz_per_key_head(cfg: dict[str, Any]) -> np.ndarray:
+    """Qwen3-Next's in_proj_qkvz from attn_qkv (q | k | v) and attn_gate (z), stacked: per key
+    head its q, k, v and z rows."""
+    nk, r, dk, dv = _heads(cfg)
+    starts = np.cumsum([0, nk * dk, nk * dk, nk * r * dv])  # q, k, v, z in the stack
+    sizes = (dk, dk, r * dv, r * dv)
+    return np.concatenate(
+        [s + h * n + np.arange(n) for h in range(nk) for s, n in zip(starts, sizes, strict=True)]
+    )
+
+
+def _a_log(a: torch.Tensor) -> torch.Tensor:
+    return (-a).log()  # the converter wrote -exp(A_log)
+
+
+QWEN3_NEXT_FIXES = {
+    "blk.{}.ssm_norm": Fix(),  # plain w: not the other norms' 1 + w
+    "blk.{}.ssm_a": Fix(values=_a_log),
+    "blk.{}.ssm_conv1d": Fix(values=lambda w: w.unsqueeze(1)),  # (channels, 1, kernel)
+    "blk.{}.attn_qkv": Fix(rows=_qkvz_per_key_head, fused=("blk.{}.attn_gate",)),
+}
+QWEN3_5_FIXES = {
+    "blk.{}.ssm_norm": Fix(),
+    "blk.{}.ssm_a": Fix(rows=lambda c: grouped(c, 1), values=_a_log),
+    "blk.{}.ssm_dt.bias": Fix(rows=lambda c: grouped(c, 1)),
+    "blk.{}.ssm_conv1d": Fix(rows=_qkv_grouped, values=lambda w: w.unsqueeze(1)),
+    "blk.{}.attn_qkv": Fix(rows=_qkv_grouped),
+    "blk.{}.attn_gate": Fix(rows=lambda c: grouped(c, c["linear_value_head_dim"])),
+    "blk.{}.ssm_beta": Fix(rows=lambda c: grouped(c, 1)),
+    "blk.{}.ssm_alpha": Fix(rows=lambda c: grouped(c, 1)),
+    "blk.{}.ssm_out": Fix(cols=lambda c: grouped(c, c["linear_value_head_dim"])),
+}
