@@ -9,7 +9,8 @@ What the converter does to those (conversion/qwen.py: `Qwen3NextModel`,
 - A_log is stored as A = -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the conv1d weight
   squeezed to (channels, kernel);
 - Qwen3-Next's in_proj_qkvz (rows grouped per key head: q | k | v | z) is split into `attn_qkv`
-  (q | k | v, each over all heads) and `attn_gate` (z); in_proj_ba is stored as is (`ssm_ba`);
+  (q | k | v, each over all heads) and `attn_gate` (z) (converters before llama.cpp PR 18683,
+  January 2026, stored it as is, `ssm_in`); in_proj_ba is stored as is (`ssm_ba`);
 - Qwen3.5's value heads, grouped by key head in the hub (k0: v0 v1, k1: v0 v1), are stored
   tiled (v0: k0 k1, v1: k0 k1) wherever they appear: v's rows of in_proj_qkv and the conv,
   in_proj_z, in_proj_b / a, A_log, dt_bias, and out_proj's columns;
@@ -102,6 +103,7 @@ HYBRID_TENSORS = {  # beside TENSOR_NAMES and EXPERTS (file template -> the text
 QWEN3_NEXT_TENSORS = {
     **HYBRID_TENSORS,
     "blk.{}.attn_qkv": f"{_L}.linear_attn.in_proj_qkvz",  # with attn_gate: see the fixes
+    "blk.{}.ssm_in": f"{_L}.linear_attn.in_proj_qkvz",  # as is: converters before 2026-01
     "blk.{}.ssm_ba": f"{_L}.linear_attn.in_proj_ba",
 }
 QWEN3_5_TENSORS = {

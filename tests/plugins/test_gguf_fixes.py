@@ -1,7 +1,8 @@
 """plugins/gguf_fixes.py, beside the whole files of test_gguf_archs.py: a hybrid's file without
-multi-token-prediction blocks (as converters before them, or `--no-mtp`, write it), a split
-in_proj missing its half, columns that move within blocks read as floats, and Qwen3.5's
-pre-tokenizer, which keeps combining marks in words."""
+multi-token-prediction blocks (as converters before them, or `--no-mtp`, write it), Qwen3-Next
+as older converters wrote it (in_proj_qkvz whole), a split in_proj missing its half, columns
+that move within blocks read as floats, and Qwen3.5's pre-tokenizer, which keeps combining
+marks in words."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_gguf_archs import VOCAB, case, rewritten  # noqa: F401  (case: a fixture)
 
 from core import CheckpointError, load_model
@@ -39,6 +41,28 @@ def test_a_file_without_mtp_blocks_loads_the_same(case, tmp_path):  # noqa: F811
     assert plain.config == with_mtp.config
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     assert torch.equal(plain.forward(x), with_mtp.forward(x))
+
+
+@pytest.mark.parametrize("case", ["qwen3next"], indirect=True)
+def test_qwen3next_file_of_older_converters_loads_the_same(case, tmp_path):  # noqa: F811
+    """Before llama.cpp split it (PR 18683, January 2026), the converter stored Qwen3-Next's
+    in_proj_qkvz as it is, `ssm_in` (as ollama's converter still reads such files)."""
+    _, folder, path, _ = case
+    hub = load_file(folder / "model.safetensors")
+
+    def older(arch, values, tensors):
+        for name in [n for n in tensors if ".attn_gate." in n]:
+            del tensors[name], tensors[name.replace("attn_gate", "attn_qkv")]
+            layer = name.split(".")[1]
+            qkvz = hub[f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"].numpy()
+            tensors[f"blk.{layer}.ssm_in.weight"] = qkvz
+
+    old = rewritten(path, tmp_path / "older.gguf", older)
+    assert "blk.0.ssm_in.weight" in {t.name for t in gguf.GGUFReader(old).tensors}
+    kw = dict(max_seq_len=64, max_batch_size=2)
+    new, older_model = load_model(path, **kw), load_model(old, **kw)
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(older_model.forward(x), new.forward(x))
 
 
 @pytest.mark.parametrize("case", ["qwen3next"], indirect=True)
