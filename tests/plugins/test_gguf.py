@@ -19,9 +19,10 @@ from test_qwen2 import QWEN25, QWEN25_YARN
 
 from core import CheckpointError, load_model
 from core.plugins import registry
-from plugins.gguf import GGUFCheckpoint, llama3_rope_scaling
+from plugins.gguf import GGUFCheckpoint
 from plugins.gguf_quant import repack
 from plugins.gguf_reader import GGUFFile, can_dequantize
+from plugins.gguf_rope import llama3_rope_scaling
 
 T = gguf.GGMLQuantizationType
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
