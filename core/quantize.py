@@ -189,6 +189,8 @@ def _repacked(
     one `BlockWeight`; None where a format is not one the CPU kernels take (or a tensor is
     not a matrix). Each tensor's pages in the file's mapping are released once copied
     (unless not `release`)."""
+    if any(ckpt.quant_format(name) not in blocks.FORMATS for name in names):
+        return None  # (fp8: a QuantWeight of its own)
     read = [(name, *ckpt.blocks(name)) for name in names]  # (name, format, bytes, row order)
     if len(read) == 1 and read[0][2].ndim == 3:  # experts stored stacked: (E, rows, bytes)
         _, kind, raw, order = read[0]
