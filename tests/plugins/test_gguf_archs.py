@@ -204,7 +204,9 @@ def case(request, tmp_path_factory):
     if request.param in FINISH:
         FINISH[request.param](folder)
     pre = PRE.get(request.param, "qwen2")
-    return request.param, folder, convert(folder, root / "f32.gguf", pre=pre), arch
+    # the Q8_0 file beside it, by the same converter process (test_q8_0_file_...)
+    path = convert(folder, root / "f32.gguf", pre=pre, also={"q8_0": root / "q8_0.gguf"})
+    return request.param, folder, path, arch
 
 
 def test_the_file_is_llama_cpps(case):
@@ -214,10 +216,17 @@ def test_the_file_is_llama_cpps(case):
     assert arch in ARCHITECTURES
 
 
-def test_f32_file_equals_the_checkpoint(case):
-    name, folder, path, _ = case
+@pytest.fixture(scope="module")
+def loaded(case):
+    """(the F32 file loaded, the checkpoint loaded): float32, 64 positions, 2 rows."""
+    _, folder, path, _ = case
     kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")  # the file's floats are F32
-    ours, theirs = load_model(path, **kw), load_model(folder, **kw)
+    return load_model(path, **kw), load_model(folder, **kw)
+
+
+def test_f32_file_equals_the_checkpoint(case, loaded):
+    name = case[0]
+    ours, theirs = loaded
     model_type = LOADS_AS.get(name, theirs.config.model_type)
     assert ours.config == dataclasses.replace(theirs.config, model_type=model_type)
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -228,9 +237,9 @@ def test_f32_file_equals_the_checkpoint(case):
     assert ours.generate(prompt, max_new_tokens=8).token_ids == want_ids
 
 
-def test_tokenizer_and_chat_template_come_from_the_file(case):
-    name, folder, path, arch = case
-    ours, theirs = load_model(path, max_seq_len=64), load_model(folder, max_seq_len=64)
+def test_tokenizer_and_chat_template_come_from_the_file(case, loaded):
+    name, _, _, arch = case
+    ours, theirs = loaded
     assert ours.tokenizer.encode(TEXT) == theirs.tokenizer.encode(TEXT)
     # byte-level BPEs: the pieces the regex splits TEXT into (the tiny BPE seldom merges across
     # two regexes' different splits, so equal ids alone would not tell them apart)
@@ -243,14 +252,14 @@ def test_tokenizer_and_chat_template_come_from_the_file(case):
     assert ours.tokenizer.eos_token_id == theirs.tokenizer.eos_token_id
 
 
-def test_q8_0_file_kept_meets_the_standard(case, tmp_path):
+def test_q8_0_file_kept_meets_the_standard(case):
     """llama.cpp's converter writes the linear weights as Q8_0 blocks; Zoo keeps them as
     stored and is judged as llama.cpp judges a quantization: against the same file
     dequantized, teacher-forced. Dequantized, each weight is the F32 file's to within Q8_0's
     rounding (half a step, the step 1/127 of a block's largest value, in fp16; here bounded by
     the tensor's largest / 200)."""
-    name, folder, f32_path, _ = case
-    path = convert(folder, tmp_path / "q8_0.gguf", outtype="q8_0", pre=PRE.get(name, "qwen2"))
+    name, _, f32_path, _ = case
+    path = f32_path.with_name("q8_0.gguf")  # converted with the F32 file (the `case` fixture)
     kept = load_model(path, max_seq_len=128, max_batch_size=2)
     floats = load_model(path, max_seq_len=128, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
