@@ -10,6 +10,7 @@ row), sampled and penalized rows beside greedy ones."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -114,16 +115,31 @@ async def submit_all(sched, requests, after=None):
         ended.append(i)
         return out
 
-    tasks = [asyncio.create_task(one(0, jobs[0]))]
-    sched.submit(jobs[0])
-    deadline = time.monotonic() + 60
-    while after is not None and not after(sched):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.001)
-    for i, job in enumerate(jobs[1:], 1):
-        sched.submit(job)
-        tasks.append(asyncio.create_task(one(i, job)))
-    return await asyncio.gather(*tasks), ended
+    # once `after` holds, the scheduler's next step waits until the others are submitted: a
+    # tiny model's row could otherwise finish before this loop sees it hold (or join)
+    gate, step = threading.Event(), sched._step
+
+    def held_step():
+        if after is not None and not gate.is_set() and after(sched):
+            gate.wait(30)
+        step()
+
+    sched._step = held_step
+    try:
+        tasks = [asyncio.create_task(one(0, jobs[0]))]
+        sched.submit(jobs[0])
+        deadline = time.monotonic() + 60
+        while after is not None and not after(sched):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.001)
+        for i, job in enumerate(jobs[1:], 1):
+            sched.submit(job)
+            tasks.append(asyncio.create_task(one(i, job)))
+        gate.set()
+        return await asyncio.gather(*tasks), ended
+    finally:
+        gate.set()
+        sched._step = step
 
 
 def run(sched, requests, after=None):
@@ -203,16 +219,6 @@ def test_a_row_held_past_the_window_is_not_reused(folder, alone):
     """A sliding layer's ring keeps only a row's last `window` positions: a prompt repeated
     after a row held more than that starts from nothing (and answers as alone)."""
     s = Scheduler(load_model(folder, max_seq_len=96, max_batch_size=1))
-    step = s._step
-
-    def held_step():  # past two tokens the row waits for stop(), so it cannot finish first
-        if decoding(2)(s):
-            deadline = time.monotonic() + 30
-            while not s._stopping and time.monotonic() < deadline:
-                time.sleep(0.001)
-        step()
-
-    s._step = held_step
     s.start()
     try:
         ids, p = prompt(12, 20), params(max_new_tokens=3)
