@@ -352,11 +352,17 @@ def test_deepseek2_file_of_older_converters_loads_the_same(case, tmp_path):
     for i in range(3):  # the rewrite is the hub's kv_b_proj, as older converters stored it
         want = hub[f"model.layers.{i}.self_attn.kv_b_proj.weight"].numpy()
         assert np.array_equal(stored[f"blk.{i}.attn_kv_b.weight"], want)
+    assert_loads_the_same(path, older)
+
+
+def assert_loads_the_same(a: Path, b: Path) -> None:
+    """Two files of one checkpoint (a rewrite of `a` as another converter wrote it) load to the
+    same config and to logits equal bit for bit."""
     kw = dict(max_seq_len=64, max_batch_size=2)
-    new, old = load_model(path, **kw), load_model(older, **kw)
-    assert old.config == new.config
+    first, second = load_model(a, **kw), load_model(b, **kw)
+    assert second.config == first.config
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(old.forward(x), new.forward(x))
+    assert torch.equal(second.forward(x), first.forward(x))
 
 
 @pytest.mark.parametrize("case", ["deepseek2-v2-lite"], indirect=True)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
-from test_gguf_archs import VOCAB, case, rewritten  # noqa: F401  (case: a fixture)
+from test_gguf_archs import (  # noqa: F401  (case: a fixture)
+    assert_loads_the_same,
+    case,
+    rewritten,
+)
 
 from core import CheckpointError, load_model
 from plugins.gguf_fixes import Fix, grouped
@@ -36,11 +39,7 @@ def test_a_file_without_mtp_blocks_loads_the_same(case, tmp_path):  # noqa: F811
     _, _, path, _ = case
     assert gguf.GGUFReader(path).fields[f"{case[3]}.nextn_predict_layers"].contents() == 1
     short = rewritten(path, tmp_path / "no_mtp.gguf", without_mtp)
-    kw = dict(max_seq_len=64, max_batch_size=2)
-    with_mtp, plain = load_model(path, **kw), load_model(short, **kw)
-    assert plain.config == with_mtp.config
-    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(plain.forward(x), with_mtp.forward(x))
+    assert_loads_the_same(path, short)
 
 
 @pytest.mark.parametrize("case", ["qwen3next"], indirect=True)
@@ -59,10 +58,7 @@ def test_qwen3next_file_of_older_converters_loads_the_same(case, tmp_path):  # n
 
     old = rewritten(path, tmp_path / "older.gguf", older)
     assert "blk.0.ssm_in.weight" in {t.name for t in gguf.GGUFReader(old).tensors}
-    kw = dict(max_seq_len=64, max_batch_size=2)
-    new, older_model = load_model(path, **kw), load_model(old, **kw)
-    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(older_model.forward(x), new.forward(x))
+    assert_loads_the_same(path, old)
 
 
 @pytest.mark.parametrize("case", ["qwen3next"], indirect=True)
