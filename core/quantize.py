@@ -194,13 +194,11 @@ def _repacked(
     read = [(name, *ckpt.blocks(name)) for name in names]  # (name, format, bytes, row order)
     if len(read) == 1 and read[0][2].ndim == 3:  # experts stored stacked: (E, rows, bytes)
         _, kind, raw, order = read[0]
-        if kind not in blocks.FORMATS:
-            return None
         shape = ckpt.shape(names[0])[1:]
         out = BlockExperts([blocks.repack(kind, [r], shape, [order]) for r in raw])
         _release(ckpt, names[0], release)
         return out
-    if any(kind not in blocks.FORMATS or raw.ndim != 2 for _, kind, raw, _ in read):
+    if any(raw.ndim != 2 for _, _, raw, _ in read):
         return None
     cols = ckpt.shape(names[0])[-1]
     out = []
