@@ -31,22 +31,12 @@
 #define WAKE(p) (void)0
 #endif
 
-#include "zoo_cpu.h"
+#include "cpu_step.h"
 
 void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
                   int64_t rows, int64_t dim, float eps);
 void zoo_rope(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh, int64_t st,
               const float *cos, const float *sin, int64_t cb, int64_t half, int interleaved);
-
-#define MAX_PARTS 4
-
-// A linear layer: up to MAX_PARTS weights stacked along the output rows (a fused q|k|v whose
-// parts a file keeps in different formats), and an optional bias.
-typedef struct {
-    qweight_t part[MAX_PARTS];
-    int64_t parts, N;
-    const float *bias;  // (N,) or NULL
-} zlinear_t;
 
 typedef struct {
     const float *norm1, *norm2;  // (H,): before attention, before the MLP
@@ -63,11 +53,7 @@ typedef struct {
     int64_t kv_half;             // the caches hold fp16 (else fp32)
     const float *qnorm, *knorm;  // (d,): RMSNorm of each q and k head before rope, or NULL
     float qk_eps;
-    // A MoE MLP in place of gate_up / down where experts > 0: softmax over the router's logits,
-    // the top `topk` experts (renormalised where `renorm`), each a gated MLP of `einter` rows
-    int64_t experts, topk, renorm, einter;
-    zlinear_t router;                      // (experts, H)
-    const qweight_t *egate_up, *edown;     // per expert: (2 einter, H) [gate | up], (H, einter)
+    const zmoe_t *moe;           // a MoE MLP in place of gate_up / down, or NULL
 } zblock_t;
 
 // A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
@@ -76,8 +62,8 @@ static inline void *slot_at(void *cache, int64_t at, int64_t half) {
 }
 
 // Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
-static void linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ldy, int64_t M,
-                        int64_t n0, int64_t n1) {
+void zoo_linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ldy, int64_t M,
+                     int64_t n0, int64_t n1) {
     int64_t base = 0;
     for (int64_t i = 0; i < l->parts; i++) {
         const int64_t N = l->part[i].N, a = n0 > base ? n0 : base;
@@ -90,7 +76,7 @@ static void linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ld
             for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += l->bias[n];
 }
 
-static void prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena) {
+void zoo_linear_prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena) {
     for (int64_t i = 0; i < l->parts; i++) {
         if (i > 0 && l->part[i].type && l->part[i - 1].type) {  // blocks: x quantized once
             px[i] = px[i - 1];
@@ -101,12 +87,11 @@ static void prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, cha
     }
 }
 
-static int64_t prepare_bytes(const zlinear_t *l, int64_t M) {
+int64_t zoo_linear_bytes(const zlinear_t *l, int64_t M) {
     int64_t n = 0;
     for (int64_t i = 0; i < l->parts; i++) n += (zoo_qx_bytes(&l->part[i], M) + 63) / 64 * 64;
     return n;
 }
-
 
 // The threads meet between the parts of a block on a shared counter, spinning first: an
 // OpenMP barrier may put a waiting thread to sleep at once (libgomp spins less where it counts
@@ -115,17 +100,13 @@ static int64_t prepare_bytes(const zlinear_t *l, int64_t M) {
 // (tens of microseconds: another process holds the CPU the last thread needs) sleeps on a
 // futex until the last one arrives, instead of spinning away its time slice at each of a
 // step's ~180 meetings.
-typedef struct {
-    atomic_int arrived, round, sleepers;
-} spin_barrier_t;
-
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
 }
 
-static void meet(spin_barrier_t *b, int64_t T) {
+void zoo_meet(spin_barrier_t *b, int64_t T) {
     const int round = atomic_load(&b->round);
     if (atomic_fetch_add(&b->arrived, 1) == T - 1) {
         atomic_store(&b->arrived, 0);
@@ -144,35 +125,9 @@ static void meet(spin_barrier_t *b, int64_t T) {
     atomic_fetch_sub(&b->sleepers, 1);
 }
 
-static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// Thread t of T's first row of N: whole groups of 16 (the block kernels compute a weight's
-// rows 16 at a time; a group split between two threads would be computed by both).
-static inline int64_t share(int64_t N, int64_t t, int64_t T) {
-    return t == T ? N : N / 16 * t / T * 16;
-}
-
-// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a block's residual add
-static void add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
-                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf) {
-    prepare(l, x, M, px, buf);
-    linear_rows(l, px, y, H, M, n0, n1);
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t n = n0; n < n1; n++) h[r * H + n] += y[r * H + n];
-}
-
-// Rotate one head (x: head_dim floats) of row r by the block's rope table for this step.
-static void rotate(const zblock_t *b, float *x, int64_t r, const float *const *cos,
-                   const float *const *sin, const int64_t *cstride) {
-    if (b->rope < 0) return;  // a layer without rope
-    const int64_t at = r * cstride[b->rope];
-    zoo_rope(x, 1, 1, 1, 0, 0, 0, cos[b->rope] + at, sin[b->rope] + at, 0, b->half,
-             (int)b->interleaved);
-}
-
 // out[i] = act(gate[i]) * up[i]: SiLU (g * sigmoid(g), sigmoid from e^-|g| by the vectorized
 // exp: libm's expf per value was 4% of a 1B model's step) or GELU (tanh form).
-static void activate(const float *gate, const float *up, float *out, int64_t n, int64_t act) {
+void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int64_t act) {
     float e[64];
     for (int64_t at = 0; at < n; at += 64) {
         const int64_t k = n - at < 64 ? n - at : 64;
@@ -193,81 +148,22 @@ static void activate(const float *gate, const float *up, float *out, int64_t n, 
     }
 }
 
-// Row r's routing: the `topk` largest of softmax(logits) (E), by probability, the lower index
-// first among equals; their probabilities, renormalised to sum 1 where `renorm`.
-static void route(const float *logits, int64_t E, int64_t topk, int64_t renorm, int64_t *ids,
-                  float *w) {
-    float top = logits[0], sum = 0.0f;
-    for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
-    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - top);
-    float chosen = 0.0f;
-    for (int64_t k = 0; k < topk; k++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
-            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
-        }
-        ids[k] = best;
-        w[k] = expf(logits[best] - top) / sum;
-        chosen += w[k];
-    }
-    if (renorm)
-        for (int64_t k = 0; k < topk; k++) w[k] /= chosen;
+// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a block's residual add
+static void add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
+                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf) {
+    zoo_linear_prepare(l, x, M, px, buf);
+    zoo_linear_rows(l, px, y, H, M, n0, n1);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t n = n0; n < n1; n++) h[r * H + n] += y[r * H + n];
 }
 
-// A MoE MLP on the normed rows xn (M, H): h[:, h0:h1] += sum_k w_k expert_k(xn) for each row,
-// the experts' gate|up rows i0..i1 (and the down rows h0..h1) on this thread. logit (M, E),
-// gu (M K, 2I), act (M K, I), y (M K, H): shared; px, buf, ebuf: this thread's.
-static void moe(const zblock_t *b, const float *xn, float *h, int64_t M, int64_t H, int64_t t,
-                int64_t T, float *logit, float *gu, float *act, float *y, qx_t *px, char *buf,
-                char *ebuf, spin_barrier_t *bar) {
-    const int64_t E = b->experts, K = b->topk, I = b->einter;
-    prepare(&b->router, xn, M, px, buf);
-    linear_rows(&b->router, px, logit, E, M, share(E, t, T), share(E, t + 1, T));
-    meet(bar, T);
-    int64_t ids[MAX_ROWS * 64];
-    float w[MAX_ROWS * 64];
-    for (int64_t r = 0; r < M; r++)  // every thread routes every row, the same way
-        route(logit + r * E, E, K, b->renorm, ids + r * K, w + r * K);
-    qx_t xq;
-    zoo_qx_prepare(&b->egate_up[0], xn, M, &xq, buf);  // x quantized once for every expert
-    const int64_t i0 = share(I, t, T), i1 = share(I, t + 1, T);
-    for (int64_t p = 0; p < M * K; p++) {
-        const int64_t r = p / K;
-        const qweight_t *wg = &b->egate_up[ids[p]];
-        qx_t one = xq;
-        one.x = xn + r * H;
-        one.M = 1;
-        one.q8[0] = xq.q8[r];
-        zoo_qgemv_rows(wg, &one, gu + p * 2 * I, 2 * I, i0, i1);
-        zoo_qgemv_rows(wg, &one, gu + p * 2 * I, 2 * I, I + i0, I + i1);
-        activate(gu + p * 2 * I + i0, gu + p * 2 * I + I + i0, act + p * I + i0, i1 - i0, 0);
-    }
-    meet(bar, T);
-    const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T), ab = zoo_qx_bytes(&b->edown[0], 1);
-    for (int64_t p = 0; p < M * K; p++) {
-        qx_t aq;
-        zoo_qx_prepare(&b->edown[ids[p]], act + p * I, 1, &aq, ebuf + p * ((ab + 63) / 64 * 64));
-        zoo_qgemv_rows(&b->edown[ids[p]], &aq, y + p * H, H, h0, h1);
-    }
-    for (int64_t r = 0; r < M; r++) {  // the experts' sum in the order of their ids, as eager
-        int64_t order[64];
-        for (int64_t k = 0; k < K; k++) {
-            int64_t at = k;
-            while (at > 0 && ids[r * K + order[at - 1]] > ids[r * K + k]) {
-                order[at] = order[at - 1];
-                at--;
-            }
-            order[at] = k;
-        }
-        for (int64_t n = h0; n < h1; n++) {
-            float sum = 0.0f;
-            for (int64_t j = 0; j < K; j++)
-                sum += y[(r * K + order[j]) * H + n] * w[r * K + order[j]];
-            h[r * H + n] += sum;
-        }
-    }
+// Rotate one head (x: head_dim floats) of row r by the block's rope table for this step.
+static void rotate(const zblock_t *b, float *x, int64_t r, const float *const *cos,
+                   const float *const *sin, const int64_t *cstride) {
+    if (b->rope < 0) return;  // a layer without rope
+    const int64_t at = r * cstride[b->rope];
+    zoo_rope(x, 1, 1, 1, 0, 0, 0, cos[b->rope] + at, sin[b->rope] + at, 0, b->half,
+             (int)b->interleaved);
 }
 
 // The final norm and the LM head: logits (M, V) = head(rms_norm(h)).
@@ -287,20 +183,21 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1, group = 1;
     int64_t pairs = 1, experts = 1, ebytes = 64;  // MoE: rows x chosen experts, router rows
     if (hd) {
-        arena = prepare_bytes(&hd->head, M);
+        arena = zoo_linear_bytes(&hd->head, M);
     }
     for (int64_t l = 0; l < L; l++) {
         const zblock_t *b = &blocks[l];
         const zlinear_t *ls[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
         for (int i = 0; i < 4; i++) {
-            arena = max64(arena, prepare_bytes(ls[i], M));
+            arena = max64(arena, zoo_linear_bytes(ls[i], M));
         }
-        if (b->experts) {
-            arena = max64(arena, zoo_qx_bytes(&b->egate_up[0], M));
-            inter = max64(inter, b->topk * b->einter);
-            pairs = max64(pairs, b->topk);
-            experts = max64(experts, b->experts);
-            ebytes = max64(ebytes, M * b->topk * ((zoo_qx_bytes(&b->edown[0], 1) + 63) / 64 * 64));
+        if (b->moe) {
+            const zmoe_t *m = b->moe;
+            arena = max64(arena, zoo_moe_arena(m, M));
+            inter = max64(inter, m->topk * m->inter);
+            pairs = max64(pairs, m->topk);
+            experts = max64(experts, m->experts);
+            ebytes = max64(ebytes, zoo_moe_ebytes(m, M));
         }
         nqkv = max64(nqkv, b->qkv.N);
         hqd = max64(hqd, b->hq * b->d);
@@ -334,9 +231,9 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             const int64_t nq = b->qkv.N, I = b->inter, group = b->hq / b->hkv;
             // attention: q|k|v of the normed rows, rows split over the threads
             zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
-            prepare(&b->qkv, xn, M, px, buf);
-            linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
-            meet(&bar, T);
+            zoo_linear_prepare(&b->qkv, xn, M, px, buf);
+            zoo_linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
+            zoo_meet(&bar, T);
             // each kv head of each row: k rotated and both written to the row's cache slot,
             // then the head's query heads rotated and, together, attending to the row's filled
             // slots (each key and value read once for the group). A thread reads only the
@@ -371,33 +268,33 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                                  b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp,
                                  att + (r * b->hq + j0) * b->d);
             }
-            meet(&bar, T);
+            zoo_meet(&bar, T);
             // h += o(attention): this thread's columns of h
             add_product(&b->o, att, h, y, M, H, h0, h1, px, buf);
-            meet(&bar, T);
+            zoo_meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
-            if (b->experts) {
-                moe(b, xn, h, M, H, t, T, logit, gu, act, y, px, buf, ebuf, &bar);
-                meet(&bar, T);
+            if (b->moe) {
+                zoo_moe(b->moe, xn, h, M, H, t, T, logit, gu, act, y, px, buf, ebuf, &bar);
+                zoo_meet(&bar, T);
                 continue;
             }
-            prepare(&b->gate_up, xn, M, px, buf);
+            zoo_linear_prepare(&b->gate_up, xn, M, px, buf);
             const int64_t i0 = share(I, t, T), i1 = share(I, t + 1, T);
-            linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1);
-            linear_rows(&b->gate_up, px, gu, 2 * I, M, I + i0, I + i1);
+            zoo_linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1);
+            zoo_linear_rows(&b->gate_up, px, gu, 2 * I, M, I + i0, I + i1);
             for (int64_t r = 0; r < M; r++)
-                activate(gu + r * 2 * I + i0, gu + r * 2 * I + I + i0, act + r * I + i0, i1 - i0,
+                zoo_activate(gu + r * 2 * I + i0, gu + r * 2 * I + I + i0, act + r * I + i0, i1 - i0,
                          b->act);
-            meet(&bar, T);
+            zoo_meet(&bar, T);
             add_product(&b->down, act, h, y, M, H, h0, h1, px, buf);
-            meet(&bar, T);
+            zoo_meet(&bar, T);
         }
         if (hd) {  // the vocabulary's rows split over the threads
             const int64_t V = hd->head.N;
             zoo_rms_norm(h, NULL, NULL, hd->norm, xn, M, H, hd->eps);
-            prepare(&hd->head, xn, M, px, buf);
-            linear_rows(&hd->head, px, logits, V, M, share(V, t, T), share(V, t + 1, T));
+            zoo_linear_prepare(&hd->head, xn, M, px, buf);
+            zoo_linear_rows(&hd->head, px, logits, V, M, share(V, t, T), share(V, t + 1, T));
         }
         free(xn);
         free(p);

@@ -1,4 +1,4 @@
-"""A decode step's decoder blocks as one C call on CPUs (kernels/cpu_decode.c).
+"""A decode step's decoder blocks as one C call on CPUs (kernels/cpu_decode.c, cpu_moe.c).
 
 For a few rows (one token per sequence) of a small model, an eager step spends more time
 dispatching its ~20 ops per block and forking and joining threads for each product than in
@@ -21,7 +21,7 @@ from kernels.blocks import BlockWeight
 from kernels.cpu_quant import MAX_ROWS, QWeightView, library
 from kernels.qweight import QuantStack
 
-MAX_PARTS = 4  # as cpu_decode.c
+MAX_PARTS = 4  # as cpu_step.h
 ACTS = {"silu": 0, "gelu_tanh": 1}
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -38,9 +38,14 @@ class _Block(ctypes.Structure):
         *((name, _i64) for name in ("ksb", "ksh", "kss", "vsb", "vsh", "vss", "slots", "ring",
                                     "hq", "hkv", "d", "rope", "half", "interleaved")),
         ("scale", _f32), ("softcap", _f32), ("sinks", _ptr), ("act", _i64), ("inter", _i64),
-        ("kv_half", _i64), ("qnorm", _ptr), ("knorm", _ptr), ("qk_eps", _f32),
-        ("experts", _i64), ("topk", _i64), ("renorm", _i64), ("einter", _i64),
-        ("router", _Linear), ("egate_up", _ptr), ("edown", _ptr),
+        ("kv_half", _i64), ("qnorm", _ptr), ("knorm", _ptr), ("qk_eps", _f32), ("moe", _ptr),
+    ]  # fmt: skip
+
+
+class _Moe(ctypes.Structure):  # cpu_step.h's zmoe_t
+    _fields_ = [
+        ("experts", _i64), ("topk", _i64), ("renorm", _i64), ("inter", _i64),
+        ("router", _Linear), ("gate_up", _ptr), ("down", _ptr),
     ]  # fmt: skip
 
 
@@ -151,10 +156,10 @@ def _moe(c, b: Block, hidden: int, keep: list) -> bool:
     gate_up, down = _experts(m.gate_up, 2 * i, hidden), _experts(m.down, hidden, i)
     if router is None or gate_up is None or down is None or not 0 < m.top_k <= 64:
         return False
-    keep.append((m.gate_up, m.down, gate_up, down))
-    c.experts, c.topk, c.renorm, c.einter = m.router.shape[0], m.top_k, m.renorm, i
-    c.router = router
-    c.egate_up, c.edown = ctypes.addressof(gate_up), ctypes.addressof(down)
+    e = _Moe(experts=m.router.shape[0], topk=m.top_k, renorm=m.renorm, inter=i, router=router)
+    e.gate_up, e.down = ctypes.addressof(gate_up), ctypes.addressof(down)
+    keep.append((m.gate_up, m.down, gate_up, down, e))
+    c.moe = ctypes.addressof(e)
     return True
 
 

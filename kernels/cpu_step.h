@@ -1,0 +1,57 @@
+// What the fused decode step's files share (cpu_decode.c: the blocks and the driver,
+// cpu_moe.c: routed experts): linear layers of stacked parts, the threads' meeting point and
+// their shares of a product's rows.
+#pragma once
+#include <stdatomic.h>
+
+#include "zoo_cpu.h"
+
+#define MAX_PARTS 4
+
+// A linear layer: up to MAX_PARTS weights stacked along the output rows (a fused q|k|v whose
+// parts a file keeps in different formats), and an optional bias.
+typedef struct {
+    qweight_t part[MAX_PARTS];
+    int64_t parts, N;
+    const float *bias;  // (N,) or NULL
+} zlinear_t;
+
+// Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
+void zoo_linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ldy, int64_t M,
+                     int64_t n0, int64_t n1);
+// x (M rows) prepared for each part of l into px, in arena (zoo_linear_bytes of it).
+void zoo_linear_prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena);
+int64_t zoo_linear_bytes(const zlinear_t *l, int64_t M);
+// out[i] = act(gate[i]) * up[i], act 0: SiLU, 1: GELU (tanh form).
+void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int64_t act);
+
+// The threads meet between the parts of a block (cpu_decode.c: why not an OpenMP barrier).
+typedef struct {
+    atomic_int arrived, round, sleepers;
+} spin_barrier_t;
+void zoo_meet(spin_barrier_t *b, int64_t T);
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// Thread t of T's first row of N: whole groups of 16 (the block kernels compute a weight's
+// rows 16 at a time; a group split between two threads would be computed by both).
+static inline int64_t share(int64_t N, int64_t t, int64_t T) {
+    return t == T ? N : N / 16 * t / T * 16;
+}
+
+// A MoE MLP (cpu_moe.c): softmax over the router's logits, the top `topk` experts
+// (renormalised where `renorm`), each a SiLU-gated MLP of `inter` rows.
+typedef struct {
+    int64_t experts, topk, renorm, inter;
+    zlinear_t router;                 // (experts, H)
+    const qweight_t *gate_up, *down;  // per expert: (2 inter, H) [gate | up], (H, inter)
+} zmoe_t;
+
+// The shared scratch a MoE MLP of M rows needs: logit (M, E), gu (M K, 2I), act (M K, I),
+// y (M K, H) floats; per thread, ebuf of zoo_moe_ebytes and the arena of zoo_moe_arena bytes.
+int64_t zoo_moe_ebytes(const zmoe_t *m, int64_t M);
+int64_t zoo_moe_arena(const zmoe_t *m, int64_t M);
+// h[:, this thread's columns] += the MoE of the normed rows xn (M, H), thread t of T.
+void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, int64_t t,
+             int64_t T, float *logit, float *gu, float *act, float *y, qx_t *px, char *buf,
+             char *ebuf, spin_barrier_t *bar);
