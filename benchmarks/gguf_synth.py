@@ -13,6 +13,13 @@ embedding, half the attn_v and ffn_down tensors).
 
     python benchmarks/gguf_synth.py --shape llama3 --out /tmp/synth --types q4_k_m q8_0
     -> /tmp/synth/llama3-src-q8_0.gguf, llama3-q4_k_m.gguf, llama3-q8_0.gguf
+
+Qwen3.5's hybrids and gpt-oss go the way a released file goes: a hub-style checkpoint of the
+shape with random weights (benchmarks/synth_hub.py; gpt-oss's experts in MXFP4, as released),
+converted to the Q8_0 source by llama.cpp's `convert_hf_to_gguf.py`, then quantized as above:
+
+    python benchmarks/gguf_synth.py --shape qwen3.5-moe --layers 4 --types q4_k_m
+    python benchmarks/gguf_synth.py --shape gpt-oss-20b --types mxfp4_moe
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from gguf import GGMLQuantizationType as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.synth_hub import TEXT_MODELS, write_folder  # noqa: E402
 from core.catalog import named_models  # noqa: E402
 from plugins.gguf_reader import GGUFFile  # noqa: E402
 
@@ -38,7 +46,7 @@ SOURCES = {"q8_0": (T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
            "f16": (T.F16, gguf.LlamaFileType.MOSTLY_F16)}  # fmt: skip
 # llama.cpp's llama_ftype values for the targets (llama.h)
 TARGETS = {"q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q4_k_s": 14, "q4_k_m": 15,
-           "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}  # fmt: skip
+           "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18, "mxfp4_moe": 38}  # fmt: skip
 
 
 def smollm2_file() -> Path:
@@ -223,6 +231,20 @@ def quantize(src: Path, dst: Path, target: str, threads: int) -> Path:
     return dst
 
 
+def converted(shape: dict, folder: Path, out: Path, args: argparse.Namespace) -> Path:
+    """out: a random checkpoint of the shape (synth_hub) through llama.cpp's converter."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fixtures.llama_cpp_convert import convert
+
+    if not (folder / "model.safetensors.index.json").exists():
+        write_folder(shape, folder, args.layers, args.seed)
+    t0 = time.perf_counter()
+    flags = ("--no-mtp",) if "qwen3_5" in shape["model_type"] else ()  # random MTP: no gain
+    convert(folder, out, outtype=args.source, pre="smollm", flags=flags)
+    print(f"  converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama3", help="a registry.yaml name with a shape block")
@@ -235,17 +257,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     shape = named_models().get(args.shape, {}).get("shape")
-    if not shape or shape.get("model_type") not in ARCHS:
-        raise SystemExit(f"{args.shape!r}: no {' or '.join(ARCHS)} shape in registry.yaml")
-    name = args.shape
-    if args.layers:  # a slice: the first layers of the real shape
-        shape, name = dict(shape, num_hidden_layers=args.layers), f"{name}-{args.layers}l"
+    kinds = [*ARCHS, *TEXT_MODELS]
+    if not shape or shape.get("model_type") not in kinds:
+        raise SystemExit(f"{args.shape!r}: no {', '.join(kinds)} shape in registry.yaml")
+    name = args.shape + (f"-{args.layers}l" if args.layers else "")  # a slice: the first layers
     args.out.mkdir(parents=True, exist_ok=True)
     src = args.out / f"{name}-src-{args.source}.gguf"
     if not src.exists():
         print(f"writing {src}", file=sys.stderr)
         tmp = src.with_suffix(".part")
-        write_source(shape, tmp, args.source, args.seed)
+        if shape["model_type"] in TEXT_MODELS:
+            converted(shape, args.out / f"{name}-hf", tmp, args)
+        else:
+            shape = dict(shape, num_hidden_layers=args.layers or shape["num_hidden_layers"])
+            write_source(shape, tmp, args.source, args.seed)
         tmp.replace(src)
     try:
         import llama_cpp  # noqa: F401
