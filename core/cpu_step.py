@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from core.layers import GatedMLP, GQAAttention, LMHead, RMSNorm
+from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
@@ -64,6 +64,9 @@ def _moe_why_not(mlp: MoE) -> str | None:
     shared = getattr(mlp, "shared_experts", None)
     if shared is not None and (type(shared) is not GatedMLP or shared.act not in ACTS):
         return f"MoE's shared experts are a {type(shared).__name__} of {shared.act}"
+    gate = getattr(mlp, "shared_expert_gate", None)
+    if gate is not None and type(gate) is not Linear:
+        return f"MoE's shared expert gate is a {type(gate).__name__}"
     return None
 
 

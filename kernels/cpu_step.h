@@ -1,5 +1,5 @@
 // What the fused decode step's files share (cpu_decode.c: the blocks and the driver,
-// cpu_moe.c: routed experts): linear layers of stacked parts, the threads' meeting point and
+// cpu_moe.c: the MoE MLP): linear layers of stacked parts, the threads' meeting point and
 // their shares of a product's rows.
 #pragma once
 #include <stdatomic.h>

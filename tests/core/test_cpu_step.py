@@ -90,9 +90,10 @@ CASES = {
         sliding_window=5,
         layer_types=["sliding_attention", "full_attention"] * 2,
         swiglu_limit=1.5,
-        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
-                             original_max_position_embeddings=32),
-    ),  # fmt: skip
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=32
+        ),
+    ),
 }
 
 
