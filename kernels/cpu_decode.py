@@ -227,7 +227,9 @@ def _moe(c, b: Block, hidden: int, keep: list) -> bool:
     e = _routing(m, keep)
     gate_up, down = _experts(m.gate_up, 2 * i, hidden), _experts(m.down, hidden, i)
     biases = ((m.gate_up_bias, 2 * i), (m.down_bias, hidden))
-    if e is None or gate_up is None or down is None or gate_up._length_ != e.experts:
+    if e is None or gate_up is None or down is None:
+        return False
+    if not len(gate_up) == len(down) == e.experts:
         return False
     if not all(x is None or (_float(x) and x.shape == (e.experts, n)) for x, n in biases):
         return False
