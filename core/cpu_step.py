@@ -1,8 +1,9 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
 
 Where each block of a fp32 CPU model is of the core's plain kind (pre-norm RMSNorm, GQA
-attention with or without RMSNorm q/k norms, a gated SiLU / GELU MLP or a MoE of them routed by
-softmax top-k, without shared experts; weights fp32 or kept quantized), the step
+attention with or without RMSNorm q/k norms, a gated SiLU / GELU MLP or a MoE: any routing of
+`core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases, shared
+experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -15,11 +16,11 @@ import os
 
 import torch
 
-from core.layers import GatedMLP, GQAAttention, LMHead, RMSNorm
+from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
-from kernels.cpu_decode import ACTS, Block, Blocks, Experts
+from kernels.cpu_decode import ACTS, MAX_EXPERTS, Block, Blocks, Experts, SharedExperts
 from kernels.cpu_quant import MAX_ROWS, library
 from kernels.qweight import QuantStack, QuantWeight
 
@@ -52,15 +53,20 @@ def why_not(net: CausalLM) -> str | None:
 
 
 def _moe_why_not(mlp: MoE) -> str | None:
-    """Why the C step cannot run this MoE MLP (None: it can): it takes softmax top-k routing
-    without biases, and routed SiLU-gated experts only."""
+    """Why the C step cannot run this MoE MLP (None: it can): it takes every routing of
+    `core.layers.moe.route`, routed experts of SiLU-gated or clamped SwiGLU with or without
+    biases, and shared experts (gated or not); not other activations nor very many experts."""
     s = mlp.gate.spec
-    if s.scoring != "softmax" or s.topk_method != "greedy" or s.routed_scaling_factor != 1.0:
-        return f"MoE routes by {s.scoring} / {s.topk_method} (the fused step: softmax top-k)"
-    if s.bias or s.glu is not None or s.act != "silu":
-        return "MoE has expert biases or a clamped SwiGLU"
-    if hasattr(mlp, "shared_experts"):
-        return "MoE has shared experts"
+    if s.act != "silu":
+        return f"MoE's routed experts use {s.act} (the fused step: SiLU)"
+    if s.num_experts > MAX_EXPERTS or s.top_k > 64:
+        return f"MoE routes to {s.top_k} of {s.num_experts} experts (at most 64 of {MAX_EXPERTS})"
+    shared = getattr(mlp, "shared_experts", None)
+    if shared is not None and (type(shared) is not GatedMLP or shared.act not in ACTS):
+        return f"MoE's shared experts are a {type(shared).__name__} of {shared.act}"
+    gate = getattr(mlp, "shared_expert_gate", None)
+    if gate is not None and type(gate) is not Linear:
+        return f"MoE's shared expert gate is a {type(gate).__name__}"
     return None
 
 
@@ -131,14 +137,37 @@ def _qk_norm(attn: GQAAttention) -> tuple[torch.Tensor, torch.Tensor, float] | N
 
 
 def _experts(mlp: MoE) -> Experts:
-    s, ex = mlp.gate.spec, mlp.experts
+    s, ex, router = mlp.gate.spec, mlp.experts, mlp.gate
+    shared = getattr(mlp, "shared_experts", None)
+    if shared is not None:
+        gate = getattr(mlp, "shared_expert_gate", None)
+        shared = SharedExperts(
+            gate_up=shared.gate_up_proj.weight,
+            gate_up_bias=shared.gate_up_proj.bias,
+            down=shared.down_proj.weight,
+            down_bias=shared.down_proj.bias,
+            intermediate=shared.down_proj.in_features,
+            act=shared.act,
+            gate=None if gate is None else gate.weight,
+        )
     return Experts(
-        router=mlp.gate.weight,
+        router=router.weight,
         top_k=s.top_k,
         renorm=s.norm_topk_prob,
         intermediate=s.intermediate_size,
         gate_up=ex.gate_up_proj.weight,
         down=ex.down_proj.weight,
+        router_bias=getattr(router, "bias", None),
+        scoring=s.scoring,
+        method=s.topk_method,
+        groups=s.num_groups,
+        topk_groups=s.topk_groups,
+        scale=s.routed_scaling_factor,
+        correction=getattr(router, "e_score_correction_bias", None),
+        gate_up_bias=getattr(ex.gate_up_proj, "bias", None),
+        down_bias=getattr(ex.down_proj, "bias", None),
+        clamp=None if s.glu is None else (s.glu.alpha, s.glu.limit),
+        shared=shared,
     )
 
 

@@ -194,9 +194,9 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         if (b->moe) {
             const zmoe_t *m = b->moe;
             arena = max64(arena, zoo_moe_arena(m, M));
-            inter = max64(inter, m->topk * m->inter);
-            pairs = max64(pairs, m->topk);
-            experts = max64(experts, m->experts);
+            inter = max64(inter, m->topk * m->inter + m->shared_inter);  // + shared experts
+            pairs = max64(pairs, m->topk + 1);  // + the shared experts' output
+            experts = max64(experts, m->experts + 1);  // + the shared experts' gate
             ebytes = max64(ebytes, zoo_moe_ebytes(m, M));
         }
         nqkv = max64(nqkv, b->qkv.N);

@@ -4,10 +4,11 @@ For a few rows (one token per sequence) of a small model, an eager step spends m
 dispatching its ~20 ops per block and forking and joining threads for each product than in
 the products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C
 function runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static
-cache with rope and optional q/k norms, a gated SiLU / GELU MLP or a MoE of them with softmax
-top-k routing; quantized or fp32 weights) inside one OpenMP region,
-with the arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors
-(built once: the tensors must stay where they are, which it checks by identity) and runs it.
+cache with rope and optional q/k norms, a gated SiLU / GELU MLP or a MoE: any routing of
+core.layers.moe.route, SiLU-gated or gpt-oss's clamped experts, biases, shared experts;
+quantized or fp32 weights) inside one OpenMP region, with the arithmetic of the separate ops.
+`Blocks` holds the C view of the blocks' tensors (built once: the tensors must stay where they
+are, which it checks by identity) and runs it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,17 @@ class _Block(ctypes.Structure):
 class _Moe(ctypes.Structure):  # cpu_step.h's zmoe_t
     _fields_ = [
         ("experts", _i64), ("topk", _i64), ("renorm", _i64), ("inter", _i64),
-        ("router", _Linear), ("gate_up", _ptr), ("down", _ptr),
+        ("router", _Linear), ("gate_up", _ptr), ("down", _ptr), ("scoring", _i64),
+        ("method", _i64), ("groups", _i64), ("topk_groups", _i64), ("scale", _f32),
+        ("correction", _ptr), ("gate_up_bias", _ptr), ("down_bias", _ptr), ("glu", _i64),
+        ("alpha", _f32), ("limit", _f32), ("shared_inter", _i64), ("shared_act", _i64),
+        ("shared_gate_up", _Linear), ("shared_down", _Linear), ("shared_gate", _Linear),
     ]  # fmt: skip
+
+
+SCORINGS = {"softmax": 0, "sigmoid": 1}
+TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+MAX_EXPERTS = 1024  # as cpu_step.h
 
 
 class _Head(ctypes.Structure):
@@ -92,9 +102,14 @@ class Block:
 
 @dataclass
 class Experts:
-    """A MoE MLP the C step takes: softmax over `router` (E, H) fp32 logits, the top `top_k`
-    experts (renormalised where `renorm`), each a SiLU-gated MLP of `intermediate` rows: its
-    gate|up (E, 2I, H) and down (E, H, I), fp32 tensors or `BlockExperts` of one format."""
+    """A MoE MLP the C step takes, as core.layers.moe.MoE computes it: `scoring` ("softmax" |
+    "sigmoid") of `router` (E, H) fp32 logits (+ `router_bias`), the top `top_k` experts by
+    `method` ("greedy" | "group_limited_greedy" | "noaux_tc": within the best `topk_groups` of
+    `groups`, by score + `correction`), their weights renormalised where `renorm`, times
+    `scale`; each expert a SiLU-gated MLP of `intermediate` rows, its gate|up (E, 2I, H) and
+    down (E, H, I) fp32 tensors or `BlockExperts` of one format, with optional biases (E, 2I),
+    (E, H); `clamp` (alpha, limit): gpt-oss's clamped SwiGLU over interleaved (gate, up) rows.
+    `shared`: the always-on shared experts, added after the routed ones."""
 
     router: torch.Tensor
     top_k: int
@@ -102,6 +117,32 @@ class Experts:
     intermediate: int
     gate_up: object
     down: object
+    router_bias: torch.Tensor | None = None
+    scoring: str = "softmax"
+    method: str = "greedy"
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+    correction: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    clamp: tuple[float, float] | None = None
+    shared: SharedExperts | None = None
+
+
+@dataclass
+class SharedExperts:
+    """A MoE's always-on gated MLP of `intermediate` rows (gate_up [gate | up] (2S, H), down
+    (H, S), optional biases, act "silu" | "gelu_tanh"), its output times sigmoid(x . gate)
+    where `gate` (1, H) is given (Qwen3-Next)."""
+
+    gate_up: object
+    gate_up_bias: torch.Tensor | None
+    down: object
+    down_bias: torch.Tensor | None
+    intermediate: int
+    act: str = "silu"
+    gate: object = None
 
 
 def _float(t: torch.Tensor | None) -> bool:
@@ -148,19 +189,74 @@ def _experts(w, rows: int, cols: int) -> ctypes.Array | None:
     return (QWeightView * len(views))(*views)
 
 
+def _routing(m: Experts, keep: list) -> _Moe | None:
+    """The routing fields of m's zmoe_t (None where the C step cannot take them)."""
+    e = m.router.shape[0]
+    vectors = (m.router_bias, m.correction)
+    router = _linear(m.router, m.router_bias, keep) if _float(m.router) else None
+    groups_ok = m.method == "greedy" or (e % m.groups == 0 and 0 < m.topk_groups <= m.groups)
+    if (router is None or not all(v is None or (_float(v) and v.shape == (e,)) for v in vectors)
+            or m.scoring not in SCORINGS or m.method not in TOPK_METHODS or not groups_ok
+            or not 0 < m.top_k <= min(e, 64) or e > MAX_EXPERTS):  # fmt: skip
+        return None
+    keep.append(vectors)
+    return _Moe(
+        experts=e, topk=m.top_k, renorm=m.renorm, router=router, scoring=SCORINGS[m.scoring],
+        method=TOPK_METHODS[m.method], groups=m.groups, topk_groups=m.topk_groups,
+        scale=m.scale, correction=_addr(m.correction),
+    )  # fmt: skip
+
+
+def _shared(c: _Moe, s: SharedExperts, hidden: int, keep: list) -> bool:
+    """Fill c's shared experts' fields from s; False where the C step cannot take them."""
+    gate_up, down = _linear(s.gate_up, s.gate_up_bias, keep), _linear(s.down, s.down_bias, keep)
+    gate = None if s.gate is None else _linear(s.gate, None, keep)
+    want = [(gate_up, 2 * s.intermediate), (down, hidden), *[(gate, 1)] * (s.gate is not None)]
+    if any(lin is None or n != lin.N for lin, n in want) or s.act not in ACTS:
+        return False
+    c.shared_inter, c.shared_act = s.intermediate, ACTS[s.act]
+    c.shared_gate_up, c.shared_down = gate_up, down
+    if gate is not None:
+        c.shared_gate = gate
+    return True
+
+
 def _moe(c, b: Block, hidden: int, keep: list) -> bool:
     """Fill c's MoE fields from b.moe; False where the C step cannot take it."""
-    m = b.moe
-    router = _linear(m.router, None, keep) if _float(m.router) else None
-    i = m.intermediate
+    m, i = b.moe, b.moe.intermediate
+    e = _routing(m, keep)
     gate_up, down = _experts(m.gate_up, 2 * i, hidden), _experts(m.down, hidden, i)
-    if router is None or gate_up is None or down is None or not 0 < m.top_k <= 64:
+    biases = ((m.gate_up_bias, 2 * i), (m.down_bias, hidden))
+    if e is None or gate_up is None or down is None:
         return False
-    e = _Moe(experts=m.router.shape[0], topk=m.top_k, renorm=m.renorm, inter=i, router=router)
-    e.gate_up, e.down = ctypes.addressof(gate_up), ctypes.addressof(down)
-    keep.append((m.gate_up, m.down, gate_up, down, e))
+    if not len(gate_up) == len(down) == e.experts:
+        return False
+    if not all(x is None or (_float(x) and x.shape == (e.experts, n)) for x, n in biases):
+        return False
+    if m.shared is not None and not _shared(e, m.shared, hidden, keep):
+        return False
+    e.inter, e.gate_up, e.down = i, ctypes.addressof(gate_up), ctypes.addressof(down)
+    e.gate_up_bias, e.down_bias = _addr(m.gate_up_bias), _addr(m.down_bias)
+    e.glu, (e.alpha, e.limit) = m.clamp is not None, m.clamp or (0.0, 0.0)
+    keep.append((m.gate_up, m.down, gate_up, down, m.gate_up_bias, m.down_bias, e))
     c.moe = ctypes.addressof(e)
     return True
+
+
+def moe_route(m: Experts, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C step's routing of logits (N, E) fp32 by m's method alone: (ids (N, K) int64,
+    weights (N, K) fp32), or None where it does not take m."""
+    keep: list = []
+    c = _routing(m, keep)
+    if c is None or library() is None:
+        return None
+    logits = logits.float().contiguous()
+    ids = torch.empty(logits.shape[0], m.top_k, dtype=torch.int64)
+    weights = torch.empty(logits.shape[0], m.top_k)
+    library().zoo_moe_route(
+        ctypes.byref(c), logits.data_ptr(), logits.shape[0], ids.data_ptr(), weights.data_ptr()
+    )
+    return ids, weights
 
 
 def _addr(t: torch.Tensor | None) -> int | None:

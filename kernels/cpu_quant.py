@@ -113,6 +113,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                   *[i64] * 6, ptr, i64, i64, f32, f32, ptr, i32], None),
         "zoo_decode_blocks": ([ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32],
                               None),
+        "zoo_moe_route": ([ptr, ptr, i64, ptr, ptr], None),
     }  # fmt: skip
     for name, (args, result) in sigs.items():
         fn = getattr(lib, name)

@@ -1,5 +1,5 @@
 // What the fused decode step's files share (cpu_decode.c: the blocks and the driver,
-// cpu_moe.c: routed experts): linear layers of stacked parts, the threads' meeting point and
+// cpu_moe.c: the MoE MLP): linear layers of stacked parts, the threads' meeting point and
 // their shares of a product's rows.
 #pragma once
 #include <stdatomic.h>
@@ -39,19 +39,35 @@ static inline int64_t share(int64_t N, int64_t t, int64_t T) {
     return t == T ? N : N / 16 * t / T * 16;
 }
 
-// A MoE MLP (cpu_moe.c): softmax over the router's logits, the top `topk` experts
-// (renormalised where `renorm`), each a SiLU-gated MLP of `inter` rows.
+// A MoE MLP (cpu_moe.c), as core.layers.moe.MoE: scores (softmax or sigmoid of the router's
+// logits), the top `topk` experts (greedy, or within the best groups), their weights
+// (renormalised where `renorm`, times `scale`), each expert a SiLU-gated MLP of `inter` rows
+// (gpt-oss: biases, a clamped SwiGLU over interleaved rows), plus always-on shared experts.
+#define MAX_EXPERTS 1024
 typedef struct {
     int64_t experts, topk, renorm, inter;
-    zlinear_t router;                 // (experts, H)
+    zlinear_t router;                 // (experts, H), its bias gpt-oss's
     const qweight_t *gate_up, *down;  // per expert: (2 inter, H) [gate | up], (H, inter)
+    int64_t scoring, method;          // 0 softmax, 1 sigmoid; 0 greedy, 1 group-limited, 2 noaux_tc
+    int64_t groups, topk_groups;      // methods 1, 2: experts in `groups` groups, the best kept
+    float scale;                      // routed_scaling_factor
+    const float *correction;          // (experts,): noaux_tc's e_score_correction_bias, or NULL
+    const float *gate_up_bias, *down_bias;  // (experts, 2 inter), (experts, H), or NULL
+    int64_t glu;                      // gate_up's rows interleaved (gate, up), clamped SwiGLU
+    float alpha, limit;
+    int64_t shared_inter, shared_act;  // the shared experts' width (0: none), 0 SiLU, 1 GELU
+    zlinear_t shared_gate_up, shared_down;  // (2 shared_inter, H) [gate | up], (H, shared_inter)
+    zlinear_t shared_gate;            // (1, H): their output times sigmoid(x . it); parts 0: none
 } zmoe_t;
 
-// The shared scratch a MoE MLP of M rows needs: logit (M, E), gu (M K, 2I), act (M K, I),
-// y (M K, H) floats; per thread, ebuf of zoo_moe_ebytes and the arena of zoo_moe_arena bytes.
+// The shared scratch a MoE MLP of M rows needs: logit (M, E + 1), gu (M, 2 (K I + S)), act
+// (M, K I + S), y (M (K + 1), H) floats (S: the shared experts' width); per thread, ebuf of
+// zoo_moe_ebytes and the arena of zoo_moe_arena bytes.
 int64_t zoo_moe_ebytes(const zmoe_t *m, int64_t M);
 int64_t zoo_moe_arena(const zmoe_t *m, int64_t M);
 // h[:, this thread's columns] += the MoE of the normed rows xn (M, H), thread t of T.
 void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, int64_t t,
              int64_t T, float *logit, float *gu, float *act, float *y, qx_t *px, char *buf,
              char *ebuf, spin_barrier_t *bar);
+// The routing alone (as zoo_moe routes): rows' logits (M, E) -> ids (M, K), weights (M, K).
+void zoo_moe_route(const zmoe_t *m, const float *logits, int64_t M, int64_t *ids, float *w);

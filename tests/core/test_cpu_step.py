@@ -78,6 +78,22 @@ CASES = {
         mlp_only_layers=[1],
     ),
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    # sinks, window-5 and full layers alternating, q/k/v/o biases, a router and experts with
+    # biases, the clamped SwiGLU over interleaved (gate, up) rows (a limit the values pass)
+    "gpt-oss": dict(
+        BASE,
+        model_type="gpt_oss",
+        intermediate_size=32,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        swiglu_limit=1.5,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=32
+        ),
+    ),
 }
 
 
