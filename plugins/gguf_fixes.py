@@ -15,6 +15,8 @@ What the converter does to those (conversion/qwen.py: `Qwen3NextModel`,
   tiled (v0: k0 k1, v1: k0 k1) wherever they appear: v's rows of in_proj_qkv and the conv,
   in_proj_z, in_proj_b / a, A_log, dt_bias, and out_proj's columns;
 - the multi-token-prediction weights (mtp.*) become blocks after the model's (`nextn`).
+And llama.cpp's quantizer writes the shared expert's gate, (1, hidden) in the hub, as a vector
+(a Qwen3.5 Q4_K_M download's `ffn_gate_inp_shexp` is [hidden]).
 The rows a Fix moves stay whole, so its tensor keeps its blocks; so do columns moved in whole
 blocks (out_proj's value heads of 128 in Q8_0's blocks of 32, not in Q4_K's of 256).
 """
@@ -170,14 +172,20 @@ def _a_log(a: torch.Tensor) -> torch.Tensor:
     return (-a).log()  # the converter wrote -exp(A_log)
 
 
+def _row(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(1, -1)  # (1, hidden) whether stored so or as a vector
+
+
 QWEN3_NEXT_FIXES = {
     "blk.{}.ssm_norm": Fix(),  # plain w: not the other norms' 1 + w
+    "blk.{}.ffn_gate_inp_shexp": Fix(values=_row),
     "blk.{}.ssm_a": Fix(values=_a_log),
     "blk.{}.ssm_conv1d": Fix(values=lambda w: w.unsqueeze(1)),  # (channels, 1, kernel)
     "blk.{}.attn_qkv": Fix(rows=_qkvz_per_key_head, fused=("blk.{}.attn_gate",)),
 }
 QWEN3_5_FIXES = {
     "blk.{}.ssm_norm": Fix(),
+    "blk.{}.ffn_gate_inp_shexp": Fix(values=_row),
     "blk.{}.ssm_a": Fix(rows=lambda c: grouped(c, 1), values=_a_log),
     "blk.{}.ssm_dt.bias": Fix(rows=lambda c: grouped(c, 1)),
     "blk.{}.ssm_conv1d": Fix(rows=_qkv_grouped, values=lambda w: w.unsqueeze(1)),

@@ -42,6 +42,22 @@ def test_a_file_without_mtp_blocks_loads_the_same(case, tmp_path):  # noqa: F811
     assert_loads_the_same(path, short)
 
 
+@pytest.mark.parametrize("case", ["qwen35moe", "qwen3next"], indirect=True)
+def test_a_shared_expert_gate_stored_as_a_vector_loads_the_same(case, tmp_path):  # noqa: F811
+    """llama.cpp's quantizer writes the (1, hidden) gate as a vector (a Q4_K_M download)."""
+    _, _, path, _ = case
+
+    def vector(arch, values, tensors):
+        for name in [n for n in tensors if n.endswith("ffn_gate_inp_shexp.weight")]:
+            assert tensors[name].shape[0] == 1  # the converter's (1, hidden)
+            tensors[name] = tensors[name].reshape(-1)
+
+    flat = rewritten(path, tmp_path / "flat.gguf", vector)
+    shapes = {t.name: t.shape.tolist() for t in gguf.GGUFReader(flat).tensors}
+    assert len(shapes["blk.0.ffn_gate_inp_shexp.weight"]) == 1
+    assert_loads_the_same(path, flat)
+
+
 @pytest.mark.parametrize("case", ["qwen3next"], indirect=True)
 def test_qwen3next_file_of_older_converters_loads_the_same(case, tmp_path):  # noqa: F811
     """Before llama.cpp split it (PR 18683, January 2026), the converter stored Qwen3-Next's
