@@ -1,8 +1,9 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
 
 Where each block of a fp32 CPU model is of the core's plain kind (pre-norm RMSNorm, GQA
-attention with or without RMSNorm q/k norms, a gated SiLU / GELU MLP or a MoE of them routed by
-softmax top-k, without shared experts; weights fp32 or kept quantized), the step
+attention with or without RMSNorm q/k norms and a sigmoid output gate, or a gated DeltaNet
+layer; a gated SiLU / GELU MLP or a MoE of them routed by softmax top-k, without shared
+experts; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32

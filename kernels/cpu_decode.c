@@ -9,7 +9,8 @@
 // waiting for one thread to do it), then takes its share of each product's output rows (the
 // same rows every block, so a thread adds to the h columns it computed), of the kv heads
 // (rope, cache write) and of the query heads (attention), with a barrier where one part
-// reads what another wrote. The arithmetic is the separate ops' (zoo_qgemv_rows,
+// reads what another wrote. A block may hold a gated DeltaNet layer (cpu_delta.c) in
+// attention's place. The arithmetic is the separate ops' (zoo_qgemv_rows,
 // zoo_rms_norm, zoo_rope, zoo_attend), so the result equals the eager step's to rounding.
 #define _GNU_SOURCE
 #include <limits.h>

@@ -4,8 +4,9 @@ For a few rows (one token per sequence) of a small model, an eager step spends m
 dispatching its ~20 ops per block and forking and joining threads for each product than in
 the products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C
 function runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static
-cache with rope and optional q/k norms, a gated SiLU / GELU MLP or a MoE of them with softmax
-top-k routing; quantized or fp32 weights) inside one OpenMP region,
+cache with rope, optional q/k norms and output gate, or a gated DeltaNet layer (cpu_delta.c);
+a gated SiLU / GELU MLP or a MoE of them with softmax top-k routing; quantized or fp32
+weights) inside one OpenMP region,
 with the arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors
 (built once: the tensors must stay where they are, which it checks by identity) and runs it.
 """
