@@ -140,6 +140,7 @@ def _attention(net: CausalLM, i: int, attn: GQAAttention, k, v) -> dict:
 
 
 def _delta(attn: GatedDeltaNet, conv: torch.Tensor, state: torch.Tensor) -> Delta:
+    """The C step's view of a gated DeltaNet layer and its cache (conv window, state)."""
     s = attn.spec
     return Delta(
         in_proj=attn.in_proj.weight,

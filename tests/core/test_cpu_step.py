@@ -1,7 +1,8 @@
 """The fused CPU decode step (core/cpu_step.py, kernels/cpu_decode.c) against the modules it
 replaces, and against transformers: ragged rows at their own positions, rings that wrap,
 NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms, kept int4 / int8
-weights. Each check first asserts that the fused step really ran."""
+weights, Qwen3-Next / Qwen3.5's gated DeltaNet layers (their conv windows and states carried
+over the steps) and gated attention. Each check first asserts that the fused step really ran."""
 
 from __future__ import annotations
 
