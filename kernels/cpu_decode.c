@@ -237,8 +237,8 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             if (b->delta) {  // a gated DeltaNet layer (cpu_delta.c): h += its output
                 zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar);
             } else {
-                const int64_t nq = b->qkv.N, group = b->hq / b->hkv, d = b->d;
-                const int64_t qs = b->ogate ? 2 * d : d;  // q_h (and gate_h) qs floats apart
+                const int64_t nq = b->qkv.N, group = b->hq / b->hkv, dh = b->d;
+                const int64_t qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs floats apart
                 // attention: q|k|v of the normed rows, rows split over the threads
                 zoo_linear_prepare(&b->qkv, xn, M, px, buf);
                 zoo_linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
@@ -251,36 +251,36 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                     const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
                     const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
                     const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
-                    float *qr = qkv + r * nq, *kr = qr + b->hq * qs + kh * d;
-                    float *vr = kr + b->hkv * d, *o = att + (r * b->hq + j0) * d;
+                    float *qr = qkv + r * nq, *kr = qr + b->hq * qs + kh * dh;
+                    float *vr = kr + b->hkv * dh, *o = att + (r * b->hq + j0) * dh;
                     void *kc = slot_at(b->k, c * b->ksb + kh * b->ksh + slot * b->kss, b->kv_half);
                     void *vc = slot_at(b->v, c * b->vsb + kh * b->vsh + slot * b->vss, b->kv_half);
-                    if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, d, b->qk_eps);
+                    if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
                     rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
                     if (b->kv_half) {
-                        zoo_float_to_half(kr, kc, d);
-                        zoo_float_to_half(vr, vc, d);
+                        zoo_float_to_half(kr, kc, dh);
+                        zoo_float_to_half(vr, vc, dh);
                     } else {
-                        memcpy(kc, kr, d * sizeof(float));
-                        memcpy(vc, vr, d * sizeof(float));
+                        memcpy(kc, kr, dh * sizeof(float));
+                        memcpy(vc, vr, dh * sizeof(float));
                     }
                     for (int64_t g = 0; g < group; g++) {
-                        memcpy(q + g * d, qr + (j0 + g) * qs, d * sizeof(float));
+                        memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
                         if (b->qnorm)
-                            zoo_rms_norm(q + g * d, NULL, NULL, b->qnorm, q + g * d, 1, d,
+                            zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh,
                                          b->qk_eps);
-                        rotate(b, q + g * d, r, cos, sin, cstride);
+                        rotate(b, q + g * dh, r, cos, sin, cstride);
                     }
                     const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-                    zoo_attend_group(q, group, d, slot_at(b->k, c * b->ksb + kh * b->ksh,
+                    zoo_attend_group(q, group, dh, slot_at(b->k, c * b->ksb + kh * b->ksh,
                                                           b->kv_half),
                                      b->kss, slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half),
-                                     b->vss, 0, seen, d, d, b->scale, b->softcap,
+                                     b->vss, 0, seen, dh, dh, b->scale, b->softcap,
                                      b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp, o);
                     for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
-                        const float *gate = qr + (j0 + g) * qs + d;
-                        for (int64_t i = 0; i < d; i++)
-                            o[g * d + i] *= 1.0f / (1.0f + expf(-gate[i]));
+                        const float *gate = qr + (j0 + g) * qs + dh;
+                        for (int64_t i = 0; i < dh; i++)
+                            o[g * dh + i] *= 1.0f / (1.0f + expf(-gate[i]));
                     }
                 }
                 zoo_meet(&bar, T);
