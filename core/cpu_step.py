@@ -1,9 +1,10 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
 
 Where each block of a fp32 CPU model is of the core's plain kind (pre-norm RMSNorm, GQA
-attention with or without RMSNorm q/k norms, a gated SiLU / GELU MLP or a MoE: any routing of
-`core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases, shared
-experts gated or not; weights fp32 or kept quantized), the step
+attention with or without RMSNorm q/k norms and a sigmoid output gate, or a gated DeltaNet
+layer; a gated SiLU / GELU MLP or a MoE: any routing of `core.layers.moe.route`, SiLU-gated or
+gpt-oss's clamped experts with or without biases, shared experts gated or not; weights fp32 or
+kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -17,10 +18,20 @@ import os
 import torch
 
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
+from core.layers.deltanet import GatedDeltaNet
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
-from kernels.cpu_decode import ACTS, MAX_EXPERTS, Block, Blocks, Experts, SharedExperts
+from kernels.cpu_decode import (
+    ACTS,
+    MAX_EXPERTS,
+    NO_ATTENTION,
+    Block,
+    Blocks,
+    Delta,
+    Experts,
+    SharedExperts,
+)
 from kernels.cpu_quant import MAX_ROWS, library
 from kernels.qweight import QuantStack, QuantWeight
 
@@ -37,12 +48,13 @@ def why_not(net: CausalLM) -> str | None:
             return f"block {i} is {type(layer).__name__}{' with post-norms' * post}"
         attn, mlp = layer.self_attn, layer.mlp
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
-        kinds = ((attn, GQAAttention), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
+        attn_kind = GatedDeltaNet if type(attn) is GatedDeltaNet else GQAAttention
+        kinds = ((attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
                  (layer.post_attention_layernorm, RMSNorm))  # fmt: skip
         for part, kind in kinds:
             if type(part) is not kind:  # a subclass may compute more (tensor parallelism's sum)
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
-        if attn.spec.qk_norm is not None and type(attn.q_norm) is not RMSNorm:
+        if attn_kind is GQAAttention and attn.spec.qk_norm and type(attn.q_norm) is not RMSNorm:
             return f"block {i} norms q and k with a {type(attn.q_norm).__name__}"
         why = _moe_why_not(mlp) if type(mlp) is MoE else None
         if why is None and type(mlp) is GatedMLP and mlp.act not in ACTS:
@@ -81,39 +93,26 @@ def blocks(net: CausalLM) -> Blocks | None:
         return None
     out = []
     for i, layer in enumerate(net.model.layers):
-        attn, mlp, s = layer.self_attn, layer.mlp, layer.self_attn.spec
-        k, v = net.kv_cache.layer(i)
-        j = net.rope_of_layer[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
+        if type(attn) is GatedDeltaNet:
+            kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
+        else:
+            kw = _attention(net, i, attn, *cache)
         out.append(
             Block(
                 norm1=_norm_weight(layer.input_layernorm),
                 eps1=layer.input_layernorm.eps,
                 norm2=_norm_weight(layer.post_attention_layernorm),
                 eps2=layer.post_attention_layernorm.eps,
-                qkv=attn.qkv_proj.weight,
-                qkv_bias=attn.qkv_proj.bias,
-                o=attn.o_proj.weight,
-                o_bias=attn.o_proj.bias,
                 gate_up=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.weight,
                 gate_up_bias=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.bias,
                 down=getattr(mlp, "down_proj", None) and mlp.down_proj.weight,
                 down_bias=getattr(mlp, "down_proj", None) and mlp.down_proj.bias,
-                k_cache=k,
-                v_cache=v,
-                ring=s.window is not None,
-                heads=s.num_heads,
-                kv_heads=s.num_kv_heads,
-                head_dim=s.head_dim,
-                rope=j,
-                rope_half=0 if j is None else net.rotaries[j].cos.shape[-1],
-                interleaved=attn.interleaved,
-                scale=s.scale,
-                softcap=s.softcap,
-                sinks=attn.sinks if s.sinks else None,
                 act=getattr(mlp, "act", "silu"),  # (MoE: its experts' SiLU)
                 intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
-                qk_norm=_qk_norm(attn),
                 moe=_experts(mlp) if type(mlp) is MoE else None,
+                **kw,
             )
         )
     tied = net.lm_head.tied_to[0]
@@ -128,6 +127,52 @@ def blocks(net: CausalLM) -> Blocks | None:
             tied.weight if tied is not None else net.lm_head.weight,
         )
     return Blocks.build(out, net.config.hidden_size, head)
+
+
+def _attention(net: CausalLM, i: int, attn: GQAAttention, k, v) -> dict:
+    """Block's attention fields for layer i's GQA attention and its cache k, v."""
+    s, j = attn.spec, net.rope_of_layer[i]
+    return dict(
+        qkv=attn.qkv_proj.weight,
+        qkv_bias=attn.qkv_proj.bias,
+        o=attn.o_proj.weight,
+        o_bias=attn.o_proj.bias,
+        k_cache=k,
+        v_cache=v,
+        ring=s.window is not None,
+        heads=s.num_heads,
+        kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        rope=j,
+        rope_half=0 if j is None else net.rotaries[j].cos.shape[-1],
+        interleaved=attn.interleaved,
+        scale=s.scale,
+        softcap=s.softcap,
+        sinks=attn.sinks if s.sinks else None,
+        qk_norm=_qk_norm(attn),
+        output_gate=s.output_gate,
+    )
+
+
+def _delta(attn: GatedDeltaNet, conv: torch.Tensor, state: torch.Tensor) -> Delta:
+    """The C step's view of a gated DeltaNet layer and its cache (conv window, state)."""
+    s = attn.spec
+    return Delta(
+        in_proj=attn.in_proj.weight,
+        grouped=s.layout == "grouped",
+        out_proj=attn.out_proj.weight,
+        conv=attn.conv1d.weight.reshape(s.conv_dim, s.conv_kernel),
+        neg_a=-attn.A_log.float().exp(),  # as the module computes it (a copy, as _norm_weight's)
+        dt_bias=attn.dt_bias.float(),
+        norm=attn.norm.weight,
+        eps=s.norm_eps,
+        conv_state=conv,
+        state=state,
+        k_heads=s.num_k_heads,
+        v_heads=s.num_v_heads,
+        k_dim=s.head_k_dim,
+        v_dim=s.head_v_dim,
+    )
 
 
 def _qk_norm(attn: GQAAttention) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -172,7 +217,8 @@ def _experts(mlp: MoE) -> Experts:
 
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
-    w = net.model.layers[0].self_attn.qkv_proj.weight
+    attn = net.model.layers[0].self_attn
+    w = (attn.in_proj if type(attn) is GatedDeltaNet else attn.qkv_proj).weight
     while isinstance(w, QuantStack):
         w = w.parts[0]
     if isinstance(w, BlockWeight):

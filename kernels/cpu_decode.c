@@ -9,7 +9,8 @@
 // waiting for one thread to do it), then takes its share of each product's output rows (the
 // same rows every block, so a thread adds to the h columns it computed), of the kv heads
 // (rope, cache write) and of the query heads (attention), with a barrier where one part
-// reads what another wrote. The arithmetic is the separate ops' (zoo_qgemv_rows,
+// reads what another wrote. A block may hold a gated DeltaNet layer (cpu_delta.c) in
+// attention's place. The arithmetic is the separate ops' (zoo_qgemv_rows,
 // zoo_rms_norm, zoo_rope, zoo_attend), so the result equals the eager step's to rounding.
 #define _GNU_SOURCE
 #include <limits.h>
@@ -54,6 +55,8 @@ typedef struct {
     const float *qnorm, *knorm;  // (d,): RMSNorm of each q and k head before rope, or NULL
     float qk_eps;
     const zmoe_t *moe;           // a MoE MLP in place of gate_up / down, or NULL
+    const zdelta_t *delta;       // a gated DeltaNet layer in place of attention, or NULL
+    int64_t ogate;               // q|k|v holds q_h | gate_h per head: o_h *= sigmoid(gate_h)
 } zblock_t;
 
 // A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
@@ -199,12 +202,13 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             experts = max64(experts, m->experts + 1);  // + the shared experts' gate
             ebytes = max64(ebytes, zoo_moe_ebytes(m, M));
         }
+        if (b->delta) arena = max64(arena, zoo_delta_arena(b->delta, M));
         nqkv = max64(nqkv, b->qkv.N);
         hqd = max64(hqd, b->hq * b->d);
         inter = max64(inter, b->inter);
         slots = max64(slots, b->slots);
         d = max64(d, b->d);
-        group = max64(group, b->hq / b->hkv);
+        group = max64(group, b->delta ? 1 : b->hq / b->hkv);
     }
     in = max64(max64(in, hqd), inter);
     // shared: the q|k|v rows, attention's output, gate|up, act(gate) * up, a product's output
@@ -228,49 +232,61 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);  // this thread's columns of h
         for (int64_t l = 0; l < L; l++) {
             const zblock_t *b = &blocks[l];
-            const int64_t nq = b->qkv.N, I = b->inter, group = b->hq / b->hkv;
-            // attention: q|k|v of the normed rows, rows split over the threads
+            const int64_t I = b->inter;
             zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
-            zoo_linear_prepare(&b->qkv, xn, M, px, buf);
-            zoo_linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
-            zoo_meet(&bar, T);
-            // each kv head of each row: k rotated and both written to the row's cache slot,
-            // then the head's query heads rotated and, together, attending to the row's filled
-            // slots (each key and value read once for the group). A thread reads only the
-            // cache slots it writes itself: no meeting between the two.
-            for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
-                const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
-                const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
-                const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
-                float *kr = qkv + r * nq + (b->hq + kh) * b->d, *vr = kr + b->hkv * b->d;
-                void *kc = slot_at(b->k, c * b->ksb + kh * b->ksh + slot * b->kss, b->kv_half);
-                void *vc = slot_at(b->v, c * b->vsb + kh * b->vsh + slot * b->vss, b->kv_half);
-                if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, b->d, b->qk_eps);
-                rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
-                if (b->kv_half) {
-                    zoo_float_to_half(kr, kc, b->d);
-                    zoo_float_to_half(vr, vc, b->d);
-                } else {
-                    memcpy(kc, kr, b->d * sizeof(float));
-                    memcpy(vc, vr, b->d * sizeof(float));
+            if (b->delta) {  // a gated DeltaNet layer (cpu_delta.c): h += its output
+                zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar);
+            } else {
+                const int64_t nq = b->qkv.N, group = b->hq / b->hkv, dh = b->d;
+                const int64_t qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs floats apart
+                // attention: q|k|v of the normed rows, rows split over the threads
+                zoo_linear_prepare(&b->qkv, xn, M, px, buf);
+                zoo_linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
+                zoo_meet(&bar, T);
+                // each kv head of each row: k rotated and both written to the row's cache
+                // slot, then the head's query heads rotated and, together, attending to the
+                // row's filled slots (each key and value read once for the group). A thread
+                // reads only the cache slots it writes itself: no meeting between the two.
+                for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
+                    const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
+                    const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
+                    const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
+                    float *qr = qkv + r * nq, *kr = qr + b->hq * qs + kh * dh;
+                    float *vr = kr + b->hkv * dh, *o = att + (r * b->hq + j0) * dh;
+                    void *kc = slot_at(b->k, c * b->ksb + kh * b->ksh + slot * b->kss, b->kv_half);
+                    void *vc = slot_at(b->v, c * b->vsb + kh * b->vsh + slot * b->vss, b->kv_half);
+                    if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
+                    rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
+                    if (b->kv_half) {
+                        zoo_float_to_half(kr, kc, dh);
+                        zoo_float_to_half(vr, vc, dh);
+                    } else {
+                        memcpy(kc, kr, dh * sizeof(float));
+                        memcpy(vc, vr, dh * sizeof(float));
+                    }
+                    for (int64_t g = 0; g < group; g++) {
+                        memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
+                        if (b->qnorm)
+                            zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh,
+                                         b->qk_eps);
+                        rotate(b, q + g * dh, r, cos, sin, cstride);
+                    }
+                    const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
+                    zoo_attend_group(q, group, dh, slot_at(b->k, c * b->ksb + kh * b->ksh,
+                                                          b->kv_half),
+                                     b->kss, slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half),
+                                     b->vss, 0, seen, dh, dh, b->scale, b->softcap,
+                                     b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp, o);
+                    for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
+                        const float *gate = qr + (j0 + g) * qs + dh;
+                        for (int64_t i = 0; i < dh; i++)
+                            o[g * dh + i] *= 1.0f / (1.0f + expf(-gate[i]));
+                    }
                 }
-                memcpy(q, qkv + r * nq + j0 * b->d, group * b->d * sizeof(float));
-                for (int64_t g = 0; g < group; g++) {
-                    if (b->qnorm)
-                        zoo_rms_norm(q + g * b->d, NULL, NULL, b->qnorm, q + g * b->d, 1, b->d,
-                                     b->qk_eps);
-                    rotate(b, q + g * b->d, r, cos, sin, cstride);
-                }
-                const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-                zoo_attend_group(q, group, b->d, slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half),
-                                 b->kss, slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half),
-                                 b->vss, 0, seen, b->d, b->d, b->scale, b->softcap,
-                                 b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp,
-                                 att + (r * b->hq + j0) * b->d);
+                zoo_meet(&bar, T);
+                // h += o(attention): this thread's columns of h
+                add_product(&b->o, att, h, y, M, H, h0, h1, px, buf);
             }
-            zoo_meet(&bar, T);
-            // h += o(attention): this thread's columns of h
-            add_product(&b->o, att, h, y, M, H, h0, h1, px, buf);
             zoo_meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);

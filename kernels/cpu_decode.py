@@ -4,11 +4,12 @@ For a few rows (one token per sequence) of a small model, an eager step spends m
 dispatching its ~20 ops per block and forking and joining threads for each product than in
 the products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C
 function runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static
-cache with rope and optional q/k norms, a gated SiLU / GELU MLP or a MoE: any routing of
-core.layers.moe.route, SiLU-gated or gpt-oss's clamped experts, biases, shared experts;
-quantized or fp32 weights) inside one OpenMP region, with the arithmetic of the separate ops.
-`Blocks` holds the C view of the blocks' tensors (built once: the tensors must stay where they
-are, which it checks by identity) and runs it.
+cache with rope, optional q/k norms and output gate, or a gated DeltaNet layer (cpu_delta.c);
+a gated SiLU / GELU MLP or a MoE (cpu_moe.c: any routing of core.layers.moe.route, SiLU-gated
+or gpt-oss's clamped experts, biases, shared experts); quantized or fp32 weights) inside one
+OpenMP region, with the arithmetic of the separate ops. `Blocks` holds the C view of the
+blocks' tensors (built once: the tensors must stay where they are, which it checks by
+identity) and runs it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class _Block(ctypes.Structure):
                                     "hq", "hkv", "d", "rope", "half", "interleaved")),
         ("scale", _f32), ("softcap", _f32), ("sinks", _ptr), ("act", _i64), ("inter", _i64),
         ("kv_half", _i64), ("qnorm", _ptr), ("knorm", _ptr), ("qk_eps", _f32), ("moe", _ptr),
+        ("delta", _ptr), ("ogate", _i64),
     ]  # fmt: skip
 
 
@@ -57,6 +59,16 @@ class _Moe(ctypes.Structure):  # cpu_step.h's zmoe_t
 SCORINGS = {"softmax": 0, "sigmoid": 1}
 TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 MAX_EXPERTS = 1024  # as cpu_step.h
+
+
+class _Delta(ctypes.Structure):  # cpu_step.h's zdelta_t
+    _fields_ = [
+        ("in_proj", _Linear), ("out_proj", _Linear),
+        *((name, _i64) for name in ("hk", "hv", "dk", "dv", "kernel", "grouped")),
+        ("conv_w", _ptr), ("neg_a", _ptr), ("dt_bias", _ptr), ("norm", _ptr), ("eps", _f32),
+        ("conv", _ptr), ("state", _ptr), ("conv_sb", _i64), ("state_sb", _i64),
+        ("conv_half", _i64), ("scratch", _ptr),
+    ]  # fmt: skip
 
 
 class _Head(ctypes.Structure):
@@ -98,6 +110,8 @@ class Block:
     intermediate: int
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None  # q's, k's weight, eps
     moe: Experts | None = None  # in place of gate_up / down
+    delta: Delta | None = None  # in place of attention (its fields then NO_ATTENTION's)
+    output_gate: bool = False  # qkv's q rows are [q_h | gate_h] per head: o_h *= sigmoid(gate_h)
 
 
 @dataclass
@@ -143,6 +157,39 @@ class SharedExperts:
     intermediate: int
     act: str = "silu"
     gate: object = None
+
+
+@dataclass
+class Delta:
+    """A gated DeltaNet layer the C step takes in place of attention (cpu_delta.c): in_proj
+    (its rows q|k|v|z|b|a, or `grouped` per key head as Qwen3-Next stores them) and out_proj,
+    fp32 or `BlockWeight` / `QuantStack`; the conv's filters (conv_dim, K), -exp(A_log) and
+    dt_bias (Hv,), the gated RMSNorm's weight (Dv,) and eps, all fp32; its cache: the conv
+    window (B, conv_dim, K - 1) fp32 or fp16 and the state (B, Hv, Dk, Dv) fp32."""
+
+    in_proj: object
+    grouped: bool
+    out_proj: object
+    conv: torch.Tensor
+    neg_a: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    eps: float
+    conv_state: torch.Tensor
+    state: torch.Tensor
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+
+# a Block's attention fields where its layer is not attention (`delta`)
+NO_ATTENTION = dict(
+    qkv=None, qkv_bias=None, o=None, o_bias=None, k_cache=None, v_cache=None, ring=False,
+    heads=0, kv_heads=0, head_dim=0, rope=None, rope_half=0, interleaved=False, scale=0.0,
+    softcap=None, sinks=None,
+)  # fmt: skip
+DELTA_MAX_DIM = 512  # as cpu_step.h
 
 
 def _float(t: torch.Tensor | None) -> bool:
@@ -259,6 +306,105 @@ def moe_route(m: Experts, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return ids, weights
 
 
+def _attention(c, b: Block, hidden: int, keep: list) -> bool:
+    """Fill c's attention fields from b; False where the C step cannot take them."""
+    qkv, o = _linear(b.qkv, b.qkv_bias, keep), _linear(b.o, b.o_bias, keep)
+    d = b.head_dim
+    want = ((2 if b.output_gate else 1) * b.heads * d + 2 * b.kv_heads * d, hidden)
+    if qkv is None or o is None or want != (qkv.N, o.N):
+        return False
+    caches = (b.k_cache, b.v_cache)
+    half = b.k_cache.dtype == torch.float16
+    caches_ok = all(
+        t.dim() == 4 and t.stride(-1) == 1 and t.device.type == "cpu"
+        and t.dtype == (torch.float16 if half else torch.float32) for t in caches
+    )  # fmt: skip
+    if not caches_ok or not _float(b.sinks):
+        return False
+    if b.qk_norm is not None:
+        qn, kn, eps = b.qk_norm
+        if not (_float(qn) and _float(kn) and qn.shape == kn.shape == (d,)):
+            return False
+        keep.append((qn, kn))
+        c.qnorm, c.knorm, c.qk_eps = qn.data_ptr(), kn.data_ptr(), eps
+    keep.append((b.sinks, *caches))
+    c.qkv, c.o = qkv, o
+    c.k, c.v = b.k_cache.data_ptr(), b.v_cache.data_ptr()
+    c.ksb, c.ksh, c.kss = b.k_cache.stride()[:3]
+    c.vsb, c.vsh, c.vss = b.v_cache.stride()[:3]
+    c.slots, c.ring = b.k_cache.shape[2], b.ring
+    c.hq, c.hkv, c.d, c.ogate = b.heads, b.kv_heads, d, b.output_gate
+    c.rope = -1 if b.rope is None else b.rope
+    c.half, c.interleaved = b.rope_half, b.interleaved
+    c.scale, c.softcap, c.sinks = b.scale, b.softcap or 0.0, _addr(b.sinks)
+    c.kv_half = half
+    return True
+
+
+def _mlp(c, b: Block, hidden: int, keep: list) -> bool:
+    """Fill c's MLP fields from b (a gated MLP or `moe`); False where the C step cannot."""
+    if b.act not in ACTS:
+        return False
+    c.act, c.inter = ACTS[b.act], b.intermediate
+    if b.moe is not None:
+        return _moe(c, b, hidden, keep)
+    gate_up = _linear(b.gate_up, b.gate_up_bias, keep)
+    down = _linear(b.down, b.down_bias, keep)
+    want = (2 * b.intermediate, hidden)
+    if gate_up is None or down is None or want != (gate_up.N, down.N):
+        return False
+    c.gate_up, c.down = gate_up, down
+    return True
+
+
+def _delta_rows(d: Delta) -> tuple[int, int, int]:
+    """in_proj's rows, the conv's channels (q|k|v) and o's values of a delta layer."""
+    kd, vd = d.k_heads * d.k_dim, d.v_heads * d.v_dim
+    return 2 * kd + 2 * vd + 2 * d.v_heads, 2 * kd + vd, vd
+
+
+def _delta_scratch(blocks: list[Block]) -> torch.Tensor:
+    """cpu_step.h's zdelta_t.scratch: MAX_ROWS rows of in_proj's output, the conv's and o."""
+    n = max((sum(_delta_rows(b.delta)) for b in blocks if b.delta is not None), default=0)
+    return torch.zeros(MAX_ROWS * n)
+
+
+def _delta(c, d: Delta, hidden: int, scratch: torch.Tensor, keep: list) -> bool:
+    """Fill c's delta from d; False where the C step cannot take it."""
+    n_in, conv_dim, vd = _delta_rows(d)
+    k = d.conv.shape[-1]
+    lin = [_linear(d.in_proj, None, keep), _linear(d.out_proj, None, keep)]
+    want = (n_in, hidden)
+    if any(x is None for x in lin) or want != (lin[0].N, lin[1].N):
+        return False
+    ks = [p.K for x in lin for p in x.part[: x.parts]]
+    if ks != [hidden] * lin[0].parts + [vd] * lin[1].parts:
+        return False
+    half = d.conv_state.dtype == torch.float16
+    shapes = [
+        (d.conv, (conv_dim, k)), (d.neg_a, (d.v_heads,)), (d.dt_bias, (d.v_heads,)),
+        (d.norm, (d.v_dim,)), (d.state[0], (d.v_heads, d.k_dim, d.v_dim)),
+    ]  # fmt: skip
+    if not all(_float(t) and t.shape == shape for t, shape in shapes):
+        return False
+    conv_ok = d.conv_state.is_contiguous() and d.conv_state.device.type == "cpu"
+    conv_ok = conv_ok and d.conv_state.shape[1:] == (conv_dim, k - 1)
+    if not conv_ok or d.conv_state.dtype not in (torch.float16, torch.float32):
+        return False
+    if max(d.k_dim, d.v_dim) > DELTA_MAX_DIM or d.v_heads % d.k_heads or not _float(d.state):
+        return False
+    z = _Delta(in_proj=lin[0], out_proj=lin[1], hk=d.k_heads, hv=d.v_heads, dk=d.k_dim,
+               dv=d.v_dim, kernel=k, grouped=d.grouped, eps=d.eps, conv_half=half)  # fmt: skip
+    z.conv_w, z.neg_a, z.dt_bias, z.norm = (
+        t.data_ptr() for t in (d.conv, d.neg_a, d.dt_bias, d.norm)
+    )
+    z.conv, z.state, z.scratch = d.conv_state.data_ptr(), d.state.data_ptr(), scratch.data_ptr()
+    z.conv_sb, z.state_sb = d.conv_state.stride(0), d.state.stride(0)
+    keep.append((d, z))
+    c.delta = ctypes.addressof(z)
+    return True
+
+
 def _addr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -285,53 +431,19 @@ class Blocks:
                 keep.append(head[0])
                 c_head = _Head(norm=head[0].data_ptr(), eps=head[1], head=lin)
         arr = (_Block * len(blocks))()
+        scratch = _delta_scratch(blocks)  # shared by the delta layers, which run one by one
+        keep.append(scratch)
         for c, b in zip(arr, blocks, strict=True):
-            linears = [_linear(b.qkv, b.qkv_bias, keep), _linear(b.o, b.o_bias, keep)]
-            if b.moe is None:
-                linears += [
-                    _linear(b.gate_up, b.gate_up_bias, keep),
-                    _linear(b.down, b.down_bias, keep),
-                ]
-            elif not _moe(c, b, hidden, keep):
+            if b.delta is not None:
+                fits = _delta(c, b.delta, hidden, scratch, keep)
+            else:
+                fits = _attention(c, b, hidden, keep)
+            norms = (b.norm1, b.norm2)
+            if not (fits and _mlp(c, b, hidden, keep) and all(map(_float, norms))):
                 return None
-            d = b.head_dim
-            rows = [None if lin is None else lin.N for lin in linears]
-            want = [(b.heads + 2 * b.kv_heads) * d, hidden, 2 * b.intermediate, hidden]
-            want = want[: len(linears)]
-            tensors = (b.norm1, b.norm2, b.sinks)
-            caches = (b.k_cache, b.v_cache)
-            half = b.k_cache.dtype == torch.float16
-            caches_ok = all(
-                t.dim() == 4 and t.stride(-1) == 1 and t.device.type == "cpu"
-                and t.dtype == (torch.float16 if half else torch.float32) for t in caches
-            )  # fmt: skip
-            if rows != want or not all(map(_float, tensors)) or not caches_ok or b.act not in ACTS:
-                return None
-            if b.qk_norm is not None:
-                qn, kn, eps = b.qk_norm
-                if not (_float(qn) and _float(kn) and qn.shape == kn.shape == (d,)):
-                    return None
-                keep.append((qn, kn))
-                c.qnorm, c.knorm, c.qk_eps = qn.data_ptr(), kn.data_ptr(), eps
-            keep.append((*tensors, *caches))
-            c.norm1, c.norm2, c.eps1, c.eps2 = (
-                b.norm1.data_ptr(),
-                b.norm2.data_ptr(),
-                b.eps1,
-                b.eps2,
-            )
-            c.qkv, c.o = linears[:2]
-            if b.moe is None:
-                c.gate_up, c.down = linears[2:]
-            c.k, c.v = b.k_cache.data_ptr(), b.v_cache.data_ptr()
-            c.ksb, c.ksh, c.kss = b.k_cache.stride()[:3]
-            c.vsb, c.vsh, c.vss = b.v_cache.stride()[:3]
-            c.slots, c.ring = b.k_cache.shape[2], b.ring
-            c.hq, c.hkv, c.d = b.heads, b.kv_heads, d
-            c.rope = -1 if b.rope is None else b.rope
-            c.half, c.interleaved = b.rope_half, b.interleaved
-            c.scale, c.softcap, c.sinks = b.scale, b.softcap or 0.0, _addr(b.sinks)
-            c.act, c.inter, c.kv_half = ACTS[b.act], b.intermediate, half
+            keep.append(norms)
+            c.norm1, c.norm2 = b.norm1.data_ptr(), b.norm2.data_ptr()
+            c.eps1, c.eps2 = b.eps1, b.eps2
         return cls(arr, hidden, c_head, keep)
 
     def __call__(

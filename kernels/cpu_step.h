@@ -1,6 +1,6 @@
 // What the fused decode step's files share (cpu_decode.c: the blocks and the driver,
-// cpu_moe.c: the MoE MLP): linear layers of stacked parts, the threads' meeting point and
-// their shares of a product's rows.
+// cpu_moe.c: the MoE MLP, cpu_delta.c: gated DeltaNet layers): linear layers of stacked
+// parts, the threads' meeting point and their shares of a product's rows.
 #pragma once
 #include <stdatomic.h>
 
@@ -71,3 +71,30 @@ void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, i
              char *ebuf, spin_barrier_t *bar);
 // The routing alone (as zoo_moe routes): rows' logits (M, E) -> ids (M, K), weights (M, K).
 void zoo_moe_route(const zmoe_t *m, const float *logits, int64_t M, int64_t *ids, float *w);
+
+// A gated DeltaNet layer (cpu_delta.c) in place of a block's attention: in_proj of the normed
+// rows, the causal depthwise conv of q|k|v over the conv window in the cache and SiLU, l2-normed
+// q and k, the gated delta rule on each value head's state in the cache, the gated RMSNorm of
+// its output with silu(z), and out_proj added to h.
+typedef struct {
+    zlinear_t in, out;      // in_proj (flat: q|k|v|z|b|a; grouped per key head), out_proj
+    int64_t hk, hv, dk, dv, kernel, grouped;
+    const float *conv_w;    // (conv_dim, kernel): one filter per channel of q|k|v
+    const float *neg_a;     // (hv,): -exp(A_log)
+    const float *dt_bias;   // (hv,)
+    const float *norm;      // (dv,): the gated RMSNorm's weight
+    float eps;
+    void *conv;             // (B, conv_dim, kernel - 1): each row's last inputs, fp16 if conv_half
+    float *state;           // (B, hv, dk, dv)
+    int64_t conv_sb, state_sb, conv_half;  // the caches' row strides (elements)
+    float *scratch;         // shared, MAX_ROWS (in.N + conv_dim + hv dv) floats
+} zdelta_t;
+
+#define DELTA_MAX_DIM 512  // dk, dv at most (a thread's head buffers live on its stack)
+
+int64_t zoo_delta_arena(const zdelta_t *d, int64_t M);
+// h[:, this thread's columns] += the layer's output for the normed rows xn (M, H) at
+// positions pos in the cache rows `rows` (NULL: 0..M-1); thread t of T; y (M, H) shared.
+void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t H,
+               const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
+               qx_t *px, char *buf, spin_barrier_t *bar);

@@ -1,7 +1,8 @@
 """The fused CPU decode step (core/cpu_step.py, kernels/cpu_decode.c) against the modules it
 replaces, and against transformers: ragged rows at their own positions, rings that wrap,
 NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms, kept int4 / int8
-weights. Each check first asserts that the fused step really ran."""
+weights, Qwen3-Next / Qwen3.5's gated DeltaNet layers (their conv windows and states carried
+over the steps) and gated attention. Each check first asserts that the fused step really ran."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from conftest import LLAMA31, LLAMA32
 from fixtures.fused_steps import PROMPTS, decode, feed, rel_err
+from safetensors.torch import load_file, save_file
 
 from core import load_model
 from core.cpu_step import FusedStep, why_not
@@ -29,6 +31,28 @@ BASE = dict(
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,
+)
+# three gated-DeltaNet layers (Qwen's Dk = Dv, smaller) to one gated attention layer
+LINEAR = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    head_dim=16,
+    rope_theta=10000.0,
+    partial_rotary_factor=0.5,
+)
+QWEN3_NEXT = dict(
+    BASE,
+    model_type="qwen3_next",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    **LINEAR,
 )
 CASES = {
     "llama3.2": LLAMA32,  # llama3 rope scaling, head_dim != hidden / heads, tied
@@ -94,6 +118,11 @@ CASES = {
             rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=32
         ),
     ),
+    # gated DeltaNet (in_proj stored flat) and gated attention: q_h | gate_h per head, a sigmoid
+    # output gate, (1 + w) norms and q/k norms, rope on part of each head; dense MLPs
+    "qwen3.5": dict(BASE, model_type="qwen3_5_text", **LINEAR),
+    # in_proj grouped per key head; every MLP dense (mlp_only_layers)
+    "qwen3-next-dense": dict(QWEN3_NEXT, mlp_only_layers=[0, 1, 2, 3]),
 }
 
 
@@ -167,11 +196,12 @@ def test_what_the_fused_step_does_not_take(checkpoint, monkeypatch):
     assert "post-norms" in why_not(m2.net)
 
 
-def test_a_step_of_named_cache_rows_computes_just_those(checkpoint):
+@pytest.mark.parametrize("case", ["mistral-window", "qwen3.5"])  # a ring that wraps; states
+def test_a_step_of_named_cache_rows_computes_just_those(checkpoint, case):
     """The server steps the rows that decode, wherever they lie in the cache: rows (2, 0) of
     three give the logits and cache writes of those rows in a step of all three, and row 1
     is left as it was."""
-    root, _ = checkpoint(CASES["mistral-window"])  # a ring that wraps, too
+    root, _ = checkpoint(CASES[case])
     m = load_model(root, max_batch_size=3, max_seq_len=64)
     prompts = [*PROMPTS, [17, 4, 60, 2, 9, 33]]
     ids = torch.zeros(3, max(map(len, prompts)), dtype=torch.long)
@@ -196,3 +226,34 @@ def test_a_step_of_named_cache_rows_computes_just_those(checkpoint):
     for bad in ([3], [0, 0]):  # past the cache; one row twice
         with pytest.raises(IndexError, match="cache rows"):
             m.step(tokens[: len(bad)], pos[: len(bad)], 10, rows=torch.tensor(bad))
+
+
+def test_qwen3_next_moe_without_its_shared_expert(checkpoint):
+    """Qwen3-Next's routed experts beside its DeltaNet layers (one dense layer). Its shared
+    expert is not in the C step (`why_not` names it), so here the config has none:
+    transformers then still writes empty shared-expert tensors, which a checkpoint without
+    one would not hold, so they are dropped."""
+    root, _ = checkpoint(dict(QWEN3_NEXT, mlp_only_layers=[1], shared_expert_intermediate_size=0))
+    path = root / "model.safetensors"
+    state = {k: v for k, v in load_file(path).items() if ".shared_expert" not in k}
+    save_file(state, path, metadata={"format": "pt"})
+    m = load_model(root, max_batch_size=2, max_seq_len=64)
+    assert why_not(m.net) is None
+    tokens = feed(4)
+    for got, want in zip(decode(m, True, tokens), decode(m, False, tokens), strict=True):
+        assert rel_err(got, want) < 1e-5
+
+
+def test_a_delta_row_at_position_0_starts_afresh(checkpoint):
+    """A row decoding at position 0 (a reused row) starts from an empty conv window and a zero
+    state, as the module starts it, whatever the cache held."""
+    m = load_model(checkpoint(CASES["qwen3.5"])[0], max_batch_size=2, max_seq_len=64)
+    decode(m, True, feed()[:2])  # the caches now hold the prompts' states
+    tokens, pos = torch.tensor([7, 41]), torch.tensor([0, 3])
+    with torch.inference_mode():
+        saved = [t.clone() for bufs in m.net.kv_cache.layers for t in bufs]
+        want = m.net(tokens[:, None], pos, end=4)[:, -1]
+        for t, b in zip((t for bufs in m.net.kv_cache.layers for t in bufs), saved, strict=True):
+            t.copy_(b)
+        got = m.step.fused(tokens, pos, 4)
+    assert rel_err(got, want) < 1e-5

@@ -272,8 +272,9 @@ def test_q8_0_file_kept_meets_the_standard(case):
         assert all(isinstance(w, BlockExperts) for w in stacked)
     if name == "gpt-oss-mxfp4":  # the converter keeps MXFP4 experts as they are
         assert {w.fmt.name for w in stacked if isinstance(w, BlockExperts)} == {"mxfp4"}
-    # and decode on the fused CPU step, as the modules do (gpt-oss-mxfp4: its experts MXFP4)
-    if name in ("qwen3moe", "mixtral", "gpt-oss", "gpt-oss-mxfp4"):
+    # and decode on the fused CPU step, as the modules do (gpt-oss-mxfp4: its experts MXFP4;
+    # qwen35: its DeltaNet layers, fp16 conv windows)
+    if name in ("qwen3moe", "mixtral", "gpt-oss", "gpt-oss-mxfp4", "qwen35"):
         assert why_not(kept.net) is None
         tokens = feed(5)
         for got, want in zip(decode(kept, True, tokens), decode(kept, False, tokens), strict=True):
