@@ -1,8 +1,9 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
 
-Where each block of a fp32 CPU model is of the core's plain kind (pre-norm RMSNorm, GQA
-attention with or without RMSNorm q/k norms, a gated SiLU / GELU MLP or a MoE of them routed by
-softmax top-k, without shared experts; weights fp32 or kept quantized), the step
+Where each block of a fp32 CPU model is of the core's plain kind (RMSNorm before each
+sub-block, and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k
+norms, or DeepSeek's MLA; a gated SiLU / GELU MLP or a MoE of them routed by softmax top-k,
+without shared experts; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -16,10 +17,11 @@ import os
 import torch
 
 from core.layers import GatedMLP, GQAAttention, LMHead, RMSNorm
+from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
-from kernels.cpu_decode import ACTS, Block, Blocks, Experts
+from kernels.cpu_decode import ACTS, Block, Blocks, Experts, Latent
 from kernels.cpu_quant import MAX_ROWS, library
 from kernels.qweight import QuantStack, QuantWeight
 
@@ -31,17 +33,27 @@ def why_not(net: CausalLM) -> str | None:
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return f"weights are {w.dtype} on {w.device.type}, not float32 on the CPU"
     for i, layer in enumerate(net.model.layers):
-        post = getattr(layer, "post_norms", False)
-        if type(layer) is not DecoderBlock or post:
-            return f"block {i} is {type(layer).__name__}{' with post-norms' * post}"
+        if type(layer) is not DecoderBlock:
+            return f"block {i} is {type(layer).__name__}"
         attn, mlp = layer.self_attn, layer.mlp
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
-        kinds = ((attn, GQAAttention), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
-                 (layer.post_attention_layernorm, RMSNorm))  # fmt: skip
+        attn_kind = MLAAttention if type(attn) is MLAAttention else GQAAttention
+        kinds = [(attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
+                 (layer.post_attention_layernorm, RMSNorm)]  # fmt: skip
+        if layer.post_norms:
+            if type(mlp) is MoE:
+                return f"block {i} has post-norms around a MoE MLP"
+            kinds += [(n, RMSNorm) for n in _post_norms(layer)]
         for part, kind in kinds:
             if type(part) is not kind:  # a subclass may compute more (tensor parallelism's sum)
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
-        if attn.spec.qk_norm is not None and type(attn.q_norm) is not RMSNorm:
+        if attn_kind is MLAAttention:
+            q_norm = getattr(attn, "q_a_layernorm", attn.kv_a_layernorm)
+            if type(q_norm) is not RMSNorm or type(attn.kv_a_layernorm) is not RMSNorm:
+                return f"block {i} norms MLA's latent with a {type(attn.kv_a_layernorm).__name__}"
+            if net.rope_of_layer[i] is None:
+                return f"block {i} is MLA without rope"
+        elif attn.spec.qk_norm is not None and type(attn.q_norm) is not RMSNorm:
             return f"block {i} norms q and k with a {type(attn.q_norm).__name__}"
         why = _moe_why_not(mlp) if type(mlp) is MoE else None
         if why is None and type(mlp) is GatedMLP and mlp.act not in ACTS:
@@ -68,6 +80,11 @@ def _norm_weight(norm: RMSNorm) -> torch.Tensor:
     return norm.scale().contiguous()
 
 
+def _post_norms(layer: DecoderBlock) -> tuple[RMSNorm, RMSNorm]:
+    """Gemma's norms of attention's and the MLP's output, before each residual add."""
+    return layer.attn_out_layernorm, layer.post_feedforward_layernorm
+
+
 def blocks(net: CausalLM) -> Blocks | None:
     """The C view of net's blocks (which `why_not` passed), or None where some tensor does
     not fit the C step."""
@@ -75,39 +92,30 @@ def blocks(net: CausalLM) -> Blocks | None:
         return None
     out = []
     for i, layer in enumerate(net.model.layers):
-        attn, mlp, s = layer.self_attn, layer.mlp, layer.self_attn.spec
-        k, v = net.kv_cache.layer(i)
+        attn, mlp = layer.self_attn, layer.mlp
         j = net.rope_of_layer[i]
+        mla = type(attn) is MLAAttention
+        post = [(_norm_weight(n), n.eps) for n in _post_norms(layer)] if layer.post_norms else None
         out.append(
             Block(
                 norm1=_norm_weight(layer.input_layernorm),
                 eps1=layer.input_layernorm.eps,
                 norm2=_norm_weight(layer.post_attention_layernorm),
                 eps2=layer.post_attention_layernorm.eps,
-                qkv=attn.qkv_proj.weight,
-                qkv_bias=attn.qkv_proj.bias,
                 o=attn.o_proj.weight,
                 o_bias=attn.o_proj.bias,
                 gate_up=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.weight,
                 gate_up_bias=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.bias,
                 down=getattr(mlp, "down_proj", None) and mlp.down_proj.weight,
                 down_bias=getattr(mlp, "down_proj", None) and mlp.down_proj.bias,
-                k_cache=k,
-                v_cache=v,
-                ring=s.window is not None,
-                heads=s.num_heads,
-                kv_heads=s.num_kv_heads,
-                head_dim=s.head_dim,
                 rope=j,
                 rope_half=0 if j is None else net.rotaries[j].cos.shape[-1],
                 interleaved=attn.interleaved,
-                scale=s.scale,
-                softcap=s.softcap,
-                sinks=attn.sinks if s.sinks else None,
                 act=getattr(mlp, "act", "silu"),  # (MoE: its experts' SiLU)
                 intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
-                qk_norm=_qk_norm(attn),
                 moe=_experts(mlp) if type(mlp) is MoE else None,
+                post_norms=post,
+                **(_latent(attn, net.kv_cache.layer(i)) if mla else _gqa(attn, net, i)),
             )
         )
     tied = net.lm_head.tied_to[0]
@@ -122,6 +130,55 @@ def blocks(net: CausalLM) -> Blocks | None:
             tied.weight if tied is not None else net.lm_head.weight,
         )
     return Blocks.build(out, net.config.hidden_size, head)
+
+
+def _gqa(attn: GQAAttention, net: CausalLM, i: int) -> dict:
+    """A GQA block's attention fields of its `Block`."""
+    s = attn.spec
+    k, v = net.kv_cache.layer(i)
+    return dict(
+        qkv=attn.qkv_proj.weight,
+        qkv_bias=attn.qkv_proj.bias,
+        k_cache=k,
+        v_cache=v,
+        ring=s.window is not None,
+        heads=s.num_heads,
+        kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        scale=s.scale,
+        softcap=s.softcap,
+        sinks=attn.sinks if s.sinks else None,
+        qk_norm=_qk_norm(attn),
+    )
+
+
+def _latent(attn: MLAAttention, cache: tuple[torch.Tensor, ...]) -> dict:
+    """An MLA block's attention fields of its `Block`: its heads in place of q|k|v, its
+    latent and k_pe caches (as the cache lays them out) in place of k / v."""
+    s = attn.spec
+    q_a = getattr(attn, "q_a_proj", None)
+    latent, k_pe = cache
+    mla = Latent(
+        heads=s.num_heads,
+        rank=s.kv_lora_rank,
+        nope=s.qk_nope_head_dim,
+        rope=s.qk_rope_head_dim,
+        v=s.v_head_dim,
+        q=attn.q_proj.weight if q_a is None else attn.q_b_proj.weight,
+        q_a=None if q_a is None else q_a.weight,
+        q_a_bias=None if q_a is None else q_a.bias,
+        q_norm=None if q_a is None else (_norm_weight(attn.q_a_layernorm), attn.q_a_layernorm.eps),
+        kv_a=attn.kv_a_proj_with_mqa.weight,
+        kv_a_bias=attn.kv_a_proj_with_mqa.bias,
+        kv_norm=(_norm_weight(attn.kv_a_layernorm), attn.kv_a_layernorm.eps),
+        kv_b=attn.kv_b_proj.weight,
+        latent=latent,
+        k_pe=k_pe,
+        scale=s.scale,
+    )
+    return dict(qkv=None, qkv_bias=None, k_cache=None, v_cache=None, ring=False,
+                heads=s.num_heads, kv_heads=s.num_heads, head_dim=s.v_head_dim, scale=s.scale,
+                softcap=None, sinks=None, mla=mla)  # fmt: skip
 
 
 def _qk_norm(attn: GQAAttention) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -143,7 +200,8 @@ def _experts(mlp: MoE) -> Experts:
 
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
-    w = net.model.layers[0].self_attn.qkv_proj.weight
+    attn = net.model.layers[0].self_attn
+    w = attn.o_proj.weight  # (every attention kind has one)
     while isinstance(w, QuantStack):
         w = w.parts[0]
     if isinstance(w, BlockWeight):

@@ -1,5 +1,5 @@
-"""The CPU C library (kernels/qgemv.c, qdot.c, cpu_ops.c, cpu_decode.c, cpu_moe.c) and the
-products of block weights on CPUs.
+"""The CPU C library (kernels/qgemv.c, qdot.c, cpu_ops.c, cpu_decode.c, cpu_moe.c, cpu_mla.c) and
+the products of block weights on CPUs.
 
 The library is compiled on first use with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`, a few seconds) into a per-user cache and loaded with ctypes; where no compiler
@@ -37,8 +37,9 @@ log = logging.getLogger("zoo")
 # the block products, decode's small ops (kernels/cpu_ops.py) and its fused blocks
 # (kernels/cpu_decode.py): one library; the header is hashed into the cache key with them
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("qgemv.c", "qdot.c", "cpu_ops.c", "cpu_decode.c", "cpu_moe.c")]  # fmt: skip
-HEADERS = [Path(__file__).with_name("zoo_cpu.h")]
+           for name in ("qgemv.c", "qdot.c", "cpu_ops.c", "cpu_decode.c", "cpu_moe.c",
+                        "cpu_mla.c")]  # fmt: skip
+HEADERS = [Path(__file__).with_name(name) for name in ("zoo_cpu.h", "cpu_step.h")]
 MAX_ROWS = 8  # rows of x a fused decode step takes (zoo_cpu.h's MAX_ROWS)
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # the instruction set: this machine's; tests also build x86-64-v3 (AVX2) and x86-64 (plain C)
