@@ -29,7 +29,7 @@ from fixtures.chat_tokenizers import (
     build_sentencepiece_folder,
     build_tokenizer_folder,
 )
-from fixtures.fused_steps import decode, feed, rel_err
+from fixtures.fused_steps import decode, deepseek_checkpoint, feed, rel_err
 from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
 from fixtures.texts import judge
@@ -84,6 +84,12 @@ def hybrid(spec: dict):
     return make
 
 
+DEEPSEEK_DENSE = dict(
+    V3,
+    model_type="deepseek_v2",
+    first_k_dense_replace=V3["num_hidden_layers"],
+    rope_scaling=dict(V3["rope_scaling"], mscale_all_dim=1.0),
+)
 # The hybrids' MoE layers route each token to all 4 experts. With 2 of 4, the random routers'
 # near-ties flip between the kept and the dequantized model (the CPU kernels round activations
 # to 15 bits; the DeltaNet layers' gated norm amplifies that for heads whose output nearly
@@ -119,6 +125,12 @@ CASES = {  # name: (spec or maker, the file's general.architecture)
     # to mscale_all_dim, as in V3's config (llama.cpp stores the one and runs both as it)
     "deepseek2-v3": (
         deepseek("v3", rope_scaling=dict(V3["rope_scaling"], mscale_all_dim=1.0)),
+        "deepseek2",
+    ),
+    # V3's MLA (q_lora) with every MLP dense (first_k_dense_replace: all 3), as deepseek_v2
+    # (what a deepseek2 file without experts loads as): what the fused CPU step takes
+    "deepseek2-dense": (
+        lambda folder, **changes: deepseek_checkpoint(folder, dict(DEEPSEEK_DENSE, **changes)),
         "deepseek2",
     ),
     # Gemma's (1 + w) norms; Gemma 2's window (5), soft-caps and sandwich norms; Gemma 3's q/k norms
@@ -270,7 +282,8 @@ def test_q8_0_file_kept_meets_the_standard(case):
     assert any(isinstance(w, BlockExperts) for w in stacked) == bool(stacked)
     if name == "qwen3moe":
         assert all(isinstance(w, BlockExperts) for w in stacked)
-    if name in ("qwen3moe", "mixtral"):  # and decode on the fused CPU step, as the modules do
+    if name in ("qwen3moe", "mixtral", "deepseek2-dense"):  # and decode on the fused CPU step,
+        # as the modules do
         assert why_not(kept.net) is None
         tokens = feed(5)
         for got, want in zip(decode(kept, True, tokens), decode(kept, False, tokens), strict=True):
