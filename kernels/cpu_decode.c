@@ -197,7 +197,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                        float *logits, int threads) {
     int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1, group = 1;
     int64_t pairs = 1, experts = 1, ebytes = 64;  // MoE: rows x chosen experts, router rows
-    int64_t mshared = 1, mlocal = 1;              // MLA's scratch
+    int64_t mshared = 1;                          // MLA's shared scratch
     if (hd) {
         arena = zoo_linear_bytes(&hd->head, M);
     }
@@ -218,7 +218,6 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         if (b->mla) {
             arena = max64(arena, zoo_mla_arena(b->mla, M));
             mshared = max64(mshared, zoo_mla_shared(b->mla, M));
-            mlocal = max64(mlocal, zoo_mla_local(b->mla, M, threads));
         }
         nqkv = max64(nqkv, b->qkv.N);
         hqd = max64(hqd, b->hq * b->d);
@@ -246,6 +245,9 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         float *tmp = malloc((d + group) * sizeof(float));
         char *buf = aligned_alloc(64, (arena + 64) / 64 * 64);
         char *ebuf = aligned_alloc(64, (ebytes + 63) / 64 * 64);
+        int64_t mlocal = 1;  // MLA's scratch: it depends on the heads of each of the T threads
+        for (int64_t l = 0; l < L; l++)
+            if (blocks[l].mla) mlocal = max64(mlocal, zoo_mla_local(blocks[l].mla, M, T));
         float *mlocal_t = malloc(mlocal * sizeof(float));
         qx_t px[MAX_PARTS];
         const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);  // this thread's columns of h

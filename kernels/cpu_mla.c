@@ -100,6 +100,7 @@ static void load_tile(const zmla_t *m, int64_t c, int64_t s0, int64_t n, float *
 
 // Heads [g0, g1) of one row over its slots [0, seen): o (G, R) = softmax-weighted sums of the
 // latents, for the absorbed queries qlat (G, R) and the roped q_pe of each head (q, nq apart).
+// Slot by slot, each latent meets the G heads while it is in L1 (as zoo_attend_group).
 static void attend(const zmla_t *m, int64_t c, int64_t seen, const float *qlat, const float *q,
                    int64_t g0, int64_t g1, float *o, float *tile, float *p, float *top,
                    float *total) {
@@ -112,29 +113,30 @@ static void attend(const zmla_t *m, int64_t c, int64_t seen, const float *qlat, 
     for (int64_t s0 = 0; s0 < seen; s0 += TILE) {
         const int64_t n = seen - s0 < TILE ? seen - s0 : TILE;
         load_tile(m, c, s0, n, tile);
-        for (int64_t g = 0; g < G; g++) {
-            const float *ql = qlat + g * R, *qp = q + (g0 + g) * qs + m->dn;
-            float *pg = p + g * TILE, best = top[g];
-            for (int64_t s = 0; s < n; s++) {
-                const float *ts = tile + s * w;
-                pg[s] = (dot(ql, ts, R) + dot(qp, ts + R, m->dr)) * m->scale;
-                best = pg[s] > best ? pg[s] : best;
+        for (int64_t s = 0; s < n; s++) {  // the scores, p (G, TILE)
+            const float *ts = tile + s * w;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qp = q + (g0 + g) * qs + m->dn;
+                p[g * TILE + s] = (dot(qlat + g * R, ts, R) + dot(qp, ts + R, m->dr)) * m->scale;
             }
-            // the running sums rescaled to the new maximum (exp(-inf): 0 at the first tile)
+        }
+        for (int64_t g = 0; g < G; g++) {  // the weights, against the running maximum
+            float *pg = p + g * TILE, best = top[g];
+            for (int64_t s = 0; s < n; s++) best = pg[s] > best ? pg[s] : best;
+            // the sums so far rescaled to the new maximum (exp(-inf): 0 at the first tile)
             float shift = top[g] - best, keep;
             zoo_exp_nonpositive(&shift, &keep, 1);
             top[g] = best;
             for (int64_t s = 0; s < n; s++) pg[s] -= best;
             zoo_exp_nonpositive(pg, pg, n);
-            float *og = o + g * R, sum = total[g] * keep;
-            if (keep != 1.0f)
-                for (int64_t i = 0; i < R; i++) og[i] *= keep;
-            for (int64_t s = 0; s < n; s++) {
-                sum += pg[s];
-                axpy(og, pg[s], tile + s * w, R);
-            }
+            float sum = total[g] * keep;
+            for (int64_t s = 0; s < n; s++) sum += pg[s];
             total[g] = sum;
+            if (keep != 1.0f)
+                for (int64_t i = 0; i < R; i++) o[g * R + i] *= keep;
         }
+        for (int64_t s = 0; s < n; s++)
+            for (int64_t g = 0; g < G; g++) axpy(o + g * R, p[g * TILE + s], tile + s * w, R);
     }
     for (int64_t g = 0; g < G; g++) {
         const float inv = total[g] > 0 ? 1.0f / total[g] : 0.0f;
