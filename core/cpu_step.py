@@ -48,9 +48,10 @@ def why_not(net: CausalLM) -> str | None:
             if type(part) is not kind:  # a subclass may compute more (tensor parallelism's sum)
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
         if attn_kind is MLAAttention:
-            q_norm = getattr(attn, "q_a_layernorm", attn.kv_a_layernorm)
-            if type(q_norm) is not RMSNorm or type(attn.kv_a_layernorm) is not RMSNorm:
-                return f"block {i} norms MLA's latent with a {type(attn.kv_a_layernorm).__name__}"
+            for name in ("q_a_layernorm", "kv_a_layernorm"):  # (no q_a: a plain q_proj)
+                norm = getattr(attn, name, None)
+                if norm is not None and type(norm) is not RMSNorm:
+                    return f"block {i}'s MLA {name} is a {type(norm).__name__}"
             if net.rope_of_layer[i] is None:
                 return f"block {i} is MLA without rope"
         elif attn.spec.qk_norm is not None and type(attn.q_norm) is not RMSNorm:
