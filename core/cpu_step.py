@@ -1,10 +1,10 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
 
-Where each block of a fp32 CPU model is of the core's plain kind (pre-norm RMSNorm, GQA
-attention with or without RMSNorm q/k norms and a sigmoid output gate, or a gated DeltaNet
-layer; a gated SiLU / GELU MLP or a MoE: any routing of `core.layers.moe.route`, SiLU-gated or
-gpt-oss's clamped experts with or without biases, shared experts gated or not; weights fp32 or
-kept quantized), the step
+Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
+and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms and a
+sigmoid output gate, DeepSeek's MLA, or a gated DeltaNet layer; a gated SiLU / GELU MLP or a
+MoE: any routing of `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or
+without biases, shared experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -19,6 +19,7 @@ import torch
 
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
+from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
@@ -30,10 +31,13 @@ from kernels.cpu_decode import (
     Blocks,
     Delta,
     Experts,
+    Latent,
     SharedExperts,
 )
 from kernels.cpu_quant import MAX_ROWS, library
 from kernels.qweight import QuantStack, QuantWeight
+
+ATTENTION = (GQAAttention, MLAAttention, GatedDeltaNet)  # the attention kinds the step takes
 
 
 def why_not(net: CausalLM) -> str | None:
@@ -43,18 +47,28 @@ def why_not(net: CausalLM) -> str | None:
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return f"weights are {w.dtype} on {w.device.type}, not float32 on the CPU"
     for i, layer in enumerate(net.model.layers):
-        post = getattr(layer, "post_norms", False)
-        if type(layer) is not DecoderBlock or post:
-            return f"block {i} is {type(layer).__name__}{' with post-norms' * post}"
+        if type(layer) is not DecoderBlock:
+            return f"block {i} is {type(layer).__name__}"
         attn, mlp = layer.self_attn, layer.mlp
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
-        attn_kind = GatedDeltaNet if type(attn) is GatedDeltaNet else GQAAttention
-        kinds = ((attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
-                 (layer.post_attention_layernorm, RMSNorm))  # fmt: skip
+        attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
+        kinds = [(attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
+                 (layer.post_attention_layernorm, RMSNorm)]  # fmt: skip
+        if layer.post_norms:
+            if type(mlp) is MoE:
+                return f"block {i} has post-norms around a MoE MLP"
+            kinds += [(n, RMSNorm) for n in _post_norms(layer)]
         for part, kind in kinds:
             if type(part) is not kind:  # a subclass may compute more (tensor parallelism's sum)
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
-        if attn_kind is GQAAttention and attn.spec.qk_norm and type(attn.q_norm) is not RMSNorm:
+        if attn_kind is MLAAttention:
+            for name in ("q_a_layernorm", "kv_a_layernorm"):  # (no q_a: a plain q_proj)
+                norm = getattr(attn, name, None)
+                if norm is not None and type(norm) is not RMSNorm:
+                    return f"block {i}'s MLA {name} is a {type(norm).__name__}"
+            if net.rope_of_layer[i] is None:
+                return f"block {i} is MLA without rope"
+        elif attn_kind is GQAAttention and attn.spec.qk_norm and type(attn.q_norm) is not RMSNorm:
             return f"block {i} norms q and k with a {type(attn.q_norm).__name__}"
         why = _moe_why_not(mlp) if type(mlp) is MoE else None
         if why is None and type(mlp) is GatedMLP and mlp.act not in ACTS:
@@ -86,6 +100,11 @@ def _norm_weight(norm: RMSNorm) -> torch.Tensor:
     return norm.scale().contiguous()
 
 
+def _post_norms(layer: DecoderBlock) -> tuple[RMSNorm, RMSNorm]:
+    """Gemma's norms of attention's and the MLP's output, before each residual add."""
+    return layer.attn_out_layernorm, layer.post_feedforward_layernorm
+
+
 def blocks(net: CausalLM) -> Blocks | None:
     """The C view of net's blocks (which `why_not` passed), or None where some tensor does
     not fit the C step."""
@@ -97,8 +116,11 @@ def blocks(net: CausalLM) -> Blocks | None:
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
         if type(attn) is GatedDeltaNet:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
+        elif type(attn) is MLAAttention:
+            kw = _latent(net, i, attn, *cache)
         else:
             kw = _attention(net, i, attn, *cache)
+        post = [(_norm_weight(n), n.eps) for n in _post_norms(layer)] if layer.post_norms else None
         out.append(
             Block(
                 norm1=_norm_weight(layer.input_layernorm),
@@ -112,6 +134,7 @@ def blocks(net: CausalLM) -> Blocks | None:
                 act=getattr(mlp, "act", "silu"),  # (MoE: its experts' SiLU)
                 intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
                 moe=_experts(mlp) if type(mlp) is MoE else None,
+                post_norms=post,
                 **kw,
             )
         )
@@ -129,9 +152,19 @@ def blocks(net: CausalLM) -> Blocks | None:
     return Blocks.build(out, net.config.hidden_size, head)
 
 
+def _rope(net: CausalLM, i: int, attn) -> dict:
+    """Block's rope fields for layer i."""
+    j = net.rope_of_layer[i]
+    return dict(
+        rope=j,
+        rope_half=0 if j is None else net.rotaries[j].cos.shape[-1],
+        interleaved=attn.interleaved,
+    )
+
+
 def _attention(net: CausalLM, i: int, attn: GQAAttention, k, v) -> dict:
     """Block's attention fields for layer i's GQA attention and its cache k, v."""
-    s, j = attn.spec, net.rope_of_layer[i]
+    s = attn.spec
     return dict(
         qkv=attn.qkv_proj.weight,
         qkv_bias=attn.qkv_proj.bias,
@@ -143,9 +176,7 @@ def _attention(net: CausalLM, i: int, attn: GQAAttention, k, v) -> dict:
         heads=s.num_heads,
         kv_heads=s.num_kv_heads,
         head_dim=s.head_dim,
-        rope=j,
-        rope_half=0 if j is None else net.rotaries[j].cos.shape[-1],
-        interleaved=attn.interleaved,
+        **_rope(net, i, attn),
         scale=s.scale,
         softcap=s.softcap,
         sinks=attn.sinks if s.sinks else None,
@@ -173,6 +204,35 @@ def _delta(attn: GatedDeltaNet, conv: torch.Tensor, state: torch.Tensor) -> Delt
         k_dim=s.head_k_dim,
         v_dim=s.head_v_dim,
     )
+
+
+def _latent(net: CausalLM, i: int, attn: MLAAttention, latent, k_pe) -> dict:
+    """Block's attention fields for layer i's MLA: its heads in place of q|k|v, its latent
+    and k_pe caches in place of k / v."""
+    s = attn.spec
+    q_a = getattr(attn, "q_a_proj", None)
+    mla = Latent(
+        heads=s.num_heads,
+        rank=s.kv_lora_rank,
+        nope=s.qk_nope_head_dim,
+        rope=s.qk_rope_head_dim,
+        v=s.v_head_dim,
+        q=attn.q_proj.weight if q_a is None else attn.q_b_proj.weight,
+        q_a=None if q_a is None else q_a.weight,
+        q_a_bias=None if q_a is None else q_a.bias,
+        q_norm=None if q_a is None else (_norm_weight(attn.q_a_layernorm), attn.q_a_layernorm.eps),
+        kv_a=attn.kv_a_proj_with_mqa.weight,
+        kv_a_bias=attn.kv_a_proj_with_mqa.bias,
+        kv_norm=(_norm_weight(attn.kv_a_layernorm), attn.kv_a_layernorm.eps),
+        kv_b=attn.kv_b_proj.weight,
+        latent=latent,
+        k_pe=k_pe,
+        scale=s.scale,
+    )
+    return dict(qkv=None, qkv_bias=None, o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+                k_cache=None, v_cache=None, ring=False, heads=s.num_heads, kv_heads=s.num_heads,
+                head_dim=s.v_head_dim, scale=s.scale, softcap=None, sinks=None, mla=mla,
+                **_rope(net, i, attn))  # fmt: skip
 
 
 def _qk_norm(attn: GQAAttention) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -218,7 +278,7 @@ def _experts(mlp: MoE) -> Experts:
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
     attn = net.model.layers[0].self_attn
-    w = (attn.in_proj if type(attn) is GatedDeltaNet else attn.qkv_proj).weight
+    w = (attn.out_proj if type(attn) is GatedDeltaNet else attn.o_proj).weight
     while isinstance(w, QuantStack):
         w = w.parts[0]
     if isinstance(w, BlockWeight):

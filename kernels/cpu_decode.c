@@ -5,6 +5,8 @@
 // the products' arithmetic. Here the blocks of the plain pre-norm kind run back to back:
 //     h += o(attention(rope(q), rope(k) -> cache, v -> cache)),  q|k|v = qkv(rms_norm(h))
 //     h += down(act(gate) * up),                                  gate|up = gate_up(rms_norm(h))
+// (Gemma 2 / 3 norm each sum's o(...) and down(...) first; DeepSeek's MLA attends over its
+// latent cache in cpu_mla.c instead.)
 // Every thread normalises the few rows of h itself (a few hundred numbers: cheaper than
 // waiting for one thread to do it), then takes its share of each product's output rows (the
 // same rows every block, so a thread adds to the h columns it computed), of the kv heads
@@ -57,6 +59,10 @@ typedef struct {
     const zmoe_t *moe;           // a MoE MLP in place of gate_up / down, or NULL
     const zdelta_t *delta;       // a gated DeltaNet layer in place of attention, or NULL
     int64_t ogate;               // q|k|v holds q_h | gate_h per head: o_h *= sigmoid(gate_h)
+    // Gemma 2 / 3: (H,) RMSNorms of attention's and the MLP's output before each residual add
+    const float *post1, *post2;  // or NULL
+    float post_eps1, post_eps2;
+    const zmla_t *mla;  // latent attention in place of qkv / the k, v caches (hq = hkv, d = dv)
 } zblock_t;
 
 // A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
@@ -151,11 +157,20 @@ void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int
     }
 }
 
-// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a block's residual add
+// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a block's residual
+// add. With a post-norm `post`, rms_norm(l(x)) is added instead: the norm needs whole rows of
+// y, so the threads meet first, and each norms the rows into yn (M, H) for its columns.
 static void add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
-                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf) {
+                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf,
+                        const float *post, float eps, float *yn, spin_barrier_t *bar,
+                        int64_t T) {
     zoo_linear_prepare(l, x, M, px, buf);
     zoo_linear_rows(l, px, y, H, M, n0, n1);
+    if (post) {
+        zoo_meet(bar, T);
+        zoo_rms_norm(y, NULL, NULL, post, yn, M, H, eps);
+        y = yn;
+    }
     for (int64_t r = 0; r < M; r++)
         for (int64_t n = n0; n < n1; n++) h[r * H + n] += y[r * H + n];
 }
@@ -167,6 +182,55 @@ static void rotate(const zblock_t *b, float *x, int64_t r, const float *const *c
     const int64_t at = r * cstride[b->rope];
     zoo_rope(x, 1, 1, 1, 0, 0, 0, cos[b->rope] + at, sin[b->rope] + at, 0, b->half,
              (int)b->interleaved);
+}
+
+// GQA attention of the normed rows xn for block b: q|k|v (rows split over the threads), each
+// kv head of each row's k rotated and both written to the row's cache slot, then the head's
+// query heads rotated and, together, attending to the row's filled slots (each key and value
+// read once for the group) into att (M, hq d). A thread reads only the cache slots it writes
+// itself: no meeting between the two. With `ogate`, q_h and gate_h alternate per head in q|k|v
+// and each head's output is multiplied by sigmoid(gate_h).
+static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, int64_t M,
+                   const int64_t *pos, const int64_t *rows, const float *const *cos,
+                   const float *const *sin, const int64_t *cstride, int64_t t, int64_t T,
+                   float *q, float *p, float *tmp, qx_t *px, char *buf, spin_barrier_t *bar) {
+    const int64_t nq = b->qkv.N, group = b->hq / b->hkv, dh = b->d;
+    const int64_t qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs floats apart
+    zoo_linear_prepare(&b->qkv, xn, M, px, buf);
+    zoo_linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
+    zoo_meet(bar, T);
+    for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
+        const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
+        const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
+        const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
+        float *qr = qkv + r * nq, *kr = qr + b->hq * qs + kh * dh;
+        float *vr = kr + b->hkv * dh, *o = att + (r * b->hq + j0) * dh;
+        const int64_t ka = c * b->ksb + kh * b->ksh, va = c * b->vsb + kh * b->vsh;
+        void *kc = slot_at(b->k, ka + slot * b->kss, b->kv_half);
+        void *vc = slot_at(b->v, va + slot * b->vss, b->kv_half);
+        if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
+        rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
+        if (b->kv_half) {
+            zoo_float_to_half(kr, kc, dh);
+            zoo_float_to_half(vr, vc, dh);
+        } else {
+            memcpy(kc, kr, dh * sizeof(float));
+            memcpy(vc, vr, dh * sizeof(float));
+        }
+        for (int64_t g = 0; g < group; g++) {
+            memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
+            if (b->qnorm) zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh, b->qk_eps);
+            rotate(b, q + g * dh, r, cos, sin, cstride);
+        }
+        const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
+        zoo_attend_group(q, group, dh, slot_at(b->k, ka, b->kv_half), b->kss,
+                         slot_at(b->v, va, b->kv_half), b->vss, 0, seen, dh, dh, b->scale,
+                         b->softcap, b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp, o);
+        for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
+            const float *gate = qr + (j0 + g) * qs + dh;
+            for (int64_t i = 0; i < dh; i++) o[g * dh + i] *= 1.0f / (1.0f + expf(-gate[i]));
+        }
+    }
 }
 
 // The final norm and the LM head: logits (M, V) = head(rms_norm(h)).
@@ -185,6 +249,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                        float *logits, int threads) {
     int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1, group = 1;
     int64_t pairs = 1, experts = 1, ebytes = 64;  // MoE: rows x chosen experts, router rows
+    int64_t mshared = 1;                          // MLA's shared scratch
     if (hd) {
         arena = zoo_linear_bytes(&hd->head, M);
     }
@@ -203,6 +268,10 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             ebytes = max64(ebytes, zoo_moe_ebytes(m, M));
         }
         if (b->delta) arena = max64(arena, zoo_delta_arena(b->delta, M));
+        if (b->mla) {
+            arena = max64(arena, zoo_mla_arena(b->mla, M));
+            mshared = max64(mshared, zoo_mla_shared(b->mla, M));
+        }
         nqkv = max64(nqkv, b->qkv.N);
         hqd = max64(hqd, b->hq * b->d);
         inter = max64(inter, b->inter);
@@ -215,6 +284,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     float *qkv = malloc(M * nqkv * sizeof(float)), *att = malloc(M * hqd * sizeof(float));
     float *gu = malloc(M * 2 * inter * sizeof(float)), *act = malloc(M * inter * sizeof(float));
     float *y = malloc(M * pairs * H * sizeof(float)), *logit = malloc(M * experts * sizeof(float));
+    float *mla = malloc(mshared * sizeof(float));
     spin_barrier_t bar;
     atomic_init(&bar.arrived, 0);
     atomic_init(&bar.round, 0);
@@ -228,6 +298,10 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         float *tmp = malloc((d + group) * sizeof(float));
         char *buf = aligned_alloc(64, (arena + 64) / 64 * 64);
         char *ebuf = aligned_alloc(64, (ebytes + 63) / 64 * 64);
+        int64_t mlocal = 1;  // MLA's scratch: it depends on the heads of each of the T threads
+        for (int64_t l = 0; l < L; l++)
+            if (blocks[l].mla) mlocal = max64(mlocal, zoo_mla_local(blocks[l].mla, M, T));
+        float *mlocal_t = malloc(mlocal * sizeof(float));
         qx_t px[MAX_PARTS];
         const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);  // this thread's columns of h
         for (int64_t l = 0; l < L; l++) {
@@ -237,55 +311,16 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             if (b->delta) {  // a gated DeltaNet layer (cpu_delta.c): h += its output
                 zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar);
             } else {
-                const int64_t nq = b->qkv.N, group = b->hq / b->hkv, dh = b->d;
-                const int64_t qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs floats apart
-                // attention: q|k|v of the normed rows, rows split over the threads
-                zoo_linear_prepare(&b->qkv, xn, M, px, buf);
-                zoo_linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
-                zoo_meet(&bar, T);
-                // each kv head of each row: k rotated and both written to the row's cache
-                // slot, then the head's query heads rotated and, together, attending to the
-                // row's filled slots (each key and value read once for the group). A thread
-                // reads only the cache slots it writes itself: no meeting between the two.
-                for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
-                    const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
-                    const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
-                    const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
-                    float *qr = qkv + r * nq, *kr = qr + b->hq * qs + kh * dh;
-                    float *vr = kr + b->hkv * dh, *o = att + (r * b->hq + j0) * dh;
-                    void *kc = slot_at(b->k, c * b->ksb + kh * b->ksh + slot * b->kss, b->kv_half);
-                    void *vc = slot_at(b->v, c * b->vsb + kh * b->vsh + slot * b->vss, b->kv_half);
-                    if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
-                    rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
-                    if (b->kv_half) {
-                        zoo_float_to_half(kr, kc, dh);
-                        zoo_float_to_half(vr, vc, dh);
-                    } else {
-                        memcpy(kc, kr, dh * sizeof(float));
-                        memcpy(vc, vr, dh * sizeof(float));
-                    }
-                    for (int64_t g = 0; g < group; g++) {
-                        memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
-                        if (b->qnorm)
-                            zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh,
-                                         b->qk_eps);
-                        rotate(b, q + g * dh, r, cos, sin, cstride);
-                    }
-                    const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-                    zoo_attend_group(q, group, dh, slot_at(b->k, c * b->ksb + kh * b->ksh,
-                                                          b->kv_half),
-                                     b->kss, slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half),
-                                     b->vss, 0, seen, dh, dh, b->scale, b->softcap,
-                                     b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp, o);
-                    for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
-                        const float *gate = qr + (j0 + g) * qs + dh;
-                        for (int64_t i = 0; i < dh; i++)
-                            o[g * dh + i] *= 1.0f / (1.0f + expf(-gate[i]));
-                    }
-                }
+                if (b->mla)  // cpu_mla.c: its own products, cache and heads
+                    zoo_mla(b->mla, xn, att, M, pos, rows, cos[b->rope], sin[b->rope],
+                            cstride[b->rope], t, T, mla, mlocal_t, px, buf, &bar);
+                else
+                    attend(b, xn, qkv, att, M, pos, rows, cos, sin, cstride, t, T, q, p, tmp, px,
+                           buf, &bar);
                 zoo_meet(&bar, T);
                 // h += o(attention): this thread's columns of h
-                add_product(&b->o, att, h, y, M, H, h0, h1, px, buf);
+                add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,
+                            &bar, T);
             }
             zoo_meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
@@ -303,7 +338,8 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 zoo_activate(gu + r * 2 * I + i0, gu + r * 2 * I + I + i0, act + r * I + i0, i1 - i0,
                          b->act);
             zoo_meet(&bar, T);
-            add_product(&b->down, act, h, y, M, H, h0, h1, px, buf);
+            add_product(&b->down, act, h, y, M, H, h0, h1, px, buf, b->post2, b->post_eps2, xn,
+                        &bar, T);
             zoo_meet(&bar, T);
         }
         if (hd) {  // the vocabulary's rows split over the threads
@@ -318,6 +354,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         free(tmp);
         free(buf);
         free(ebuf);
+        free(mlocal_t);
     }
     free(qkv);
     free(att);
@@ -325,4 +362,5 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     free(act);
     free(y);
     free(logit);
+    free(mla);
 }

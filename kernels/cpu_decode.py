@@ -4,12 +4,12 @@ For a few rows (one token per sequence) of a small model, an eager step spends m
 dispatching its ~20 ops per block and forking and joining threads for each product than in
 the products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C
 function runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static
-cache with rope, optional q/k norms and output gate, or a gated DeltaNet layer (cpu_delta.c);
-a gated SiLU / GELU MLP or a MoE (cpu_moe.c: any routing of core.layers.moe.route, SiLU-gated
-or gpt-oss's clamped experts, biases, shared experts); quantized or fp32 weights) inside one
-OpenMP region, with the arithmetic of the separate ops. `Blocks` holds the C view of the
-blocks' tensors (built once: the tensors must stay where they are, which it checks by
-identity) and runs it.
+cache with rope, optional q/k norms and output gate, DeepSeek's MLA over its latent cache
+(cpu_mla.c) or a gated DeltaNet layer (cpu_delta.c); a gated SiLU / GELU MLP or a MoE (cpu_moe.c:
+any routing of core.layers.moe.route, SiLU-gated or gpt-oss's clamped experts, biases, shared
+experts); Gemma's post-norms; quantized or fp32 weights) inside one OpenMP region, with the
+arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors (built once:
+the tensors must stay where they are, which it checks by identity) and runs it.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class _Block(ctypes.Structure):
         ("scale", _f32), ("softcap", _f32), ("sinks", _ptr), ("act", _i64), ("inter", _i64),
         ("kv_half", _i64), ("qnorm", _ptr), ("knorm", _ptr), ("qk_eps", _f32), ("moe", _ptr),
         ("delta", _ptr), ("ogate", _i64),
+        ("post1", _ptr), ("post2", _ptr), ("post_eps1", _f32), ("post_eps2", _f32), ("mla", _ptr),
     ]  # fmt: skip
 
 
@@ -71,6 +72,17 @@ class _Delta(ctypes.Structure):  # cpu_step.h's zdelta_t
     ]  # fmt: skip
 
 
+class _Mla(ctypes.Structure):  # cpu_step.h's zmla_t
+    _fields_ = [
+        *((name, _i64) for name in ("heads", "rank", "dn", "dr", "dv", "q_rank")),
+        ("q", _Linear), ("q_a", _Linear), ("kv_a", _Linear), ("q_norm", _ptr), ("kv_norm", _ptr),
+        ("q_eps", _f32), ("kv_eps", _f32), ("scale", _f32), ("kv_b", _ptr),
+        ("latent", _ptr), ("k_pe", _ptr),
+        *((name, _i64) for name in ("lsb", "lss", "psb", "pss", "half", "rope_half",
+                                    "interleaved")),
+    ]  # fmt: skip
+
+
 class _Head(ctypes.Structure):
     _fields_ = [("norm", _ptr), ("eps", _f32), ("head", _Linear)]
 
@@ -80,13 +92,14 @@ class Block:
     """One decoder block's tensors and shape, as the C step reads them. Weights: fp32 (N, K)
     tensors or `BlockWeight` / `QuantStack`; caches (B, Hkv, S, D) fp32 or fp16 (a ring of S
     slots when `ring`); `rope`: index of the step's cos/sin table, None for a layer without
-    rope."""
+    rope. An MLA block (`mla`) has no qkv nor k / v caches (None), and heads = kv_heads,
+    head_dim = its v_head_dim."""
 
     norm1: torch.Tensor
     eps1: float
     norm2: torch.Tensor
     eps2: float
-    qkv: object
+    qkv: object | None
     qkv_bias: torch.Tensor | None
     o: object
     o_bias: torch.Tensor | None
@@ -94,8 +107,8 @@ class Block:
     gate_up_bias: torch.Tensor | None
     down: object
     down_bias: torch.Tensor | None
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+    k_cache: torch.Tensor | None
+    v_cache: torch.Tensor | None
     ring: bool
     heads: int
     kv_heads: int
@@ -112,6 +125,9 @@ class Block:
     moe: Experts | None = None  # in place of gate_up / down
     delta: Delta | None = None  # in place of attention (its fields then NO_ATTENTION's)
     output_gate: bool = False  # qkv's q rows are [q_h | gate_h] per head: o_h *= sigmoid(gate_h)
+    # (attention's, the MLP's) output RMSNorm (weight, eps) before each residual add, or None
+    post_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None
+    mla: Latent | None = None  # in place of qkv and the k / v caches
 
 
 @dataclass
@@ -190,6 +206,31 @@ NO_ATTENTION = dict(
     softcap=None, sinks=None,
 )  # fmt: skip
 DELTA_MAX_DIM = 512  # as cpu_step.h
+
+
+@dataclass
+class Latent:
+    """An MLA attention the C step takes (cpu_step.h's zmla_t): q = q(x), or q(rms_norm(q_a(x)))
+    where `q_a` is given; kv_a(x) = [latent (rank) | k_pe (rope)]; kv_b (heads (nope + v), rank)
+    fp32, absorbed; caches latent (B, S, rank) and k_pe (B, S, rope), fp32 or fp16. Weights fp32
+    or `BlockWeight`; norms: (weight, eps)."""
+
+    heads: int
+    rank: int
+    nope: int
+    rope: int
+    v: int
+    q: object
+    q_a: object | None
+    q_a_bias: torch.Tensor | None
+    q_norm: tuple[torch.Tensor, float] | None
+    kv_a: object
+    kv_a_bias: torch.Tensor | None
+    kv_norm: tuple[torch.Tensor, float]
+    kv_b: torch.Tensor
+    latent: torch.Tensor
+    k_pe: torch.Tensor
+    scale: float
 
 
 def _float(t: torch.Tensor | None) -> bool:
@@ -306,20 +347,21 @@ def moe_route(m: Experts, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return ids, weights
 
 
-def _attention(c, b: Block, hidden: int, keep: list) -> bool:
-    """Fill c's attention fields from b; False where the C step cannot take them."""
-    qkv, o = _linear(b.qkv, b.qkv_bias, keep), _linear(b.o, b.o_bias, keep)
-    d = b.head_dim
-    want = ((2 if b.output_gate else 1) * b.heads * d + 2 * b.kv_heads * d, hidden)
-    if qkv is None or o is None or want != (qkv.N, o.N):
-        return False
-    caches = (b.k_cache, b.v_cache)
-    half = b.k_cache.dtype == torch.float16
-    caches_ok = all(
-        t.dim() == 4 and t.stride(-1) == 1 and t.device.type == "cpu"
-        and t.dtype == (torch.float16 if half else torch.float32) for t in caches
+def _cache_ok(t: torch.Tensor, dims: int, half: bool) -> bool:
+    return (
+        t.dim() == dims and t.stride(-1) == 1 and t.device.type == "cpu"
+        and t.dtype == (torch.float16 if half else torch.float32)
     )  # fmt: skip
-    if not caches_ok or not _float(b.sinks):
+
+
+def _gqa(c, b: Block, keep: list) -> bool:
+    """Fill c's GQA attention fields (q|k|v, the caches, q/k norms); False where the C step
+    cannot take them."""
+    qkv, d = _linear(b.qkv, b.qkv_bias, keep), b.head_dim
+    half = b.k_cache.dtype == torch.float16
+    if qkv is None or ((2 if b.output_gate else 1) * b.heads + 2 * b.kv_heads) * d != qkv.N:
+        return False
+    if not (_cache_ok(b.k_cache, 4, half) and _cache_ok(b.v_cache, 4, half)):
         return False
     if b.qk_norm is not None:
         qn, kn, eps = b.qk_norm
@@ -327,17 +369,85 @@ def _attention(c, b: Block, hidden: int, keep: list) -> bool:
             return False
         keep.append((qn, kn))
         c.qnorm, c.knorm, c.qk_eps = qn.data_ptr(), kn.data_ptr(), eps
-    keep.append((b.sinks, *caches))
-    c.qkv, c.o = qkv, o
+    keep.append((b.k_cache, b.v_cache))
+    c.qkv = qkv
     c.k, c.v = b.k_cache.data_ptr(), b.v_cache.data_ptr()
     c.ksb, c.ksh, c.kss = b.k_cache.stride()[:3]
     c.vsb, c.vsh, c.vss = b.v_cache.stride()[:3]
-    c.slots, c.ring = b.k_cache.shape[2], b.ring
-    c.hq, c.hkv, c.d, c.ogate = b.heads, b.kv_heads, d, b.output_gate
+    c.slots, c.ring, c.kv_half = b.k_cache.shape[2], b.ring, half
+    return True
+
+
+def _attention(c, b: Block, hidden: int, keep: list) -> bool:
+    """Fill c's attention fields from b (GQA or `mla`, then o); False where the C step cannot
+    take them."""
+    if not (_gqa(c, b, keep) if b.mla is None else _mla(c, b, hidden, keep)):
+        return False
+    o = _linear(b.o, b.o_bias, keep)
+    if o is None or hidden != o.N or not _float(b.sinks):
+        return False
+    keep.append(b.sinks)
+    c.o = o
+    c.hq, c.hkv, c.d, c.ogate = b.heads, b.kv_heads, b.head_dim, b.output_gate
     c.rope = -1 if b.rope is None else b.rope
     c.half, c.interleaved = b.rope_half, b.interleaved
     c.scale, c.softcap, c.sinks = b.scale, b.softcap or 0.0, _addr(b.sinks)
-    c.kv_half = half
+    return True
+
+
+def _norm_ok(norm: tuple[torch.Tensor, float] | None, n: int) -> bool:
+    return norm is not None and _float(norm[0]) and norm[0].shape == (n,)
+
+
+def _post(c, b: Block, hidden: int, keep: list) -> bool:
+    """Fill c's post-norm fields from b.post_norms (None: none); False where they do not fit."""
+    if b.post_norms is None:
+        return True
+    (w1, e1), (w2, e2) = b.post_norms
+    if not (_norm_ok((w1, e1), hidden) and _norm_ok((w2, e2), hidden)) or b.moe is not None:
+        return False  # (the MoE adds its experts into h itself)
+    keep.append((w1, w2))
+    c.post1, c.post2, c.post_eps1, c.post_eps2 = w1.data_ptr(), w2.data_ptr(), e1, e2
+    return True
+
+
+def _mla(c, b: Block, hidden: int, keep: list) -> bool:
+    """Fill c's MLA fields from b.mla; False where the C step cannot take it."""
+    m = b.mla
+    q_rank = 0 if m.q_a is None else m.q_norm[0].shape[0]
+    q = _linear(m.q, None, keep)
+    q_a = _linear(m.q_a, m.q_a_bias, keep) if q_rank else _Linear()
+    kv_a = _linear(m.kv_a, m.kv_a_bias, keep)
+    o = _parts(b.o)
+    shapes = [
+        (q, m.heads * (m.nope + m.rope), q_rank or hidden),
+        (q_a, q_rank, hidden if q_rank else 0),
+        (kv_a, m.rank + m.rope, hidden),
+    ]
+    for lin, n, k in shapes:
+        if lin is None or n != lin.N or any(k != lin.part[i].K for i in range(lin.parts)):
+            return False
+    half = m.latent.dtype == torch.float16
+    caches = _cache_ok(m.latent, 3, half) and _cache_ok(m.k_pe, 3, half)
+    if not caches or m.latent.shape[:2] != m.k_pe.shape[:2] or b.rope is None:
+        return False
+    if not (_float(m.kv_b) and m.kv_b.shape == (m.heads * (m.nope + m.v), m.rank)):
+        return False
+    if not _norm_ok(m.kv_norm, m.rank) or (q_rank and not _norm_ok(m.q_norm, q_rank)):
+        return False
+    if o is None or any(m.heads * m.v != p.K for p in o) or 2 * b.rope_half != m.rope:
+        return False
+    e = _Mla(heads=m.heads, rank=m.rank, dn=m.nope, dr=m.rope, dv=m.v, q_rank=q_rank, q=q)
+    e.q_a, e.kv_a, e.kv_b = q_a, kv_a, m.kv_b.data_ptr()
+    if q_rank:
+        e.q_norm, e.q_eps = m.q_norm[0].data_ptr(), m.q_norm[1]
+    e.kv_norm, e.kv_eps, e.scale = m.kv_norm[0].data_ptr(), m.kv_norm[1], m.scale
+    e.latent, e.k_pe, e.half = m.latent.data_ptr(), m.k_pe.data_ptr(), half
+    e.lsb, e.lss = m.latent.stride()[:2]
+    e.psb, e.pss = m.k_pe.stride()[:2]
+    e.rope_half, e.interleaved = b.rope_half, b.interleaved
+    keep.append((m.kv_b, m.latent, m.k_pe, m.q_norm, m.kv_norm, e))
+    c.mla = ctypes.addressof(e)
     return True
 
 
@@ -439,7 +549,8 @@ class Blocks:
             else:
                 fits = _attention(c, b, hidden, keep)
             norms = (b.norm1, b.norm2)
-            if not (fits and _mlp(c, b, hidden, keep) and all(map(_float, norms))):
+            fits = fits and _mlp(c, b, hidden, keep) and _post(c, b, hidden, keep)
+            if not (fits and all(map(_float, norms))):
                 return None
             keep.append(norms)
             c.norm1, c.norm2 = b.norm1.data_ptr(), b.norm2.data_ptr()

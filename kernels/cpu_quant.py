@@ -1,5 +1,5 @@
-"""The CPU C library (kernels/qgemv.c, qdot.c, cpu_ops.c, cpu_decode.c, cpu_moe.c, cpu_delta.c)
-and the products of block weights on CPUs.
+"""The CPU C library (kernels/qgemv.c, qdot.c, cpu_ops.c and the fused step's cpu_decode.c,
+cpu_moe.c, cpu_delta.c, cpu_mla.c) and the products of block weights on CPUs.
 
 The library is compiled on first use with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`, a few seconds) into a per-user cache and loaded with ctypes; where no compiler
@@ -35,10 +35,10 @@ from kernels.cpu import cache_dir
 log = logging.getLogger("zoo")
 
 # the block products, decode's small ops (kernels/cpu_ops.py) and its fused blocks
-# (kernels/cpu_decode.py): one library; the header is hashed into the cache key with them
+# (kernels/cpu_decode.py): one library; the headers are hashed into the cache key with them
 SOURCES = [Path(__file__).with_name(name)
            for name in ("qgemv.c", "qdot.c", "cpu_ops.c", "cpu_decode.c", "cpu_moe.c",
-                        "cpu_delta.c")]  # fmt: skip
+                        "cpu_delta.c", "cpu_mla.c")]  # fmt: skip
 HEADERS = [Path(__file__).with_name(name) for name in ("zoo_cpu.h", "cpu_step.h")]
 MAX_ROWS = 8  # rows of x a fused decode step takes (zoo_cpu.h's MAX_ROWS)
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]

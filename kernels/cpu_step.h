@@ -1,6 +1,7 @@
 // What the fused decode step's files share (cpu_decode.c: the blocks and the driver,
-// cpu_moe.c: the MoE MLP, cpu_delta.c: gated DeltaNet layers): linear layers of stacked
-// parts, the threads' meeting point and their shares of a product's rows.
+// cpu_moe.c: the MoE MLP, cpu_delta.c: gated DeltaNet layers, cpu_mla.c: latent attention):
+// linear layers of stacked parts, the threads' meeting point and their shares of a product's
+// rows.
 #pragma once
 #include <stdatomic.h>
 
@@ -98,3 +99,32 @@ int64_t zoo_delta_arena(const zdelta_t *d, int64_t M);
 void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t H,
                const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
                qx_t *px, char *buf, spin_barrier_t *bar);
+
+// Multi-head latent attention (cpu_mla.c; DeepSeek V2 / V3), decoded in the absorbed form:
+// q = q_proj(x) or q_b(rms_norm(q_a(x))), per head [q_nope (dn) | q_pe (dr)]; kv_a(x) =
+// [latent (R) | k_pe (dr)], the latent RMS-normed, k_pe and q_pe roped; both cached. Per head
+// q_lat = W_uk^T q_nope (R), scores = scale (q_lat . latent_s + q_pe . k_pe_s), o = W_uv
+// (softmax @ latent_s): kv_b's rows [W_uk (dn) | W_uv (dv)] per head, each (R,) wide.
+typedef struct {
+    int64_t heads, rank, dn, dr, dv, q_rank;  // q_rank 0: q is q_proj(x)
+    zlinear_t q, q_a, kv_a;                   // q: q_proj or q_b_proj; q_a: unused when q_rank 0
+    const float *q_norm, *kv_norm;            // (q_rank,), (R,): RMSNorm weights
+    float q_eps, kv_eps, scale;
+    const float *kv_b;                        // (heads (dn + dv), R) fp32
+    void *latent, *k_pe;                      // (B, S, R), (B, S, dr) caches; fp16 when `half`
+    int64_t lsb, lss, psb, pss, half;         // their batch and slot strides (elements)
+    int64_t rope_half, interleaved;           // rope of dr = 2 rope_half dims
+} zmla_t;
+
+// The arena bytes (zoo_linear_prepare's) and the shared and per-thread floats zoo_mla needs.
+int64_t zoo_mla_arena(const zmla_t *m, int64_t M);
+int64_t zoo_mla_shared(const zmla_t *m, int64_t M);
+int64_t zoo_mla_local(const zmla_t *m, int64_t M, int64_t T);
+// att (M, heads dv) = the attention of the normed rows xn (M, H) at positions pos in the
+// cache rows `rows` (NULL: 0..M-1), thread t of T: the products' rows and the heads shared
+// out; cos / sin: the rope table of this step, row r at r * cstride. The caller meets
+// before reading att.
+void zoo_mla(const zmla_t *m, const float *xn, float *att, int64_t M, const int64_t *pos,
+             const int64_t *rows, const float *cos, const float *sin, int64_t cstride,
+             int64_t t, int64_t T, float *shared, float *local, qx_t *px, char *buf,
+             spin_barrier_t *bar);

@@ -1,15 +1,16 @@
 """The fused CPU decode step (core/cpu_step.py, kernels/cpu_decode.c) against the modules it
 replaces, and against transformers: ragged rows at their own positions, rings that wrap,
-NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms, kept int4 / int8
-weights, Qwen3-Next / Qwen3.5's gated DeltaNet layers (their conv windows and states carried
-over the steps) and gated attention. Each check first asserts that the fused step really ran."""
+NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms and post-norms,
+soft-caps, DeepSeek's MLA (q_lora or not, YaRN), kept int4 / int8 weights, Qwen3-Next / Qwen3.5's
+gated DeltaNet layers (their conv windows and states carried over the steps) and gated attention.
+Each check first asserts that the fused step really ran."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import LLAMA31, LLAMA32
-from fixtures.fused_steps import PROMPTS, decode, feed, rel_err
+from fixtures.fused_steps import PROMPTS, decode, deepseek_checkpoint, feed, rel_err
 from safetensors.torch import load_file, save_file
 
 from core import load_model
@@ -123,13 +124,81 @@ CASES = {
     "qwen3.5": dict(BASE, model_type="qwen3_5_text", **LINEAR),
     # in_proj grouped per key head; every MLP dense (mlp_only_layers)
     "qwen3-next-dense": dict(QWEN3_NEXT, mlp_only_layers=[0, 1, 2, 3]),
+    # post-norms, windows of 5 that wrap on layers 0 and 2, scores capped at 2 (the logits' cap
+    # of 3 after the call: net.scale_logits), scale 1/sqrt(24)
+    "gemma2": dict(
+        BASE,
+        model_type="gemma2",
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=5,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        bos_token_id=2,
+    ),
+    # post-norms, q/k norms, layers 0, 1, 3 windowed with a local rope base of 100, 2 global
+    # (theta 10000 stretched 4x); transformers 5's keys (conftest: raw)
+    "gemma3_text": dict(
+        BASE,
+        model_type="gemma3_text",
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=5,
+        sliding_window_pattern=3,
+        query_pre_attn_scalar=24,
+        bos_token_id=2,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    ),
 }
+RAW = {"gemma3_text"}
+# DeepSeek's MLA, every MLP dense: a latent of 24 (not whole vectors), rope on 8 dims
+# (interleaved), YaRN (V2-Lite: mscale = mscale_all_dim, the softmax scale corrected; V3: cos
+# and sin scaled too)
+MLA = dict(
+    BASE,
+    num_hidden_layers=3,
+    first_k_dense_replace=3,
+    num_key_value_heads=4,
+    kv_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    rms_norm_eps=1e-6,
+)
+YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1)
+DEEPSEEK = {
+    "deepseek-v2-lite": dict(
+        MLA,
+        model_type="deepseek_v2",
+        q_lora_rank=None,
+        rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707),
+    ),
+    "deepseek-v3": dict(
+        MLA,
+        model_type="deepseek_v3",
+        q_lora_rank=32,
+        rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=0.8),
+    ),
+}
+CASES.update(DEEPSEEK)
+
+
+def load(checkpoint, tmp_path, case: str, **kw):
+    """CASES[case]'s checkpoint, loaded."""
+    if case in DEEPSEEK:
+        root = deepseek_checkpoint(tmp_path / case, CASES[case])
+    else:
+        root = checkpoint(CASES[case], raw=case in RAW)[0]
+    return load_model(root, max_batch_size=kw.pop("max_batch_size", 2), max_seq_len=64, **kw)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_fused_step_equals_the_modules(checkpoint, case):
-    root, _ = checkpoint(CASES[case])
-    m = load_model(root, max_batch_size=2, max_seq_len=64)
+def test_the_fused_step_equals_the_modules(checkpoint, tmp_path, case):
+    m = load(checkpoint, tmp_path, case)
     assert why_not(m.net) is None
     tokens = feed()
     for got, want in zip(decode(m, True, tokens), decode(m, False, tokens), strict=True):
@@ -154,6 +223,23 @@ def test_the_fused_step_on_weights_kept_quantized(checkpoint, quantize, kv):
     bound = 1e-3 if kv == "float16" else 5e-4
     for got, want in zip(decode(m, True, tokens), decode(m, False, tokens), strict=True):
         assert rel_err(got, want) < bound
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_mla_over_a_long_latent_cache(checkpoint, tmp_path, quantize, kv):
+    """Rows whose latents span two tiles of 32 slots (cpu_mla.c's softmax carried from tile to
+    tile), the latent cache in fp32 or fp16, MLA's products fp32 or kept in int8 blocks."""
+    m = load(checkpoint, tmp_path, "deepseek-v3", quantize=quantize, kv_dtype=kv)
+    assert m.net.kv_cache.layer(0)[0].dtype == getattr(torch, kv)
+    prompts = ([5 + i % 90 for i in range(45)], [11 + 3 * i % 80 for i in range(20)])
+    tokens = feed(5)
+    # exact but for rounding with fp32 weights and cache; else, as the quantized test above
+    # says, values an fp32 ulp apart can meet a rounding step of x's blocks or of fp16
+    bound = 1e-5 if quantize is None and kv == "float32" else 1e-3
+    got, want = decode(m, True, tokens, prompts), decode(m, False, tokens, prompts)
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < bound
 
 
 def test_the_fused_step_against_transformers(checkpoint):
@@ -190,19 +276,23 @@ def test_what_the_fused_step_does_not_take(checkpoint, monkeypatch):
     assert m.step.fused(tokens[:1], pos[:1], 1) is not None
     monkeypatch.setenv("ZOO_KERNELS", "torch")
     assert m.step.fused(tokens[:1], pos[:1], 1) is None
-    # a kind of block it does not know: named
-    gemma2 = dict(CASES["gemma"], model_type="gemma2", query_pre_attn_scalar=16)
-    m2 = load_model(checkpoint(gemma2)[0], max_seq_len=64)
-    assert "post-norms" in why_not(m2.net)
+    # what it does not take is named: weights not fp32, a module of another kind
+    m2 = load_model(root, max_seq_len=64, dtype="bfloat16")
+    assert "weights are torch.bfloat16 on cpu" in why_not(m2.net)
+
+    class Norm(type(m.net.model.layers[1].input_layernorm)):
+        pass
+
+    m.net.model.layers[1].post_attention_layernorm.__class__ = Norm
+    assert why_not(m.net) == "block 1 has a Norm where it takes a RMSNorm"
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "qwen3.5"])  # a ring that wraps; states
-def test_a_step_of_named_cache_rows_computes_just_those(checkpoint, case):
+@pytest.mark.parametrize("case", ["mistral-window", "deepseek-v2-lite", "qwen3.5"])
+def test_a_step_of_named_cache_rows_computes_just_those(checkpoint, tmp_path, case):
     """The server steps the rows that decode, wherever they lie in the cache: rows (2, 0) of
     three give the logits and cache writes of those rows in a step of all three, and row 1
-    is left as it was."""
-    root, _ = checkpoint(CASES[case])
-    m = load_model(root, max_batch_size=3, max_seq_len=64)
+    is left as it was: a ring that wraps, MLA's latent and k_pe caches, DeltaNet's states."""
+    m = load(checkpoint, tmp_path, case, max_batch_size=3)
     prompts = [*PROMPTS, [17, 4, 60, 2, 9, 33]]
     ids = torch.zeros(3, max(map(len, prompts)), dtype=torch.long)
     for r, p in enumerate(prompts):
