@@ -9,7 +9,10 @@ and top-k, tiny next to the experts. This op takes the top-k assignment and
    expert's (2I, H) weight -> (N*K, 2I);
 3. SwiGLU (silu_mul.py) -> (N*K, I);
 4. down GEMM, scaled by each pair's routing weight -> (N*K, H) fp32; summed over k per token.
-Each expert's weights are read once per block of its tokens, not once per token.
+Each expert's weights are read once per block of its tokens, not once per token. Either weight
+may be a `QuantExperts`, widened in registers tile by tile: fp8 (FP8) or MXFP4 (MX: e2m1 codes
+two per byte, column j of a 32-column group in byte j's low nibble and j + 16 in its high one,
+times 2^(e - 128) of the group's e8m0 byte), each the reference's weights bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.casting import mma, round_to
+from kernels.casting import e2m1_doubled, e8m0_half, mma, round_to
 from kernels.dispatch import interpreting, kernel_module, require
 from kernels.qweight import QuantExperts
 
@@ -29,8 +32,8 @@ _silu_mul = kernel_module("kernels.silu_mul")  # via dispatch: re-decorated if s
 @triton.jit
 def _grouped_gemm_kernel(
     A,  # (rows, Kdim): x (rows indexed by pair // a_div) or the per-pair activations
-    W,  # (E, Nout, Kdim): floats, or fp8 codes (uint8) when FP8
-    S,  # (E, Nout, cdiv(Kdim, GROUP)) fp32 scales, when FP8
+    W,  # (E, Nout, Kdim): floats, or fp8 codes (uint8) when FP8; (E, Nout, Kdim / 2) when MX
+    S,  # (E, Nout, cdiv(Kdim, GROUP)) fp32 scales when FP8, e8m0 (uint8) when MX
     C,  # (N*K, Nout), row per (token, slot) pair
     SORTED,  # (n_blocks * BLOCK_M,) pair ids grouped by expert; n_pairs marks padding
     BLOCK_EXPERT,  # (n_blocks,) the expert of each block; >= n_experts: unused block
@@ -48,7 +51,8 @@ def _grouped_gemm_kernel(
     s_cm,
     MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr,  # W holds float8_e4m3fn bytes, times S's scale of their (row, k-group)
-    GROUP: tl.constexpr,  # columns per scale, when FP8
+    MX: tl.constexpr,  # W holds e2m1 codes (two per byte), S e8m0 exponents: MXFP4
+    GROUP: tl.constexpr,  # columns per scale, when FP8 or MX
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,17 +68,25 @@ def _grouped_gemm_kernel(
     n_mask = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = A + a_rows[:, None] * s_am + offs_k[None, :]
-    w_ptr = W + expert.to(tl.int64) * s_we + offs_n[None, :] * s_wn + offs_k[:, None]
+    w_ptr = W + expert.to(tl.int64) * s_we + offs_n[None, :] * s_wn
     s_ptr = S + expert.to(tl.int64) * s_se + offs_n[None, :] * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
-        k_mask = (k0 + offs_k) < k_dim
+        cols = k0 + offs_k
+        k_mask = cols < k_dim
         w_mask = k_mask[:, None] & n_mask[None, :]
         a = tl.load(a_ptr + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + k0, mask=w_mask, other=0)  # masked fp8 bytes: 0, never a NaN
+        at = cols
+        if MX:  # the byte holding each column (columns j and j + 16 of a group share one)
+            at = cols // 32 * 16 + cols % 16
+        w = tl.load(w_ptr + at[:, None], mask=w_mask, other=0)  # masked: 0, never a NaN
         if FP8:  # float32(e4m3) * scale, rounded to x's dtype: the reference's weights
-            scale = tl.load(s_ptr + ((k0 + offs_k) // GROUP)[:, None], mask=w_mask, other=0.0)
+            scale = tl.load(s_ptr + (cols // GROUP)[:, None], mask=w_mask, other=0.0)
             w = round_to(w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, a.dtype)
+        if MX:  # 2^(e - 128) * E2M1[code], rounded to x's dtype: the reference's weights
+            scale = e8m0_half(tl.load(s_ptr + (cols // GROUP)[:, None], mask=w_mask, other=0))
+            q = (w >> (cols // 16 % 2 * 4).to(tl.uint8)[:, None]) & 15
+            w = round_to(scale * e2m1_doubled(q), a.dtype)
         acc += mma(a, w)  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N)
     if MUL_WEIGHT:
         acc = acc * tl.load(PAIR_W + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -110,9 +122,10 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m)
     n_out, k_dim = w.shape[1], w.shape[2]
     block_n, block_k = 64, 64
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
-    fp8 = isinstance(w, QuantExperts)
-    group = w.fmt.group if fp8 else 0
-    w, s = (w.codes, w.scales) if fp8 else (w, w)  # s: never read without FP8
+    quant = isinstance(w, QuantExperts)
+    fp8, mx = quant and w.fmt.fp8, quant and w.fmt.mx
+    group = w.fmt.group if quant else 0
+    w, s = (w.codes, w.scales) if quant else (w, w)  # s: never read for floats
     _grouped_gemm_kernel[grid](
         a,
         w,
@@ -134,6 +147,7 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m)
         out.stride(0),
         MUL_WEIGHT=pair_w is not None,
         FP8=fp8,
+        MX=mx,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -143,13 +157,18 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m)
     )
 
 
-def _check_fp8(w: QuantExperts, name: str) -> None:
+def _check_quant(w: QuantExperts, name: str) -> None:
     e, n, k = w.shape
-    want = (e, n, triton.cdiv(k, w.fmt.group))
+    mx = w.fmt.mx
+    kind = "mxfp4" if mx else "fp8"
+    want = (e, n, k // 32) if mx else (e, n, triton.cdiv(k, w.fmt.group))
     got = (w.codes.dtype, tuple(w.codes.shape))
     op, scales = "moe_experts", (tuple(w.scales.shape), w.scales.dtype)
-    require(got == (torch.uint8, (e, n, k)), op, f"{name}: fp8 codes {got}")
-    require(scales == (want, torch.float32), op, f"{name}: fp8 scales {scales}, want {want} fp32")
+    s_dtype = torch.uint8 if mx else torch.float32
+    if mx:
+        require(k % 32 == 0, op, f"{name}: mxfp4 needs in_features divisible by 32, got {k}")
+    require(got == (torch.uint8, (e, n, k // 2 if mx else k)), op, f"{name}: {kind} codes {got}")
+    require(scales == (want, s_dtype), op, f"{name}: {kind} scales {scales}, want {want} {s_dtype}")
     require(w.codes.is_contiguous() and w.scales.is_contiguous(), op, f"{name}: not contiguous")
 
 
@@ -164,7 +183,8 @@ def moe_experts(
 
     x (N, H); topk_ids (N, K) int; topk_weights (N, K); gate_up (E, 2I, H) stacked [gate | up];
     down (E, H, I). Either weight may be a `QuantExperts` (fp8 codes + fp32 scales per row and
-    k-group): the GEMM widens each tile in registers (W8A16). Returns (N, H) in x's dtype.
+    k-group, or MXFP4 codes + e8m0 scales): the GEMM widens each tile in registers (W8A16,
+    W4A16). Returns (N, H) in x's dtype.
     """
     op = "moe_experts"
     require(x.ndim == 2 and topk_ids.ndim == 2, op, "x must be (N, H) and topk_ids (N, K)")
@@ -184,7 +204,7 @@ def moe_experts(
         require(t.dtype == x.dtype, op, f"{name} is {t.dtype}, x is {x.dtype}")
         require(t.device == x.device, op, f"{name} on {t.device}, x on {x.device}")
         if isinstance(t, QuantExperts):
-            _check_fp8(t, name)
+            _check_quant(t, name)
     if n == 0 or n_topk == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
