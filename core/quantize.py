@@ -130,7 +130,7 @@ def stacked_experts(net: nn.Module, target: str, formats: list, device: torch.de
     module = net.get_submodule(module_name)
     if leaf != "weight" or not isinstance(module, StackedLinear):
         return False
-    if all(f == FP8 for f in formats):  # (the fp8 kernel takes no biases)
+    if all(f == FP8 for f in formats):  # (fp8 experts with biases: none ship, none tested)
         return not hasattr(module, "bias")
     if all(f == MXFP4 for f in formats) and torch.device(device).type == "cuda":
         return True

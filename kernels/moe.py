@@ -6,9 +6,11 @@ and top-k, tiny next to the experts. This op takes the top-k assignment and
    with device ops (no host sync, so decode stays graph-capturable); the grid is the static
    upper bound cdiv(N*K, BLOCK_M) + E blocks, and blocks past the last expert exit at once;
 2. gate_up GEMM: block i gathers its BLOCK_M token rows of x and multiplies them by its
-   expert's (2I, H) weight -> (N*K, 2I);
-3. SwiGLU (silu_mul.py) -> (N*K, I);
-4. down GEMM, scaled by each pair's routing weight -> (N*K, H) fp32; summed over k per token.
+   expert's (2I, H) weight (+ its bias) -> (N*K, 2I);
+3. SwiGLU (silu_mul.py), or gpt-oss's clamped SwiGLU over interleaved rows (torch, elementwise:
+   `reference.clamped_swiglu`) -> (N*K, I);
+4. down GEMM (+ its bias), scaled by each pair's routing weight -> (N*K, H) fp32; summed over k
+   per token.
 Each expert's weights are read once per block of its tokens, not once per token. Either weight
 may be a `QuantExperts`, widened in registers tile by tile: fp8 (FP8) or MXFP4 (MX: e2m1 codes
 two per byte, column j of a 32-column group in byte j's low nibble and j + 16 in its high one,
@@ -24,6 +26,7 @@ import triton.language as tl
 from kernels.casting import e2m1_doubled, e8m0_half, mma, round_to
 from kernels.dispatch import interpreting, kernel_module, require
 from kernels.qweight import QuantExperts
+from kernels.reference import clamped_swiglu
 
 INTERPRETED = interpreting()
 _silu_mul = kernel_module("kernels.silu_mul")  # via dispatch: re-decorated if stale
@@ -38,6 +41,7 @@ def _grouped_gemm_kernel(
     SORTED,  # (n_blocks * BLOCK_M,) pair ids grouped by expert; n_pairs marks padding
     BLOCK_EXPERT,  # (n_blocks,) the expert of each block; >= n_experts: unused block
     PAIR_W,  # (N*K,) routing weights, when MUL_WEIGHT
+    BIAS,  # (E, Nout) per-expert biases, when HAS_BIAS
     n_pairs,
     n_experts,
     n_out,
@@ -49,7 +53,9 @@ def _grouped_gemm_kernel(
     s_se,
     s_sn,
     s_cm,
+    s_be,
     MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     FP8: tl.constexpr,  # W holds float8_e4m3fn bytes, times S's scale of their (row, k-group)
     MX: tl.constexpr,  # W holds e2m1 codes (two per byte), S e8m0 exponents: MXFP4
     GROUP: tl.constexpr,  # columns per scale, when FP8 or MX
@@ -88,6 +94,9 @@ def _grouped_gemm_kernel(
             q = (w >> (cols // 16 % 2 * 4).to(tl.uint8)[:, None]) & 15
             w = round_to(scale * e2m1_doubled(q), a.dtype)
         acc += mma(a, w)  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N)
+    if HAS_BIAS:  # before the routing weight, as the reference adds it
+        b = tl.load(BIAS + expert.to(tl.int64) * s_be + offs_n, mask=n_mask, other=0.0)
+        acc += b.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(PAIR_W + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     c_ptr = C + pairs.to(tl.int64)[:, None] * s_cm + offs_n[None, :]
@@ -118,7 +127,7 @@ def sort_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     return sorted_pairs, block_expert
 
 
-def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m):
+def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, bias, a_div, block_m):
     n_out, k_dim = w.shape[1], w.shape[2]
     block_n, block_k = 64, 64
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
@@ -134,6 +143,7 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m)
         sorted_pairs,
         block_expert,
         pair_w if pair_w is not None else out,
+        bias if bias is not None else out,
         out.shape[0],
         w.shape[0],
         n_out,
@@ -145,7 +155,9 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_w, a_div, block_m)
         s.stride(0),
         s.stride(1),
         out.stride(0),
+        bias.stride(0) if bias is not None else 0,
         MUL_WEIGHT=pair_w is not None,
+        HAS_BIAS=bias is not None,
         FP8=fp8,
         MX=mx,
         GROUP=group,
@@ -178,13 +190,18 @@ def moe_experts(
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """sum_k w[n,k] * down[e] @ swiglu(gate_up[e] @ x[n]) with e = ids[n,k].
 
     x (N, H); topk_ids (N, K) int; topk_weights (N, K); gate_up (E, 2I, H) stacked [gate | up];
     down (E, H, I). Either weight may be a `QuantExperts` (fp8 codes + fp32 scales per row and
     k-group, or MXFP4 codes + e8m0 scales): the GEMM widens each tile in registers (W8A16,
-    W4A16). Returns (N, H) in x's dtype.
+    W4A16). Optional biases gate_up_bias (E, 2I), down_bias (E, H) and `clamp` = (alpha,
+    limit): gpt-oss's clamped SwiGLU over interleaved rows (see the reference). Returns (N, H)
+    in x's dtype.
     """
     op = "moe_experts"
     require(x.ndim == 2 and topk_ids.ndim == 2, op, "x must be (N, H) and topk_ids (N, K)")
@@ -205,6 +222,10 @@ def moe_experts(
         require(t.device == x.device, op, f"{name} on {t.device}, x on {x.device}")
         if isinstance(t, QuantExperts):
             _check_quant(t, name)
+    for name, b, rows in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, h)):
+        if b is not None:
+            require(b.shape == (e, rows), op, f"{name} {tuple(b.shape)} != {(e, rows)}")
+            require(b.device == x.device, op, f"{name} on {b.device}, x on {x.device}")
     if n == 0 or n_topk == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -216,9 +237,11 @@ def moe_experts(
     if INTERPRETED:  # the interpreter: a host sync is free, empty blocks are not
         block_expert = block_expert[: int((block_expert < e).sum())]
     h1 = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, gate_up, h1, sorted_pairs, block_expert, None, n_topk, block_m)
-    act = _silu_mul.swiglu(h1)  # (N*K, I)
+    biases = (gate_up_bias, down_bias)
+    gate_up_bias, down_bias = (b if b is None else b.contiguous() for b in biases)
+    _grouped_gemm(x, gate_up, h1, sorted_pairs, block_expert, None, gate_up_bias, n_topk, block_m)
+    act = _silu_mul.swiglu(h1) if clamp is None else clamped_swiglu(h1, *clamp)  # (N*K, I)
     h2 = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
     pair_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _grouped_gemm(act, down, h2, sorted_pairs, block_expert, pair_w, 1, block_m)
+    _grouped_gemm(act, down, h2, sorted_pairs, block_expert, pair_w, down_bias, 1, block_m)
     return h2.view(n, n_topk, h).sum(dim=1).to(x.dtype)

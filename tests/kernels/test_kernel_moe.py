@@ -1,6 +1,6 @@
 """Routed MoE experts (sort by expert + grouped GEMMs) vs kernels.reference, with float
 weights and with MXFP4 ones (kernels/qweight.py's `QuantExperts`, gpt-oss's format: MX
-constexpr); fp8 experts: test_kernel_moe_fp8.py."""
+constexpr), and gpt-oss's expert biases and clamped SwiGLU; fp8 experts: test_kernel_moe_fp8.py."""
 
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def test_shape_mismatch_raises():
     x, ids, w, gate_up, down = moe_inputs(3, 24, 40, 6, 2, torch.float32)
     with pytest.raises(KernelError, match="down"):
         triton_op("moe_experts")(x, ids, w, gate_up, down[:, :, :-1])
+    with pytest.raises(KernelError, match="down_bias"):
+        triton_op("moe_experts")(x, ids, w, gate_up, down, None, randn(6, 23))
 
 
 def mxfp4_experts(e: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -100,6 +102,22 @@ def test_mxfp4_experts_with_float_down(dtype=torch.float32):
     down = down.dequantize()
     got = triton_op("moe_experts")(x, ids, w, gate_up, down)
     assert_close(got, reference.moe_experts(x, ids, w, gate_up.dequantize(), down), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["float", "mxfp4"])
+def test_biases_and_clamped_swiglu(kind, dtype):
+    """gpt-oss's experts: a bias after each GEMM and the clamped SwiGLU over interleaved
+    (gate, up) rows, with a limit that bites (0.5: many gate / up values pass it)."""
+    case = (19, 64, 32, 4, 2)
+    x, ids, w, gate_up, down = (mxfp4_inputs if kind == "mxfp4" else moe_inputs)(*case, dtype)
+    biases = randn(4, 64, dtype=dtype, seed=7), randn(4, 64, dtype=dtype, seed=8)
+    args = (x, ids, w, gate_up, down, *biases, (1.702, 0.5))
+    want = reference.moe_experts(*args)
+    assert_close(triton_op("moe_experts")(*args), want, TOL[dtype])
+    # not vacuous: without the biases, or with the plain SwiGLU, the output differs
+    assert (reference.moe_experts(*args[:5], None, None, args[7]) - want).abs().max() > 0.1
+    assert (reference.moe_experts(*args[:7]) - want).abs().max() > 0.1
 
 
 def test_bad_mxfp4_scales_raise():
