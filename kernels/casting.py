@@ -59,5 +59,5 @@ def e8m0_half(e):
     ggml_e8m0_to_fp32_half (e < 2: the subnormals 2^-128, 2^-127); half of the MXFP4 scale,
     which the doubled codes of `e2m1_doubled` make whole again."""
     e = e.to(tl.int32)
-    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)  # no shift >= 32
     return bits.to(tl.float32, bitcast=True)

@@ -232,7 +232,7 @@ def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """uint8 e8m0 exponents -> fp32 2^(e - 128), built from the bits as ggml's
     ggml_e8m0_to_fp32_half builds it (e < 2: the subnormals 2^-128, 2^-127)."""
     e = e.to(torch.int32)
-    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+    return torch.where(e < 2, 0x00200000 << e.clamp(max=1), (e - 1) << 23).view(torch.float32)
 
 
 def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
