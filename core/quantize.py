@@ -6,9 +6,9 @@ token embedding, unless its module says `quantizable = False` (MLA's kv_b_proj, 
 reads as a matrix). Such a parameter is swapped for a `QuantWeight` submodule of the same name
 (gpt-fast's module swap, done on the weight instead of the layer), so the layers' code does not
 change: `kernels.linear` dispatches on the weight's type. A MoE layer's stacked routed experts
-stored as fp8 blocks (on GPUs that compute in fp8) or GGML blocks (on CPUs) are kept the same
-way, as one `QuantExperts` or `BlockExperts` (`stacked_experts`), which `kernels.moe_experts`
-reads.
+stored as fp8 blocks (on GPUs that compute in fp8), MXFP4 (on GPUs) or GGML blocks (on CPUs)
+are kept the same way, as one `QuantExperts` or `BlockExperts` (`stacked_experts`), which
+`kernels.moe_experts` reads.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from kernels.qweight import quantize as quantize_tensor
 log = logging.getLogger("zoo")
 
 AT_LOAD = ("int8", "int4")  # load_model(quantize=...)
-MXFP4 = "mxfp4"  # e2m1 codes with e8m0 block scales (gpt-oss): kept by the CPU kernels
-KEPT = [*(f for f in FORMATS if f not in AT_LOAD), FP8, MXFP4]  # formats a checkpoint may bring
+MXFP4 = "mxfp4"  # e2m1 codes with e8m0 block scales (gpt-oss)
+KEPT = [*(f for f in FORMATS if f not in AT_LOAD), FP8]  # formats a checkpoint may bring
 FP8_CAPABILITY = (8, 9)  # Ada, Hopper and later compute in e4m3 (Triton's float8e4nv)
 
 
@@ -45,10 +45,12 @@ def fp8_native(device: torch.device) -> bool:
 
 
 def keeps(fmt: str, device: torch.device) -> bool:
-    """Whether a checkpoint's `fmt` blocks are kept on `device`: GGUF's everywhere but MXFP4,
-    which only the CPU kernels take; fp8 where the GPU computes in it (`fp8_native`)."""
+    """Whether a checkpoint's `fmt` blocks are kept on `device`: GGUF's everywhere, but MXFP4
+    only where a kernel takes it (CUDA GPUs: Triton's `QuantWeight` / `QuantExperts`; CPUs: the
+    C kernels' blocks); fp8 where the GPU computes in it (`fp8_native`)."""
     if fmt == MXFP4:
-        return torch.device(device).type == "cpu" and blocks.available()
+        device = torch.device(device)
+        return device.type == "cuda" or (device.type == "cpu" and blocks.available())
     return fmt != FP8 or fp8_native(device)
 
 
@@ -121,22 +123,26 @@ def _start(index: tuple) -> int:
 
 def stacked_experts(net: nn.Module, target: str, formats: list, device: torch.device) -> bool:
     """Whether `target` is a MoE layer's stacked routed experts kept as stored: fp8 blocks as
-    a `QuantExperts` (GPUs that compute in fp8; no biases), GGML blocks (GGUF's, MXFP4) on CPUs
-    as a `BlockExperts` (GPUs dequantize them)."""
+    a `QuantExperts` (GPUs that compute in fp8; no biases), MXFP4 on CUDA GPUs as a
+    `QuantExperts` (gpt-oss's biases too), GGML blocks (GGUF's, MXFP4) on CPUs as a
+    `BlockExperts` (GPUs dequantize GGUF's other formats)."""
     module_name, _, leaf = target.rpartition(".")
     module = net.get_submodule(module_name)
     if leaf != "weight" or not isinstance(module, StackedLinear):
         return False
-    if all(f == FP8 for f in formats):  # (the fp8 kernel takes no biases)
+    if all(f == FP8 for f in formats):  # (fp8 experts with biases: none ship, none tested)
         return not hasattr(module, "bias")
+    if all(f == MXFP4 for f in formats) and torch.device(device).type == "cuda":
+        return True
     cpu = torch.device(device).type == "cpu" and blocks.available()
     return cpu and all(f in blocks.FORMATS for f in formats)
 
 
 def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
     """One parameter's blocks, its shards stacked in row order, on `device`; stacked experts'
-    shards ((e, rows) indices) become one `QuantExperts`. On CPUs, GGML blocks become
-    `BlockWeight`s repacked for kernels/qdot.c (consecutive shards of one format together)."""
+    shards ((e, rows) indices), or a stacked tensor, become one `QuantExperts`. On CPUs, GGML
+    blocks become `BlockWeight`s repacked for kernels/qdot.c (consecutive shards of one format
+    together)."""
     if device.type == "cpu" and hasattr(ckpt, "blocks") and blocks.available():
         w = _repacked_experts(ckpt, parts) if _by_expert(parts) else None
         w = w or _repacked(ckpt, [name for name, _ in parts])

@@ -314,25 +314,13 @@ def moe_experts(
     down_bias: torch.Tensor | None = None,
     clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """Routed SwiGLU experts, weighted and summed over each token's top-k (see reference).
-    The Triton kernel takes neither expert biases nor the clamped SwiGLU (gpt-oss): with
-    either, the torch reference runs, logged once as the choice for that op. Experts kept in
-    GGML blocks on CPUs (`BlockExperts`) run each chosen expert's block products."""
+    """Routed SwiGLU experts, weighted and summed over each token's top-k (see reference),
+    with optional expert biases and gpt-oss's clamped SwiGLU. Experts kept in GGML blocks on
+    CPUs (`BlockExperts`) run each chosen expert's block products."""
+    args = (x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, clamp)
     if isinstance(gate_up, BlockExperts) or isinstance(down, BlockExperts):  # CPUs' blocks
-        return reference.moe_experts(
-            x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, clamp
-        )
-    if gate_up_bias is None and down_bias is None and clamp is None:
-        return pick("moe_experts", x)(x, topk_ids, topk_weights, gate_up, down)
-    if "moe_experts+bias" not in _noted and not torch.compiler.is_compiling():
-        _noted.add("moe_experts+bias")
-        log.info("zoo kernels: moe_experts with biases / clamped SwiGLU -> torch (no kernel)")
-    return reference.moe_experts(
-        x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, clamp
-    )
-
-
-_noted: set[str] = set()
+        return reference.moe_experts(*args)
+    return pick("moe_experts", x)(*args)
 
 
 def gated_delta_rule(

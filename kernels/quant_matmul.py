@@ -7,8 +7,10 @@ into weights in registers, never into a float copy in memory:
 
 with the scale two-level for the K-quants (fp16 `d` per 256 columns times a small integer per
 group), or for block-scaled fp8 (FP8) scale(n, g) * float32(code bitcast to float8_e4m3fn), one
-fp32 product as in DeepSeek's weight_dequant. Masked code loads read 0 (+0.0 in fp8): a tile
-past the end of a row holds no NaN bit pattern that its zero x would not cancel.
+fp32 product as in DeepSeek's weight_dequant, or for MXFP4 (MX) 2^(e - 128) * E2M1[code], the
+e8m0 byte and the e2m1 nibble decoded by bits (kernels/casting.py), one exact product. Masked
+code loads read 0 (+0.0 in fp8 and e2m1): a tile past the end of a row holds no NaN bit pattern
+that its zero x would not cancel.
 
 That is `QuantWeight.dequantize` followed by the reference's cast to x's dtype, so the
 kernels differ from `reference.quant_linear` only in the order of the fp32 sums. Every format
@@ -36,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.casting import mma, round_to
+from kernels.casting import e2m1_doubled, e8m0_half, mma, round_to
 from kernels.dispatch import interpreting, require
 from kernels.qweight import QuantWeight
 
@@ -45,16 +47,20 @@ GEMV_ROWS = 8  # up to this many rows of x: the GEMV; more: the tiled kernel (tl
 
 
 @triton.jit
-def _group_terms(S, MN, D, DMIN, rows, mask, c0, s_s, s_m, s_d, s_dm,
-                 GROUP: tl.constexpr, SUPER: tl.constexpr, HAS_MIN: tl.constexpr):  # fmt: skip
+def _group_terms(S, MN, D, DMIN, rows, mask, c0, s_s, s_m, s_d, s_dm, GROUP: tl.constexpr,
+                 SUPER: tl.constexpr, HAS_MIN: tl.constexpr, MX: tl.constexpr):  # fmt: skip
     """fp32 (scale, minimum) of `rows` for the group holding column c0, computed as
-    QuantWeight.dequantize does (K-quants: float(d) * float(sub-scale)); minimum is the scale
-    again (unused) without HAS_MIN."""
+    QuantWeight.dequantize does (K-quants: float(d) * float(sub-scale); MXFP4: 2^(e - 128));
+    minimum is the scale again (unused) without HAS_MIN."""
     if GROUP == 0:
         g = 0
     else:
         g = c0 // GROUP
-    scale = tl.load(S + rows * s_s + g, mask=mask, other=0).to(tl.float32)
+    scale = tl.load(S + rows * s_s + g, mask=mask, other=0)
+    if MX:
+        scale = e8m0_half(scale)
+    else:
+        scale = scale.to(tl.float32)
     if SUPER > 0:
         scale = tl.load(D + rows * s_d + c0 // SUPER, mask=mask, other=0).to(tl.float32) * scale
     mn = scale
@@ -66,11 +72,15 @@ def _group_terms(S, MN, D, DMIN, rows, mask, c0, s_s, s_m, s_d, s_dm,
 
 
 @triton.jit
-def _weights(q, scale, mn, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr, FP8: tl.constexpr):
+def _weights(q, scale, mn, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr, FP8: tl.constexpr,
+             MX: tl.constexpr):  # fmt: skip
     """fp32 weights of integer codes q: scale * (q - offset) (+ minimum), rounded as
-    QuantWeight.dequantize rounds (a product, then a sum); FP8: q's bytes are e4m3 floats."""
+    QuantWeight.dequantize rounds (a product, then a sum); FP8: q's bytes are e4m3 floats;
+    MX: q are e2m1 codes (the scale is half of MXFP4's, the values doubled)."""
     if FP8:
         w = scale * q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif MX:
+        w = scale * e2m1_doubled(q)
     else:
         w = scale * (q.to(tl.int32) - OFFSET).to(tl.float32)
     if HAS_MIN:
@@ -106,6 +116,7 @@ def _gemv_kernel(
     OFFSET: tl.constexpr,
     HAS_MIN: tl.constexpr,
     FP8: tl.constexpr,  # codes are float8_e4m3fn bytes (uint8)
+    MX: tl.constexpr,  # codes are e2m1 nibbles, scales e8m0 bytes (MXFP4)
     HAS_BIAS: tl.constexpr,
     DIRECT: tl.constexpr,
     SUB: tl.constexpr,  # columns of a tile, all in one group (see _weight_args)
@@ -129,13 +140,14 @@ def _gemv_kernel(
     end = tl.minimum(start + split_len, K)
     if GROUP == 0:  # one scale per row: read once
         scale, mn = _group_terms(S, MN, D, DMIN, rows, n_mask, 0, s_s, s_m, s_d, s_dm,
-                                 GROUP, SUPER, HAS_MIN)  # fmt: skip
+                                 GROUP, SUPER, HAS_MIN, MX)  # fmt: skip
     for k0 in range(start, end, BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB):
             c0 = k0 + sub * SUB
             if GROUP > 0:  # past the end (codes and x masked), any group of the row will do
                 scale, mn = _group_terms(S, MN, D, DMIN, rows, n_mask, tl.minimum(c0, end - 1),
-                                         s_s, s_m, s_d, s_dm, GROUP, SUPER, HAS_MIN)  # fmt: skip
+                                         s_s, s_m, s_d, s_dm,
+                                         GROUP, SUPER, HAS_MIN, MX)  # fmt: skip
             # packed: byte j holds column c0 + j (low nibble) and c0 + 16 + j (high nibble)
             mask = n_mask[:, None] & (c0 + offs_w < end)[None, :]
             raw = tl.load(C + rows[:, None] * s_c + (c0 // HALVES + offs_w)[None, :], mask=mask,
@@ -144,7 +156,7 @@ def _gemv_kernel(
                 q = raw
                 if PACKED:
                     q = (raw >> (4 * half)) & 15
-                w = _weights(q, scale[:, None], mn[:, None], OFFSET, HAS_MIN, FP8)
+                w = _weights(q, scale[:, None], mn[:, None], OFFSET, HAS_MIN, FP8, MX)
                 w = round_to(w, xdt).to(tl.float32)  # the reference's cast to x's dtype
                 cols = c0 + half * W + offs_w
                 x_mask = m_mask[:, None] & (cols < end)[None, :]
@@ -212,6 +224,7 @@ def _tiled_kernel(
     OFFSET: tl.constexpr,
     HAS_MIN: tl.constexpr,
     FP8: tl.constexpr,
+    MX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -230,13 +243,14 @@ def _tiled_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GROUP == 0:
         scale, mn = _group_terms(S, MN, D, DMIN, rows, n_mask, 0, s_s, s_m, s_d, s_dm,
-                                 GROUP, SUPER, HAS_MIN)  # fmt: skip
+                                 GROUP, SUPER, HAS_MIN, MX)  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB):  # tiles (W, BLOCK_N) of W.T, one scale each
             c0 = k0 + sub * SUB
             if GROUP > 0:
                 scale, mn = _group_terms(S, MN, D, DMIN, rows, n_mask, tl.minimum(c0, K - 1),
-                                         s_s, s_m, s_d, s_dm, GROUP, SUPER, HAS_MIN)  # fmt: skip
+                                         s_s, s_m, s_d, s_dm,
+                                         GROUP, SUPER, HAS_MIN, MX)  # fmt: skip
             mask = (c0 + offs_w < K)[:, None] & n_mask[None, :]
             raw = tl.load(C + rows[None, :] * s_c + (c0 // HALVES + offs_w)[:, None], mask=mask,
                           other=0)  # fmt: skip
@@ -244,7 +258,7 @@ def _tiled_kernel(
                 q = raw
                 if PACKED:
                     q = (raw >> (4 * half)) & 15
-                w = _weights(q, scale[None, :], mn[None, :], OFFSET, HAS_MIN, FP8)
+                w = _weights(q, scale[None, :], mn[None, :], OFFSET, HAS_MIN, FP8, MX)
                 cols = c0 + half * W + offs_w
                 x_mask = m_mask[:, None] & (cols < K)[None, :]
                 x = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
@@ -273,6 +287,11 @@ def _check(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> None:
     require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), op, f"x is {x.dtype}")
     step = 1 if fmt.fp8 else max(fmt.group, fmt.superblock, 32 if fmt.packed else 1)
     require(k % step == 0, op, f"{fmt.name} needs in_features divisible by {step}, got {k}")
+    if fmt.mx:  # e2m1 nibbles, e8m0 bytes
+        got = f"{w.codes.dtype} {tuple(w.codes.shape)}, {w.scales.dtype} {tuple(w.scales.shape)}"
+        ok = (w.codes.dtype, w.scales.dtype) == (torch.uint8, torch.uint8)
+        ok = ok and (w.codes.shape, w.scales.shape) == ((n, k // 2), (n, k // 32))
+        require(ok, op, f"mxfp4 codes / scales must be uint8 {(n, k // 2)} / {(n, k // 32)}, {got}")
     if fmt.fp8:  # partial edge groups: ceil(k / group) scales per row, exactly
         want = (n, triton.cdiv(k, fmt.group))
         got = f"{w.codes.dtype} {tuple(w.codes.shape)}"
@@ -306,6 +325,7 @@ def _weight_args(w: QuantWeight) -> tuple[list, dict]:
         OFFSET=fmt.offset,
         HAS_MIN=w.mins is not None,
         FP8=fmt.fp8,
+        MX=fmt.mx,
         # tiles of up to 32 columns inside one group (fp8's 128-column groups: 4 tiles, each
         # loading its group's scale); per-row scales: 32
         SUB=math.gcd(fmt.group, 32) if fmt.group else 32,

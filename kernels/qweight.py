@@ -16,7 +16,12 @@ the float8_e4m3fn bytes (uint8 (out, in)) and fp32 `scales` (out, ceil(in / grou
 checkpoint block's scale repeated over its rows (exact), no offset or minimum:
 w[n, k] = float32(fp8[n, k]) * scale(n, k // group), DeepSeek's `weight_dequant` bit for bit.
 
-GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are repacked into this layout
+MXFP4 (gpt-oss's experts, GGML type 39) packs its e2m1 codes as the 4-bit formats do and keeps
+one e8m0 exponent per 32 columns as uint8 `scales`: w[n, k] = E2M1[code] * 2^(e - 128), with
+E2M1 twice the e2m1 values (ggml's kvalues_mxfp4), one exact fp32 product: the `gguf` package's
+floats bit for bit (its code 8 is +0.0; transformers' table has -0.0 there, equal in value).
+
+GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4) are repacked into this layout
 losslessly by plugins/gguf_quant.py, and `dequantize` reproduces the `gguf` package's floats bit
 for bit (the same fp32 products and sums, in the same order); `quantize` makes int8 / int4
 weights from floats at load time. `kernels.linear` dispatches on the `QuantWeight` type.
@@ -40,6 +45,7 @@ class QFormat:
     minimum: bool = False  # a per-group additive term
     superblock: int = 0  # K-quants: fp16 d (and dmin) per this many columns
     fp8: bool = False  # codes are float8_e4m3fn bytes, not integers
+    mx: bool = False  # codes are e2m1 (MXFP4), scales uint8 e8m0 exponents
 
     @property
     def packed(self) -> bool:
@@ -62,8 +68,11 @@ FORMATS = {
         QFormat("q6_k", 8, 16, superblock=256),  # codes stored as code - 32
         QFormat("int8", 8, 32),  # quantized at load: symmetric, fp16 scale per 32 (as Q8_0)
         QFormat("int4", 4, 32, minimum=True),  # quantized at load: asymmetric, fp16 scale + min
+        QFormat("mxfp4", 4, 32, mx=True),  # e2m1 codes, an e8m0 scale per 32 (gpt-oss)
     )
 }
+# twice the e2m1 values of MXFP4's codes (ggml's kvalues_mxfp4): integers, exact in any dtype
+E2M1 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 FP8 = "fp8_e4m3"  # a checkpoint's block-scaled fp8, kept on GPUs that compute in it
 
@@ -123,7 +132,9 @@ class QuantWeight(QuantizedWeight):
         return f"{self.fmt.name}, shape={self.shape}"
 
     def group_scales(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
-        """fp32 (rows, groups): each group's scale."""
+        """fp32 (rows, groups): each group's scale (MXFP4: half of it, see `e8m0_half`)."""
+        if self.fmt.mx:
+            return e8m0_half(self.scales[rows])
         return _two_level(self.scales[rows], self.d, rows, self)
 
     def group_mins(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor | None:
@@ -147,6 +158,8 @@ class QuantWeight(QuantizedWeight):
         if fmt.fp8:  # float32(fp8) * scale: one product, as DeepSeek's weight_dequant
             s = self.scales[rows].float().repeat_interleave(fmt.group, dim=-1)
             return self.codes[rows].view(torch.float8_e4m3fn).float() * s[..., : self.in_features]
+        if fmt.mx:
+            return mx_dequantize(self.codes[rows], self.scales[rows])
         q = self.int_codes(rows)
         if fmt.offset:
             q = q - fmt.offset
@@ -187,15 +200,17 @@ class QuantStack(QuantizedWeight):
 
 
 class QuantExperts(QuantizedWeight):
-    """E fp8 weights of one shape stacked, (E, out, in): a MoE layer's routed experts kept as
-    their checkpoint stores them. codes uint8 (E, out, in), scales fp32 (E, out, ceil(in /
-    group)), each expert's as in `QuantWeight`; `kernels.moe_experts` reads them."""
+    """E fp8 or MXFP4 weights of one shape stacked, (E, out, in): a MoE layer's routed experts
+    kept as their checkpoint stores them. fp8: codes uint8 (E, out, in), scales fp32 (E, out,
+    ceil(in / group)); MXFP4: codes uint8 (E, out, in / 2), scales uint8 (E, out, in / 32);
+    each expert's as in `QuantWeight`. `kernels.moe_experts` reads them."""
 
     def __init__(self, parts: list[QuantWeight]):
         super().__init__()
         first = parts[0]
-        if not first.fmt.fp8 or any(p.fmt != first.fmt or p.shape != first.shape for p in parts):
-            raise ValueError("QuantExperts stacks fp8 weights of one format and shape")
+        ok = first.fmt.fp8 or first.fmt.mx
+        if not ok or any(p.fmt != first.fmt or p.shape != first.shape for p in parts):
+            raise ValueError("QuantExperts stacks fp8 or mxfp4 weights of one format and shape")
         self.fmt, self.dtype = first.fmt, first.dtype
         self.shape = (len(parts), *first.shape)
         self.register_buffer("codes", torch.stack([p.codes for p in parts]))
@@ -206,9 +221,27 @@ class QuantExperts(QuantizedWeight):
 
     def dequantize(self, experts: int | slice = slice(None)) -> torch.Tensor:
         """The float32 weights of one expert (out, in), or of a slice of them: float32(fp8) *
-        scale, DeepSeek's weight_dequant bit for bit."""
+        scale, DeepSeek's weight_dequant bit for bit; MXFP4 as `QuantWeight.dequantize`."""
+        if self.fmt.mx:
+            return mx_dequantize(self.codes[experts], self.scales[experts])
         s = self.scales[experts].repeat_interleave(self.fmt.group, dim=-1)
         return self.codes[experts].view(torch.float8_e4m3fn).float() * s[..., : self.shape[2]]
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """uint8 e8m0 exponents -> fp32 2^(e - 128), built from the bits as ggml's
+    ggml_e8m0_to_fp32_half builds it (e < 2: the subnormals 2^-128, 2^-127)."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e.clamp(max=1), (e - 1) << 23).view(torch.float32)
+
+
+def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 codes (..., in / 2) uint8 (this module's nibble order) and e8m0 scales (..., in /
+    32) -> fp32 (..., in): E2M1[code] * 2^(e - 128), one product, as the `gguf` package."""
+    c = codes.view(*codes.shape[:-1], -1, 16)
+    q = torch.cat([c & 15, c >> 4], dim=-1).int()  # (..., groups, 32)
+    values = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)[q]
+    return (e8m0_half(scales)[..., None] * values).flatten(-2)
 
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight | QuantStack:

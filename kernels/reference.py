@@ -194,7 +194,7 @@ def moe_experts(
     x (N, H); topk_ids (N, K) int; topk_weights (N, K); gate_up (E, 2I, H) stacked [gate | up];
     down (E, H, I). Optional per-expert biases gate_up_bias (E, 2I), down_bias (E, H); `clamp`
     = (alpha, limit) makes the activation `clamped_swiglu` over interleaved (gate, up) rows
-    (gpt-oss). Either weight may be a `QuantExperts` (fp8 kept): each expert that runs is
+    (gpt-oss). Either weight may be a `QuantExperts` (fp8 or MXFP4 kept): each expert that runs is
     dequantized to float32, then cast to x's dtype; or a `BlockExperts` (GGML blocks kept on
     CPUs): each expert that runs is a `kernels.linear` of its blocks. Returns (N, H) in x's
     dtype. Loops over the experts that received tokens.

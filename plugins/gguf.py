@@ -42,7 +42,7 @@ from plugins.gguf_rope import llama3_rope_scaling, rotary_factor, unpermute
 if TYPE_CHECKING:  # torch loads only when a model is built: listing plugins stays light
     import torch
 
-    from kernels.qweight import QuantWeight
+    from kernels.qweight import QuantExperts, QuantWeight
 
 
 def hub_names(name: str, tensors: dict[str, str], experts: int = 0) -> list[tuple[str, int | None]]:
@@ -334,17 +334,22 @@ class GGUFCheckpoint:
         for n in self._files(name):
             self.file.release(n)
 
-    def read_quantized(self, name: str) -> QuantWeight:
-        """The tensor's blocks as a `QuantWeight` (lossless; see plugins/gguf_quant.py)."""
+    def read_quantized(self, name: str) -> QuantWeight | QuantExperts:
+        """The tensor's blocks as a `QuantWeight` (lossless; see plugins/gguf_quant.py); experts
+        stored stacked ((E, rows, bytes): MXFP4's, which GPUs keep) as a `QuantExperts`."""
         import torch
 
+        from kernels.qweight import QuantExperts
         from plugins.gguf_quant import repack
 
-        raw = torch.from_numpy(np.array(self._raw(name)))  # (rows, bytes per row)
+        raw = torch.from_numpy(np.array(self._raw(name)))  # ([E,] rows, bytes per row)
         raw = self._unpermuted(name, raw).numpy()
         if (fix := self._fixes.get(name)) is not None and fix.rows is not None:
-            raw = raw[fix.rows(self.config())]
-        return repack(self.quant_format(name), raw, self.shape(name))
+            raw = raw[..., fix.rows(self.config()), :]
+        kind, shape = self.quant_format(name), self.shape(name)
+        if raw.ndim == 3:
+            return QuantExperts([repack(kind, r, shape[1:]) for r in raw])
+        return repack(kind, raw, shape)
 
     def _raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored (its expert's, of a stack), memory-mapped; interleaved

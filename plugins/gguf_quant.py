@@ -83,6 +83,10 @@ def repack(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
             d,
             dmin,
         )
+    if kind == "mxfp4":
+        b = raw.reshape(out, inp // 32, 17)
+        scales = torch.from_numpy(np.ascontiguousarray(b[..., 0]))
+        return QuantWeight(fmt, shape, _codes(b[..., 1:], out), scales)
     if kind == "q6_k":
         b = raw.reshape(out, inp // QK_K, 210)
         ql = _nibbles(b[..., 0:128].reshape(out, -1, 2, 64))  # 2 halves of 128 columns
@@ -100,4 +104,4 @@ def _qh5(qh: np.ndarray) -> np.ndarray:
     return ((u >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
-KEPT = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+KEPT = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4")

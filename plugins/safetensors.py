@@ -225,7 +225,11 @@ class SafetensorsCheckpoint:
 
     def read_quantized(self, name: str):
         """An fp8 weight and its scales as a `QuantWeight`, the bytes as stored (the loader
-        asks only where core/quantize.py keeps fp8: GPUs of compute capability 8.9+)."""
+        asks only where core/quantize.py keeps fp8: GPUs of compute capability 8.9+); MXFP4
+        blocks as a `QuantWeight` or, stacked experts, a `QuantExperts` (GPUs), losslessly."""
+        if self._mxfp4 and name.endswith(mxfp4.BLOCKS):
+            scales = self._read(name.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES)
+            return mxfp4.keep(self._read(name), scales)
         t = self._read(name)
         self._fp8.check_values(name, t, self.path)
         return self._fp8.keep(t, self._read(name + SCALE_SUFFIX))

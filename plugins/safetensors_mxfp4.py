@@ -6,12 +6,15 @@ nibble first, and `X_scales` (..., G) uint8, one e8m0 exponent (biased by 127) p
 
     w[..., 32 g + 2 j + h] = FP4[nibble h of blocks[..., g, j]] * 2 ** (scales[..., g] - 127)
 
-The reader hides the `_scales` tensors and offers each `X_blocks` two ways: kept, as GGML's
+The reader hides the `_scales` tensors and offers each `X_blocks` three ways: kept, as GGML's
 MXFP4 blocks (`to_ggml`: the same values, what llama.cpp's converter writes), which the CPU
-kernels multiply as stored (a gpt-oss-20b resident in about its file's size); or dequantized
+kernels multiply as stored (a gpt-oss-20b resident in about its file's size); kept for the GPU
+kernels (`keep`: a `QuantWeight`, or for stacked experts a `QuantExperts`, of the same bytes
+with the nibbles reordered); or dequantized
 to fp32, (..., G * 32), by the same lookup table and ldexp as transformers'
 `convert_moe_packed_tensors` (bit-exact), less its final gpt-oss transpose: the weight map says
-where the (E, out, in) result goes (GPUs, and `dequantize=True`).
+where the (E, out, in) result goes (`dequantize=True`). Code 8 is -0.0 in transformers' table and
++0.0 in GGML's (and the kept forms'): equal values, the only bits in which the forms differ.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from core.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
+
+    from kernels.qweight import QuantExperts, QuantWeight
 
 BLOCKS, SCALES = "_blocks", "_scales"
 FP4_VALUES = (
@@ -102,3 +107,24 @@ def to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     packed = codes[..., :16] | (codes[..., 16:] << 4)
     out = np.concatenate([scales.numpy()[..., None], packed], axis=-1)
     return out.reshape(*b.shape[:-2], -1)
+
+
+def keep(blocks: torch.Tensor, scales: torch.Tensor) -> QuantWeight | QuantExperts:
+    """(out, G, 16) codes and (out, G) scales -> a `QuantWeight` (out, G * 32) in
+    kernels/qweight.py's layout (the same e8m0 bytes; value j of a group in the low nibble of
+    byte j, value j + 16 in its high one), lossless; stacked experts' (E, out, G, 16) -> a
+    `QuantExperts` of E of them."""
+    import torch
+
+    from kernels.qweight import FORMATS, QuantExperts, QuantWeight
+
+    codes = torch.empty((*blocks.shape[:-1], 32), dtype=torch.uint8)
+    codes[..., 0::2], codes[..., 1::2] = blocks & 0x0F, blocks >> 4
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).flatten(-2)  # (..., out, G * 16)
+    fmt, scales = FORMATS["mxfp4"], scales.contiguous()
+    if blocks.ndim == 3:
+        return QuantWeight(fmt, shape(blocks.shape), packed, scales)
+    if blocks.ndim != 4:
+        raise ValueError(f"MXFP4 blocks are (out, G, 16) or (E, out, G, 16), not {blocks.shape}")
+    rows = shape(blocks.shape)[1:]
+    return QuantExperts([QuantWeight(fmt, rows, c, s) for c, s in zip(packed, scales, strict=True)])

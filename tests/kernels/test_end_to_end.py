@@ -66,8 +66,8 @@ SUITES = {
     "tests/plugins/test_deepseek.py": PARITY_TESTS,
     "tests/plugins/test_mixtral.py": [*PARITY_TESTS, "test_sliding_window_matches_transformers"],
     "tests/plugins/test_qwen3_moe.py": [*PARITY_TESTS, "test_sliding_window_matches_transformers"],
-    # sinks, window / full layers, attention biases through Triton; its experts (biases,
-    # clamped SwiGLU) run the torch reference, which the Triton MoE kernel does not cover
+    # sinks, window / full layers, attention biases, and its experts' biases and clamped
+    # SwiGLU (the grouped GEMMs' biases; the activation in torch) through Triton
     "tests/plugins/test_gpt_oss.py": [
         *PARITY_TESTS,
         "test_mxfp4_checkpoint_matches_transformers_dequantized",

@@ -1,5 +1,5 @@
 """Quantized linear (kernels/quant_matmul.py: the split-K GEMV and the tiled kernel) against
-kernels.reference.quant_linear, for every format of kernels.qweight.FORMATS."""
+kernels.reference.quant_linear, for every format of kernels.qweight.FORMATS (MXFP4 included)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_linear_dispatch_on_cpu(monkeypatch, policy, module):
 
 @gpu
 @pytest.mark.parametrize("rows", [1, 4, 300])
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q8_0", "int4"])
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q8_0", "int4", "mxfp4"])
 def test_llama_8b_shapes_gpu(kind, rows):
     w = quant_weight(kind, n=4096 + 7, k=4096)
     x = randn(rows, 4096, dtype=torch.bfloat16, seed=1)

@@ -27,6 +27,12 @@ def random_blocks(kind: str, out: int, inp: int, seed: int, edge: bool = False) 
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[T[kind.upper()]]
     raw = rng.integers(0, 256, (out, inp // block, size), dtype=np.uint8)
+    if kind == "mxfp4":  # e8m0 scales 2^-28 .. 2^11 (edges: the subnormal halves 0 and 1)
+        raw[..., 0] = rng.integers(100, 140, raw.shape[:2])
+        if edge:
+            raw[0, :, 0] = np.resize([0, 1], raw.shape[1])
+            raw[1, :, 1:], raw[2, :, 1:] = 0xFF, 0x00  # every code -6.0, and +0.0
+        return raw.reshape(out, -1)
     for at in F16_AT[kind]:
         raw[..., at + 1] &= 0xBB  # exponent below 31: finite, either sign
         if edge:
@@ -75,7 +81,7 @@ def test_nbytes_follow_the_file():
         block, size = gguf.GGML_QUANT_SIZES[T[kind.upper()]]
         w = repack(kind, random_blocks(kind, 4, 512, seed=1), (4, 512))
         ratio[kind] = w.nbytes / (4 * 512 // block * size)
-    assert ratio["q8_0"] == ratio["q4_0"] == ratio["q4_1"] == 1.0
+    assert ratio["q8_0"] == ratio["q4_0"] == ratio["q4_1"] == ratio["mxfp4"] == 1.0
     assert ratio["q4_k"] < 1.03  # its 6-bit scales and mins unpacked to a byte each
     # one byte per 5- or 6-bit code: 8 / 6.5625 bits for Q6_K, 8 / 5.5 for Q5_*
     assert ratio["q6_k"] < 1.31 and max(ratio.values()) < 1.6
@@ -113,3 +119,41 @@ def test_on_cpus_a_quant_weight_runs_the_dequantizing_reference():
     x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(48)
     assert torch.equal(kernels.linear(x, w, bias), F.linear(x, w.dequantize(), bias))
+
+
+def test_mxfp4_every_code_and_exponent_bit_for_bit():
+    """All 16 e2m1 codes (in both nibbles) under all 256 e8m0 exponents (the subnormal halves
+    0 and 1, 255's infinities): the kept weight, the `gguf` package and the CPU's repacked
+    `BlockWeight` give the same floats, bit for bit."""
+    from kernels import blocks
+
+    raw = np.zeros((256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    raw[:, 1:] = np.arange(16) | (np.arange(15, -1, -1) << 4)  # byte j: codes j and 15 - j
+    with np.errstate(over="ignore"):  # exponents 254, 255: 8 * 2^126 and up are inf
+        want = bits(dequantize(raw, T.MXFP4))
+    w = repack("mxfp4", raw, (256, 32))
+    assert np.array_equal(bits(w.dequantize()), want)
+    assert w.dequantize()[255].isinf().any() and (want[:, 8] == 0).all()  # code 8: +0.0
+    if blocks.available():
+        assert np.array_equal(bits(blocks.repack("mxfp4", [raw], (256, 32)).dequantize()), want)
+
+
+def test_mxfp4_from_safetensors_layout():
+    """gpt-oss's `_blocks` (values 2j, 2j + 1 in byte j) + `_scales` kept (`keep`): the floats
+    of the same bytes as GGML blocks (`to_ggml`, what llama.cpp's converter writes) bit for bit,
+    and transformers' dequantization in value (its code 8 is -0.0); stacked experts too."""
+    from plugins import safetensors_mxfp4 as st
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (3, 5, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (3, 5, 4), generator=g, dtype=torch.uint8)
+    experts = st.keep(codes, scales)
+    assert experts.shape == (3, 5, 128) and experts.codes.shape == (3, 5, 64)
+    for e in range(3):
+        one = st.keep(codes[e], scales[e])
+        ggml = st.to_ggml(codes[e], scales[e])
+        want = dequantize(np.ascontiguousarray(ggml), T.MXFP4)
+        assert np.array_equal(bits(one.dequantize()), bits(want))
+        assert np.array_equal(bits(experts.dequantize(e)), bits(want))
+        assert torch.equal(one.dequantize(), st.dequantize(codes[e], scales[e]))

@@ -51,6 +51,7 @@ from core.cpu_step import why_not
 from core.layers.moe import StackedLinear
 from core.quantize import weight_formats
 from kernels.blocks import BlockExperts
+from kernels.qweight import QuantExperts
 from plugins.gguf import ARCHITECTURES, GGUFCheckpoint
 
 VOCAB = 320  # the tokenizers' ids (300 BPE or 305 sentencepiece pieces + specials) fit;
@@ -305,7 +306,8 @@ def test_q8_0_file_kept_meets_the_standard(case):
 def test_mxfp4_experts_are_kept_as_the_blocks_read_gives(case):
     """gpt-oss's MXFP4 experts (ggml's block_mxfp4, the gate and up rows interleaved as the
     hub's) dequantize to the weights `read` gives, and on CPUs stay those blocks: the kept
-    model's experts dequantize to the same floats, bit for bit."""
+    model's experts dequantize to the same floats, bit for bit; so does the `QuantExperts`
+    that GPUs keep (`read_quantized`)."""
     from gguf.quants import dequantize
 
     ckpt = GGUFCheckpoint(case[2])
@@ -315,6 +317,9 @@ def test_mxfp4_experts_are_kept_as_the_blocks_read_gives(case):
     want = ckpt.read(name)
     assert want.shape == ckpt.shape(name) == (4, 64, 64)
     assert torch.equal(torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType.MXFP4)), want)
+    gpu = ckpt.read_quantized(name)
+    assert isinstance(gpu, QuantExperts) and gpu.fmt.name == "mxfp4" and gpu.shape == want.shape
+    assert torch.equal(gpu.dequantize().view(torch.int32), want.view(torch.int32))
     kept = load_model(case[2], max_seq_len=16).net.model.layers[1].mlp.experts.gate_up_proj
     assert isinstance(kept.weight, BlockExperts) and kept.weight.fmt.name == "mxfp4"
     assert torch.equal(torch.stack([kept.weight.dequantize(e) for e in range(4)]), want)

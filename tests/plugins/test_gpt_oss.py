@@ -25,9 +25,11 @@ from parity import (
 )
 from safetensors.torch import load_file, save_file
 
-from core import ConfigError, load_model
+from core import ConfigError, load_model, quantize
 from core.quantize import weight_formats
+from kernels import blocks, dispatch
 from kernels.blocks import BlockExperts
+from kernels.qweight import QuantExperts
 from plugins.gpt_oss import GptOssConfig
 
 GPT_OSS = dict(
@@ -212,6 +214,58 @@ def test_mxfp4_experts_are_kept_on_cpus(tmp_path):
     x = ids(VOCAB, 1, 120, seed=4)
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
+
+
+@pytest.mark.parametrize(
+    "device,keep", [("cuda", True), ("cuda:1", True), ("cpu", None), ("meta", False)]
+)
+def test_where_mxfp4_is_kept(device, keep):
+    """MXFP4 stays MXFP4 on CUDA GPUs (Triton's QuantWeight / QuantExperts: no capability
+    needed, the codes are widened in registers) and on CPUs whose C kernels build; gpt-oss's
+    stacked experts, biases and all, as one QuantExperts on GPUs, BlockExperts on CPUs."""
+    from core.modeling import CausalLM
+
+    device = torch.device(device)
+    keep = blocks.available() if keep is None else keep
+    assert quantize.keeps("mxfp4", device) is keep
+    with torch.device("meta"):
+        net = CausalLM(GptOssConfig.from_dict(GPT_OSS).to_runtime())
+    target = "model.layers.0.mlp.experts.gate_up_proj.weight"
+    assert quantize.stacked_experts(net, target, ["mxfp4"], device) is keep
+    assert not quantize.stacked_experts(net, target, ["fp8_e4m3"], device)  # (biases)
+
+
+@torch.no_grad()
+def test_mxfp4_experts_are_kept_as_on_gpus(tmp_path, monkeypatch):
+    """The loader's GPU path, here on the CPU (the C kernels made unavailable, the decisions
+    answered as for a CUDA device): the experts become one `QuantExperts` each, 4.25 bits per
+    weight (a code and an e8m0 byte per 32), dequantizing to the same floats as the checkpoint
+    read dequantized; through the Triton kernels (the interpreter; the experts' MXFP4 grouped
+    GEMMs with their biases and clamped SwiGLU) the model gives the dequantized model's
+    logits (its torch reference's)."""
+    root, _ = mxfp4_checkpoint(tmp_path)
+    floats = load_model(root, max_seq_len=64, max_batch_size=2, dequantize=True)
+    stacked = quantize.stacked_experts
+    monkeypatch.setattr(blocks, "available", lambda: False)
+    monkeypatch.setattr(quantize, "keeps", lambda fmt, device: fmt == "mxfp4")
+    monkeypatch.setattr(quantize, "stacked_experts",
+                        lambda *a: stacked(*a[:3], torch.device("cuda")))  # fmt: skip
+    # (kept weights on CPUs default to an fp16 cache: fp32, as the float model's)
+    kept = load_model(root, max_seq_len=64, max_batch_size=2, kv_dtype="float32")
+    for i in range(len(kept.net.model.layers)):
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(kept.net.model.layers[i].mlp.experts, name).weight
+            want = getattr(floats.net.model.layers[i].mlp.experts, name).weight
+            assert isinstance(w, QuantExperts) and w.fmt.name == "mxfp4"
+            assert torch.equal(w.dequantize(), want)  # (transformers' code 8: -0.0, equal)
+    n, nbytes = weight_formats(kept.net)["mxfp4"]
+    assert n == 3 * 4 * 3 * 32 * 64 and nbytes * 8 == 4.25 * n
+    x = ids(VOCAB, 2, 24, seed=4)
+    want = floats.forward(x)
+    monkeypatch.setenv("ZOO_KERNELS", "triton")  # (raises rather than fall back)
+    monkeypatch.setattr(dispatch, "_chosen", {})
+    assert rel_err(kept.forward(x), want) < 1e-4  # every op in Triton: the parity bar
+    assert "moe_experts" in {key[0] for key in dispatch._chosen}
 
 
 def test_registry_shape_is_gpt_oss_20b():
