@@ -5,7 +5,10 @@ Two engines in one process disturb each other (llama.cpp's worker threads can sp
 call, and torch's run beside them), so neither engine shares a process with the other, and only
 one of them runs at a time: this process starts a worker per engine (`python -m
 core.bench_worker zoo|llama.cpp CONFIG`), each loads the model and runs once untimed, then they
-are asked in turn for one timed greedy run each, over a pipe of JSON lines.
+are asked in turn for one timed greedy run each, over a pipe of JSON lines. Where the two
+processes would not fit in memory together (a 12 GB file on a 24 GB machine), only one is
+alive at a time: a Zoo process, then a llama.cpp one, each timing one run after its warm-up,
+`repeat` times.
 
 llama.cpp 0.3.36's AMX matmul (Sapphire Rapids and later) crashes on batches of more than one
 token (its tile configuration lives on the stack, where the compiler leaves it invalid:
@@ -118,26 +121,26 @@ def compare_llama_cpp(
     n_ctx = ctx or len(prompt) + decode_tokens
     job = {"path": str(path), "prompt": prompt, "new_tokens": decode_tokens, "n_ctx": n_ctx}
     gpu = str(load.get("device") or "").startswith("cuda")
-    zoo = _Worker("zoo", {**job, "load": load})
-    try:
-        threads = zoo.ready["info"]["threads"]
+    note = ""
+
+    def start(name: str, threads: int) -> _Worker:
+        nonlocal note
+        if name == "zoo":
+            return _Worker("zoo", {**job, "load": load})
         # llama.cpp's own defaults (flash attention: what its "auto" picks on CPUs), our threads
         settings = {"n_threads": threads, "n_ubatch": 512, "use_extra_bufts": True,
                     "flash_attn": True, "n_gpu_layers": -1 if gpu else 0}  # fmt: skip
-        settings.update(llama or {})
-        peer, note = _llama_worker({**job, **settings})
-        try:
-            runs, idle = _alternate({"zoo": zoo, PEER: peer}, repeat)
-            ends = {"zoo": zoo.ask("exit"), PEER: peer.ask("exit")}
-        finally:
-            peer.close()
-    finally:
-        zoo.close()
+        peer, note = _llama_worker({**job, **settings, **(llama or {})})
+        return peer
+
+    apart = not gpu and _apart(path)
+    runs, readies, ends, idle = (_one_at_a_time if apart else _side_by_side)(start, repeat)
     engines = {}
-    for name, w in (("zoo", zoo), (PEER, peer)):
+    for name in ("zoo", PEER):
         e = {k: statistics.median(r[k] for r in runs[name]) for k in FIGURES}
-        e.update(w.ready["info"], tokens=w.ready["warmup"]["tokens"], runs=runs[name])
-        e["peak_rss_bytes"] = ends[name]["peak_rss_bytes"]
+        e.update(readies[name][-1]["info"], tokens=readies[name][-1]["warmup"]["tokens"])
+        e.update(runs=runs[name], peak_rss_bytes=max(end["peak_rss_bytes"] for end in ends[name]))
+        e["load_s"] = statistics.median(r["info"]["load_s"] for r in readies[name])
         engines[name] = e
     same = agreeing(engines["zoo"]["tokens"], engines[PEER]["tokens"])
     ratios = {k: engines["zoo"][k] / engines[PEER][k] for k in FIGURES[:3]}
@@ -158,8 +161,56 @@ def compare_llama_cpp(
         "file_bytes": path.stat().st_size,
         "file_tensor_bytes": gguf_tensor_bytes(path),
         "idle_peer_cpu_s": idle,
+        "one_at_a_time": apart,
         "engines": engines,
     }
+
+
+def _apart(path: Path) -> bool:
+    """Whether the two engines' processes would not fit in memory together (each holds about
+    the file: a gpt-oss-20b's 12 GB twice on a 24 GB machine), so that they must run one at a
+    time: else the one that runs evicts the other's mapped pages, which it reads back from disk."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return False
+    return 2.2 * path.stat().st_size > memory
+
+
+def _side_by_side(start, repeat: int):
+    """Both workers alive, their runs alternating (`_alternate`)."""
+    zoo = start("zoo", 0)
+    try:
+        peer = start(PEER, zoo.ready["info"]["threads"])
+        try:
+            runs, idle = _alternate({"zoo": zoo, PEER: peer}, repeat)
+            ends = {"zoo": [zoo.ask("exit")], PEER: [peer.ask("exit")]}
+        finally:
+            peer.close()
+    finally:
+        zoo.close()
+    return runs, {"zoo": [zoo.ready], PEER: [peer.ready]}, ends, idle
+
+
+def _one_at_a_time(start, repeat: int):
+    """One worker alive at a time: zoo's process (load, warm-up, one timed run), then
+    llama.cpp's, `repeat` times: each engine's figures of its own processes (loads too)."""
+    runs: dict[str, list] = {"zoo": [], PEER: []}
+    readies: dict[str, list] = {"zoo": [], PEER: []}
+    ends: dict[str, list] = {"zoo": [], PEER: []}
+    threads = 0
+    for _ in range(repeat):
+        for name in ("zoo", PEER):
+            w = start(name, threads)
+            try:
+                time.sleep(PAUSE_S)
+                runs[name].append(w.ask("run"))
+                ends[name].append(w.ask("exit"))
+            finally:
+                w.close()
+            readies[name].append(w.ready)
+            threads = threads or w.ready["info"]["threads"]
+    return runs, readies, ends, 0.0  # (no engine ran during the other's runs)
 
 
 def _alternate(workers: dict[str, _Worker], repeat: int) -> tuple[dict[str, list], float | None]:
@@ -206,12 +257,18 @@ def machine() -> str:
     return f"{name}, {cpus} CPUs"
 
 
+def _how(c: dict[str, Any]) -> str:
+    if c.get("one_at_a_time"):  # (_apart)
+        return "one process at a time: both would not fit in memory together, alternating"
+    return "own processes, alternating"
+
+
 def render_lines(c: dict[str, Any]) -> list[str]:
     """The comparison as lines of `zoo bench`'s report."""
     mib = 2**20
     z, p = c["engines"]["zoo"], c["engines"][PEER]
     lines = [
-        f"vs {PEER} {p['version']} (same GGUF file, own processes, alternating; threads: zoo "
+        f"vs {PEER} {p['version']} (same GGUF file, {_how(c)}; threads: zoo "
         f"{z['threads']}, {PEER} {p['threads']}): {c['prompt_tokens']}-token prompt, "
         f"{c['new_tokens']} new tokens, context {c['context']}, medians of {c['repeat']}; "
         f"{c['machine']}, {c['date']}",
@@ -236,7 +293,7 @@ def render_lines(c: dict[str, Any]) -> list[str]:
     ]
     if c["peer_note"]:
         lines.append(f"   {PEER}: {c['peer_note']}")
-    if c["idle_peer_cpu_s"] is not None:
+    if c["idle_peer_cpu_s"] is not None and not c.get("one_at_a_time"):
         lines.append(f"   CPU time of the idle engine during the other's runs: at most "
                      f"{c['idle_peer_cpu_s']:.2f} s")  # fmt: skip
     return lines

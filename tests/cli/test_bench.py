@@ -251,6 +251,56 @@ def test_llama_cpp_crashing_on_batches_is_run_one_token_per_step(monkeypatch):
         lc._llama_worker({"n_ubatch": 512})
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_engines_that_do_not_fit_together_run_one_process_at_a_time(monkeypatch, tmp_path, apart):
+    """Where both processes would not fit in memory (`_apart`), a Zoo process and then a
+    llama.cpp one are alive in turn, each timing one run, `repeat` times; loads are medians of
+    each engine's processes. Else both stay alive and their runs alternate."""
+    from core import bench_llamacpp as lc
+
+    started, alive = [], []
+
+    class Worker:
+        def __init__(self, engine, config):
+            n = len(started)
+            started.append(engine)
+            alive.append(engine)
+            info = {"threads": 2, "load_s": 1.0 + n, "weight_bytes": 1, "settings": {},
+                    "version": "0"}  # fmt: skip
+            self.ready = {"info": info, "warmup": {"tokens": [1, 2]}}
+            self.engine = engine
+
+        def ask(self, command):
+            assert alive.count(self.engine) == 1 and (len(alive) == 1 or not apart)
+            if command == "run":
+                return {k: float(len(started)) for k in lc.FIGURES}
+            return {"peak_rss_bytes": 10 * len(started)}
+
+        def cpu_s(self):
+            return 0.0
+
+        def close(self):
+            if self.engine in alive:
+                alive.remove(self.engine)
+
+    monkeypatch.setattr(lc, "_Worker", Worker)
+    monkeypatch.setattr(lc, "_apart", lambda path: apart)
+    monkeypatch.setattr(lc, "gguf_tensor_bytes", lambda path: 1)
+    (tmp_path / "m.gguf").write_bytes(b"0")
+    c = lc.compare_llama_cpp(tmp_path / "m.gguf", prompt=[1, 2], decode_tokens=2, repeat=3, load={})
+    assert c["one_at_a_time"] is apart and not alive
+    zoo, peer = c["engines"]["zoo"], c["engines"][lc.PEER]
+    if apart:
+        assert started == ["zoo", lc.PEER] * 3
+        assert zoo["load_s"] == 3.0 and peer["load_s"] == 4.0  # of loads 1, 3, 5 and 2, 4, 6
+        assert zoo["decode_tokens_per_s"] == 3.0 and peer["peak_rss_bytes"] == 60
+        assert "one process at a time" in lc.render_lines(c)[0]
+    else:
+        assert started == ["zoo", lc.PEER] and zoo["load_s"] == 1.0
+        assert "own processes, alternating" in lc.render_lines(c)[0]
+    assert len(zoo["runs"]) == len(peer["runs"]) == 3
+
+
 LLAMA_RUN = """
 import json, sys
 import llama_cpp
