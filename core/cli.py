@@ -236,8 +236,12 @@ def _decode_path(m) -> str:
         return "compiled (torch.compile)"
     if m.step.fused is None:
         return f"eager modules ({m.device.type})"
+    from core.cpu_step import kinds  # (the CLI imports torch's side only where it runs)
+
     why = m.step.fused.why_not()
-    return "eager, fused C blocks (core/cpu_step.py)" if why is None else f"eager modules ({why})"
+    if why is not None:
+        return f"eager modules ({why})"
+    return f"eager, fused C blocks (core/cpu_step.py): {kinds(m.net)}"
 
 
 def _layer_kinds(c) -> str:

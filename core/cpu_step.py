@@ -78,6 +78,16 @@ def why_not(net: CausalLM) -> str | None:
     return None
 
 
+def kinds(net: CausalLM) -> str:
+    """The blocks by kind, for `zoo info`: '3 x GatedDeltaNet + MoE, 1 x GQAAttention + MoE'."""
+    counts: dict[str, int] = {}
+    for layer in net.model.layers:
+        post = " (post-norms)" if getattr(layer, "post_norms", False) else ""
+        kind = f"{type(layer.self_attn).__name__} + {type(layer.mlp).__name__}{post}"
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{n} x {kind}" for kind, n in counts.items())
+
+
 def _moe_why_not(mlp: MoE) -> str | None:
     """Why the C step cannot run this MoE MLP (None: it can): it takes every routing of
     `core.layers.moe.route`, routed experts of SiLU-gated or clamped SwiGLU with or without

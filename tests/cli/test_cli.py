@@ -23,7 +23,11 @@ def test_info_describes_a_checkpoint(checkpoint):
     assert "architecture llama" in out.stdout
     assert "4 heads, 2 kv heads, head_dim 16" in out.stdout
     assert "KV bytes     512 per token" in out.stdout  # 2 (K,V) * 2 layers * 2 kv heads * 16 * 4 B
-    assert "decode step  eager, fused C blocks" in out.stdout  # a plain Llama on the CPU
+    # a plain Llama on the CPU, its blocks by kind
+    assert (
+        "decode step  eager, fused C blocks (core/cpu_step.py): 2 x GQAAttention + GatedMLP\n"
+        in out.stdout
+    )
     out = zoo("info", str(root), env={"ZOO_KERNELS": "torch"})
     assert "decode step  eager modules (ZOO_KERNELS=torch)" in out.stdout
 
