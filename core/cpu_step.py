@@ -23,18 +23,12 @@ from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
-from kernels.cpu_decode import (
-    ACTS,
-    MAX_EXPERTS,
-    NO_ATTENTION,
-    Block,
-    Blocks,
-    Delta,
-    Experts,
-    Latent,
-    SharedExperts,
-)
+from kernels.cpu_decode import NO_ATTENTION, Block, Blocks
+from kernels.cpu_delta import DELTA_MAX_DIM, Delta
+from kernels.cpu_mla import Latent
+from kernels.cpu_moe import MAX_EXPERTS, Experts, SharedExperts
 from kernels.cpu_quant import MAX_ROWS, library
+from kernels.cpu_views import ACTS
 from kernels.qweight import QuantStack, QuantWeight
 
 ATTENTION = (GQAAttention, MLAAttention, GatedDeltaNet)  # the attention kinds the step takes
@@ -68,8 +62,19 @@ def why_not(net: CausalLM) -> str | None:
                     return f"block {i}'s MLA {name} is a {type(norm).__name__}"
             if net.rope_of_layer[i] is None:
                 return f"block {i} is MLA without rope"
-        elif attn_kind is GQAAttention and attn.spec.qk_norm and type(attn.q_norm) is not RMSNorm:
-            return f"block {i} norms q and k with a {type(attn.q_norm).__name__}"
+        elif attn_kind is GQAAttention and attn.spec.qk_norm:
+            for norm in (attn.q_norm, attn.k_norm):
+                if type(norm) is not RMSNorm:
+                    return f"block {i} norms q and k with a {type(norm).__name__}"
+        elif attn_kind is GatedDeltaNet:
+            d = attn.spec
+            if max(d.head_k_dim, d.head_v_dim) > DELTA_MAX_DIM or d.num_v_heads % d.num_k_heads:
+                return (
+                    f"block {i}'s DeltaNet heads ({d.num_k_heads} x {d.head_k_dim} keys, "
+                    f"{d.num_v_heads} x {d.head_v_dim} values) are not the fused step's"
+                )
+            if layer.post_norms:
+                return f"block {i} has post-norms around a DeltaNet layer"
         why = _moe_why_not(mlp) if type(mlp) is MoE else None
         if why is None and type(mlp) is GatedMLP and mlp.act not in ACTS:
             why = f"activation is {mlp.act}"
@@ -97,6 +102,9 @@ def _moe_why_not(mlp: MoE) -> str | None:
         return f"MoE's routed experts use {s.act} (the fused step: SiLU)"
     if s.num_experts > MAX_EXPERTS or s.top_k > 64:
         return f"MoE routes to {s.top_k} of {s.num_experts} experts (at most 64 of {MAX_EXPERTS})"
+    grouped = s.topk_method != "greedy"
+    if grouped and (s.num_experts % s.num_groups or not 0 < s.topk_groups <= s.num_groups):
+        return f"MoE's {s.num_experts} experts do not split into {s.num_groups} groups"
     shared = getattr(mlp, "shared_experts", None)
     if shared is not None and (type(shared) is not GatedMLP or shared.act not in ACTS):
         return f"MoE's shared experts are a {type(shared).__name__} of {shared.act}"
@@ -344,8 +352,12 @@ class FusedStep:
             at, top = rows.tolist(), net.kv_cache.max_batch_size
             if len(at) != b or len(set(at)) != b or not 0 <= min(at) <= max(at) < top:
                 raise IndexError(f"cache rows {at} for {b} tokens ({top} rows, each once)")
-        h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
         pos = positions.to(torch.int64).contiguous()
+        if b and not 0 <= int(pos.min()) <= int(pos.max()) < net.kv_cache.max_seq_len:
+            raise IndexError(
+                f"positions {pos.tolist()} past the cache's {net.kv_cache.max_seq_len}"
+            )
+        h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
         tables = [tuple(t.contiguous() for t in rotary(pos, 1, end)) for rotary in net.rotaries]
         logits = fused(h, pos, tables, rows)
         return net.head(h[:, None])[:, -1] if logits is None else net.scale_logits(logits)

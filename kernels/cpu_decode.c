@@ -13,7 +13,7 @@
 // (rope, cache write) and of the query heads (attention), with a barrier where one part
 // reads what another wrote. A block may hold a gated DeltaNet layer (cpu_delta.c) in
 // attention's place. The arithmetic is the separate ops' (zoo_qgemv_rows,
-// zoo_rms_norm, zoo_rope, zoo_attend), so the result equals the eager step's to rounding.
+// zoo_rms_norm, zoo_rope, zoo_attend_group), so the result equals the eager step's to rounding.
 #define _GNU_SOURCE
 #include <limits.h>
 #include <math.h>
@@ -35,11 +35,6 @@
 #endif
 
 #include "cpu_step.h"
-
-void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
-                  int64_t rows, int64_t dim, float eps);
-void zoo_rope(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh, int64_t st,
-              const float *cos, const float *sin, int64_t cb, int64_t half, int interleaved);
 
 typedef struct {
     const float *norm1, *norm2;  // (H,): before attention, before the MLP
@@ -64,11 +59,6 @@ typedef struct {
     float post_eps1, post_eps2;
     const zmla_t *mla;  // latent attention in place of qkv / the k, v caches (hq = hkv, d = dv)
 } zblock_t;
-
-// A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
-static inline void *slot_at(void *cache, int64_t at, int64_t half) {
-    return half ? (void *)((uint16_t *)cache + at) : (void *)((float *)cache + at);
-}
 
 // Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
 void zoo_linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ldy, int64_t M,

@@ -16,9 +16,6 @@
 
 #include "cpu_step.h"
 
-void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
-                  int64_t rows, int64_t dim, float eps);
-
 int64_t zoo_delta_arena(const zdelta_t *d, int64_t M) {
     return max64(zoo_linear_bytes(&d->in, M), zoo_linear_bytes(&d->out, M));
 }

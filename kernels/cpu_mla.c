@@ -13,11 +13,6 @@
 
 #include "cpu_step.h"
 
-void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
-                  int64_t rows, int64_t dim, float eps);
-void zoo_rope(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh, int64_t st,
-              const float *cos, const float *sin, int64_t cb, int64_t half, int interleaved);
-
 #define TILE 32  // slots scored and summed together: 32 x (512 + 64) floats, 72 KiB
 
 // Lanes the compiler keeps in one vector (a single accumulator would be a serial chain).
@@ -62,18 +57,14 @@ static void product(const zlinear_t *l, const float *x, float *y, int64_t M, int
     zoo_linear_rows(l, px, y, l->N, M, share(l->N, t, T), share(l->N, t + 1, T));
 }
 
-static void *cache_at(void *cache, int64_t at, int64_t half) {
-    return half ? (void *)((uint16_t *)cache + at) : (void *)((float *)cache + at);
-}
-
 // Row r's latent normed and its k_pe roped, both written to the row's cache slot.
 static void write_slot(const zmla_t *m, float *kv, int64_t c, int64_t slot, const float *cos,
                        const float *sin) {
     const int64_t R = m->rank;
     zoo_rms_norm(kv, NULL, NULL, m->kv_norm, kv, 1, R, m->kv_eps);  // in place: this step's
     zoo_rope(kv + R, 1, 1, 1, 0, 0, 0, cos, sin, 0, m->rope_half, (int)m->interleaved);
-    void *lat = cache_at(m->latent, c * m->lsb + slot * m->lss, m->half);
-    void *pe = cache_at(m->k_pe, c * m->psb + slot * m->pss, m->half);
+    void *lat = slot_at(m->latent, c * m->lsb + slot * m->lss, m->half);
+    void *pe = slot_at(m->k_pe, c * m->psb + slot * m->pss, m->half);
     if (m->half) {
         zoo_float_to_half(kv, lat, R);
         zoo_float_to_half(kv + R, pe, m->dr);

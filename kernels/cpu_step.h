@@ -34,6 +34,18 @@ void zoo_meet(spin_barrier_t *b, int64_t T);
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+// A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
+static inline void *slot_at(void *cache, int64_t at, int64_t half) {
+    return half ? (void *)((uint16_t *)cache + at) : (void *)((float *)cache + at);
+}
+
+// cpu_ops.c's RMSNorm of `rows` rows (optionally h_out = x + res first) and rope, as the
+// separate ops run them.
+void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
+                  int64_t rows, int64_t dim, float eps);
+void zoo_rope(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh, int64_t st,
+              const float *cos, const float *sin, int64_t cb, int64_t half, int interleaved);
+
 // Thread t of T's first row of N: whole groups of 16 (the block kernels compute a weight's
 // rows 16 at a time; a group split between two threads would be computed by both).
 static inline int64_t share(int64_t N, int64_t t, int64_t T) {

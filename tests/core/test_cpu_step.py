@@ -1,8 +1,10 @@
 """The fused CPU decode step (core/cpu_step.py, kernels/cpu_decode.c) against the modules it
 replaces, and against transformers: ragged rows at their own positions, rings that wrap,
 NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms and post-norms,
-soft-caps, DeepSeek's MLA (q_lora or not, YaRN), kept int4 / int8 weights, Qwen3-Next / Qwen3.5's
-gated DeltaNet layers (their conv windows and states carried over the steps) and gated attention.
+soft-caps, DeepSeek's MLA (q_lora or not, YaRN) and its MoE routings (V2-Lite's softmax greedy,
+V3's sigmoid noaux_tc, shared experts), kept int4 / int8 weights, Qwen3-Next / Qwen3.5's gated
+DeltaNet layers (their conv windows and states carried over the steps), gated attention and
+gated shared experts, gpt-oss's biased, clamped experts.
 Each check first asserts that the fused step really ran."""
 
 from __future__ import annotations
@@ -124,6 +126,17 @@ CASES = {
     "qwen3.5": dict(BASE, model_type="qwen3_5_text", **LINEAR),
     # in_proj grouped per key head; every MLP dense (mlp_only_layers)
     "qwen3-next-dense": dict(QWEN3_NEXT, mlp_only_layers=[0, 1, 2, 3]),
+    # MoE layers (one dense) with the shared expert behind its sigmoid gate
+    "qwen3-next": dict(QWEN3_NEXT, mlp_only_layers=[1], shared_expert_intermediate_size=32),
+    "qwen3.5-moe": dict(
+        BASE,
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=32,
+        **LINEAR,
+    ),
     # post-norms, windows of 5 that wrap on layers 0 and 2, scores capped at 2 (the logits' cap
     # of 3 after the call: net.scale_logits), scale 1/sqrt(24)
     "gemma2": dict(
@@ -184,6 +197,19 @@ DEEPSEEK = {
         rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=0.8),
     ),
 }
+# their MoE layers after a dense one: V2-Lite's softmax greedy top-3 of 8, not renormalised, two
+# shared experts; V3's sigmoid noaux_tc over 4 groups (2 kept), renormalised, scaled by 2.5,
+# one shared expert
+MOE = dict(first_k_dense_replace=1, moe_intermediate_size=24)
+DEEPSEEK["deepseek-v2-lite-moe"] = dict(
+    DEEPSEEK["deepseek-v2-lite"], **MOE, n_routed_experts=8, n_shared_experts=2,
+    num_experts_per_tok=3, topk_method="greedy", norm_topk_prob=False,
+)  # fmt: skip
+DEEPSEEK["deepseek-v3-moe"] = dict(
+    DEEPSEEK["deepseek-v3"], **MOE, n_routed_experts=16, n_shared_experts=1,
+    num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)  # fmt: skip
 CASES.update(DEEPSEEK)
 
 
@@ -316,13 +342,15 @@ def test_a_step_of_named_cache_rows_computes_just_those(checkpoint, tmp_path, ca
     for bad in ([3], [0, 0]):  # past the cache; one row twice
         with pytest.raises(IndexError, match="cache rows"):
             m.step(tokens[: len(bad)], pos[: len(bad)], 10, rows=torch.tensor(bad))
+    with pytest.raises(IndexError, match="past the cache's 64"):  # the C step would write there
+        m.step(tokens[:1], torch.tensor([64]), 65, rows=torch.tensor([0]))
 
 
 def test_qwen3_next_moe_without_its_shared_expert(checkpoint):
-    """Qwen3-Next's routed experts beside its DeltaNet layers (one dense layer). Its shared
-    expert is not in the C step (`why_not` names it), so here the config has none:
-    transformers then still writes empty shared-expert tensors, which a checkpoint without
-    one would not hold, so they are dropped."""
+    """Qwen3-Next's routed experts beside its DeltaNet layers (one dense layer), a config of no
+    shared expert (shared_expert_intermediate_size 0): transformers then still writes empty
+    shared-expert tensors, which a checkpoint without one would not hold, so they are
+    dropped."""
     root, _ = checkpoint(dict(QWEN3_NEXT, mlp_only_layers=[1], shared_expert_intermediate_size=0))
     path = root / "model.safetensors"
     state = {k: v for k, v in load_file(path).items() if ".shared_expert" not in k}

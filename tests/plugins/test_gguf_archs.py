@@ -274,7 +274,7 @@ def test_q8_0_file_kept_meets_the_standard(case):
     name, _, f32_path, _ = case
     path = f32_path.with_name("q8_0.gguf")  # converted with the F32 file (the `case` fixture)
     kept = load_model(path, max_seq_len=128, max_batch_size=2)
-    floats = load_model(path, max_seq_len=128, dequantize=True)
+    floats = load_model(path, max_seq_len=128, max_batch_size=2, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
     # routed experts stay in their stacked blocks too (only the chosen ones are read); where
     # the converter could write them in blocks (rows of a multiple of 32 values: all of the
@@ -288,10 +288,15 @@ def test_q8_0_file_kept_meets_the_standard(case):
     # and every architecture decodes on the fused CPU step, as the modules do (MoE of every
     # routing, MLA, post-norms, DeltaNet layers with fp16 conv windows, MXFP4 experts)
     assert why_not(kept.net) is None
+    # Both round the Q8_0 products' 8-bit activations and the fp16 cache (kept weights' default)
+    # alike, but a value an ulp apart in one meets another rounding step in the next product;
+    # a model that amplifies such steps (Gemma 2's post-norms and caps) amplifies the
+    # quantization's own error as much: bounded by a fifth of what the kept weights move the
+    # logits from the file's dequantized floats (a wrong scale or row moves them by their size)
     tokens = feed(5)
-    for got, want in zip(decode(kept, True, tokens), decode(kept, False, tokens), strict=True):
-        # test_cpu_step's bound for kept weights over an fp16 cache (kept weights' default)
-        assert rel_err(got, want) < 1e-3
+    fused, modules = decode(kept, True, tokens), decode(kept, False, tokens)
+    for got, want, ref in zip(fused, modules, decode(floats, False, tokens), strict=True):
+        assert rel_err(got, want) < max(5e-4, rel_err(want, ref) / 5)
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
