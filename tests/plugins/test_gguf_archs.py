@@ -277,8 +277,7 @@ def test_q8_0_file_kept_meets_the_standard(case):
     floats = load_model(path, max_seq_len=128, max_batch_size=2, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
     # routed experts stay in their stacked blocks too (only the chosen ones are read); where
-    # the converter could write them in blocks (rows of a multiple of 32 values: all of the
-    # qwen3moe case's)
+    # the converter could write them in blocks (rows of a multiple of 32: all of qwen3moe's)
     stacked = [m.weight for m in kept.net.modules() if isinstance(m, StackedLinear)]
     assert any(isinstance(w, BlockExperts) for w in stacked) == bool(stacked)
     if name == "qwen3moe":
