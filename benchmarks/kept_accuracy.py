@@ -32,7 +32,7 @@ from fixtures.texts import LIGHTHOUSE as TEXT  # what tests/plugins/test_gguf_ke
 from fixtures.texts import judge
 
 from core import load_model
-from core.bench_llamacpp import machine
+from core.cli.bench_llamacpp import machine
 
 
 def smollm2() -> Path:

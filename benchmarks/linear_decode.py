@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 import torch
 
-from core.bench import random_model
+from core.cli.bench import random_model
 
 LAYERS = 8
 # Qwen3.5's head sizes (attention head_dim 256, linear heads 128 x 128) at a small width, with a

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 import torch
 
-from core.bench import random_model
+from core.cli.bench import random_model
 
 # Mistral 7B's head_dim (128) and SwiGLU ratio (3.5x) at 1/8 of its width, with more kv heads
 # per query head (1:1) and a smaller vocabulary so that the KV cache is a visible share of

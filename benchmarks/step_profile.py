@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from core import load_model
-from core.bench import _sync
+from core.cli.bench import _sync
 from core.quantize import weight_formats
 
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 import torch
 
 from core import load_model
-from core.bench import cpu_stream_gbps
-from core.bench_llamacpp import machine
+from core.cli.bench import cpu_stream_gbps
+from core.cli.bench_llamacpp import machine
 from core.quantize import weight_formats
 
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel MoE: each expert split over the N ranks (what core/tp.py does) against
+"""Tensor-parallel MoE: each expert split over the N ranks (what core/parallel/tp.py does) against
 expert parallelism (E / N whole experts per rank), timed as one rank's share of a MoE layer.
 
 Both schemes end in the same all-reduce of (tokens, hidden), so what differs is each rank's

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_check import _NoGPU
 
 import kernels.dispatch
-from core.bench import random_model
+from core.cli.bench import random_model
 
 # Tiny shapes with the hub's config.json keys: GQA with tied embeddings; MLA with MoE layers.
 SHAPES = {

@@ -138,7 +138,7 @@ def load_model(
     kept as they are: docs/quantization.md). quantize: "int8" or "int4", quantize the float
     weights of any checkpoint at load (linear layers, LM head, embedding).
     tp: split the model over `tp` ranks of a torch.distributed group, this process being one
-    (core/tp.py, docs/scaling.md); every rank calls load_model with the same arguments.
+    (core/parallel/tp.py, docs/scaling.md); every rank calls load_model with the same arguments.
     kv_dtype: the KV cache's dtype; by default float16 on CPUs where weights are kept quantized
     (or quantized at load), else the model's dtype.
     """
@@ -155,7 +155,12 @@ def load_model(
         dev, dt = _resolve_device_dtype(device, dtype, cfg.dtype)
         sharding = None
         if tp != 1:  # a rank's own part of the model and of the checkpoint
-            from core.tp import ShardedCheckpoint, local_config, parallelize, tensor_parallel
+            from core.parallel.tp import (
+                ShardedCheckpoint,
+                local_config,
+                parallelize,
+                tensor_parallel,
+            )
 
             sharding, dev = tensor_parallel(cfg, tp, dev, source, compile, quantize)
             ckpt = ShardedCheckpoint(ckpt, arch.weight_map, sharding)

@@ -236,9 +236,9 @@ class SafetensorsCheckpoint:
 
     def read_slice(self, name: str, dim: int, ranges):
         """Parts of a tensor along `dim`, the (start, stop) `ranges` concatenated: a
-        tensor-parallel rank's share (core/tp.py), read with safetensors' `get_slice` so that
-        only those bytes leave the file. None for a weight stored quantized (fp8, MXFP4), which
-        is read whole, dequantized, then cut."""
+        tensor-parallel rank's share (core/parallel/tp.py), read with safetensors' `get_slice` so
+        that only those bytes leave the file. None for a weight stored quantized (fp8, MXFP4),
+        which is read whole, dequantized, then cut."""
         if (self._mxfp4 and name.endswith(mxfp4.BLOCKS)) or (
             self._fp8 is not None and name + SCALE_SUFFIX in self._where
         ):

@@ -127,7 +127,8 @@ def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):
     """Compiled, each batch size is a graph of its own: it is built in a warm-up, not timed."""
     import torch._dynamo.utils
 
-    from core import bench, load_model
+    from core import load_model
+    from core.cli import bench
 
     root, _ = checkpoint(LLAMA31)
     model = load_model(root, max_seq_len=64, max_batch_size=2, compile=True)
@@ -149,7 +150,8 @@ def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):
 
 def test_compare_runs_on_past_eos_on_both_sides(checkpoint):
     """Both sides may choose eos and go on; forbidding it (min_new_tokens) would part them."""
-    from core import bench, load_model
+    from core import load_model
+    from core.cli import bench
 
     root, _ = checkpoint(LLAMA31)
     prompt = bench.random_prompt(LLAMA31["vocab_size"], 1, 12)[0]
@@ -167,7 +169,7 @@ def test_compare_runs_on_past_eos_on_both_sides(checkpoint):
 def test_compare_without_transformers_is_one_line(monkeypatch, capsys):
     import importlib.util
 
-    from core import cli
+    from core.cli import commands as cli
 
     real = importlib.util.find_spec
 
@@ -200,7 +202,8 @@ def _without(monkeypatch, module: str | None) -> None:
 
 
 def test_compare_without_llama_cpp_is_one_line_before_any_work(monkeypatch, capsys):
-    from core import cli, hub
+    from core import hub
+    from core.cli import commands as cli
 
     _without(monkeypatch, "llama_cpp")
     monkeypatch.setattr(hub, "resolve", lambda *a, **k: pytest.fail("resolved a model"))
@@ -212,7 +215,7 @@ def test_compare_without_llama_cpp_is_one_line_before_any_work(monkeypatch, caps
 
 
 def test_compare_llama_cpp_needs_a_gguf_file(monkeypatch, capsys, checkpoint):
-    from core import cli
+    from core.cli import commands as cli
 
     _without(monkeypatch, None)
     root, _ = checkpoint(LLAMA31)  # config.json + safetensors
@@ -229,7 +232,7 @@ def test_compare_llama_cpp_needs_a_gguf_file(monkeypatch, capsys, checkpoint):
 def test_llama_cpp_crashing_on_batches_is_run_one_token_per_step(monkeypatch):
     """llama.cpp 0.3.36's AMX matmul segfaults on multi-token batches; the worker is started
     again with n_ubatch=1, and the report says why. Any other death is an error."""
-    from core import bench_llamacpp as lc
+    from core.cli import bench_llamacpp as lc
 
     started = []
 
@@ -256,7 +259,7 @@ def test_engines_that_do_not_fit_together_run_one_process_at_a_time(monkeypatch,
     """Where both processes would not fit in memory (`_apart`), a Zoo process and then a
     llama.cpp one are alive in turn, each timing one run, `repeat` times; loads are medians of
     each engine's processes. Else both stay alive and their runs alternate."""
-    from core import bench_llamacpp as lc
+    from core.cli import bench_llamacpp as lc
 
     started, alive = [], []
 

@@ -143,7 +143,7 @@ def test_bench_tp2_measures_rank_0s_part(folder):
     """`zoo bench --tp 2` runs its prefill and decode figures with both ranks (rank 0 reports
     them: its weights are half the model's, bar the replicated norms)."""
     from core import load_model
-    from core.tp import resident_bytes
+    from core.parallel.tp import resident_bytes
 
     args = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "4", "--repeat", "1"]
     args += ["--peak-gbps", "10"]  # no 1 GiB bandwidth probe

@@ -8,8 +8,8 @@ import pytest
 from fixtures.chat_tokenizers import build_tokenizer_folder
 from test_harmony import GENERATED, FakeModel, harmony_folder, harmony_tokenizer  # noqa: F401
 
-from core.chat_session import Session, read_message
-from core.cli import _answer
+from core.cli.chat_session import Session, read_message
+from core.cli.commands import _answer
 from core.errors import RequestError
 from core.tokenizer import Tokenizer
 

@@ -8,8 +8,8 @@ import pytest
 from fixtures.chat_tokenizers import template
 
 from core import RequestError
-from core.cli import _answer
-from core.harmony import HarmonyReader, is_harmony
+from core.chat.harmony import HarmonyReader, is_harmony
+from core.cli.commands import _answer
 from core.tokenizer import StreamDecoder, Tokenizer
 
 # condensed from gpt-oss's template: a macro for the system header, strftime_now, namespace,

@@ -209,7 +209,7 @@ def test_listing_imports_no_torch_and_no_kernels(tmp_path):
     installed) but import no torch, kernel or layer module."""
     code = f"""
 import json, sys
-from core.cli import main
+from core.cli.commands import main
 main(["plugins"]); main(["list"])
 print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))
 """

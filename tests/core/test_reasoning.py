@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.reasoning import ThinkSplitter, split
+from core.chat.reasoning import ThinkSplitter, split
 
 ANSWER = "<think>\nThe capital of France... Paris.\n</think>\n\nParis."
 

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from fixtures.chat_tokenizers import LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, QWEN25_TEMPLATE
 
-from core.tool_calls import (
+from core.chat.tool_calls import (
     GRAMMARS,
     CallStream,
     call_id,

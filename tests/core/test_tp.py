@@ -1,4 +1,5 @@
-"""Tensor parallelism (core/tp.py) over two gloo ranks on the CPU equals the single process.
+"""Tensor parallelism (core/parallel/tp.py) over two gloo ranks on the CPU equals the single
+process.
 
 One spawned pair of ranks loads every tiny checkpoint with tp=2 (so the process start, the
 costly part, is paid once) and saves its figures; the test process loads the same folders
@@ -17,7 +18,7 @@ import tp_ranks
 from conftest import LLAMA31, LLAMA32, make_checkpoint, save_in_memory_names
 
 from core import ConfigError, load_model
-from core import tp as tp_mod
+from core.parallel import tp as tp_mod
 from plugins.llama3 import LlamaConfig
 
 QWEN2 = dict(

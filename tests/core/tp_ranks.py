@@ -1,6 +1,6 @@
 """What each rank of the tensor-parallel tests runs, in a spawned process of its own (imported
 by name there, so nothing here imports the core at module level: the timeout is read from the
-environment when core.distributed is first imported)."""
+environment when core.parallel.distributed is first imported)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _join(rank: int, world: int, port: int, timeout_s: float) -> None:
 def measure(model, tp: int) -> dict:
     """The figures compared across tp sizes: prefill logits of a batch of two, one decode
     step, greedy tokens, seeded sampled tokens, parameter bytes."""
-    from core.tp import resident_bytes
+    from core.parallel.tp import resident_bytes
 
     ids = torch.tensor([PROMPT, PROMPT[::-1]])
     prefill = model.forward(ids)
@@ -60,7 +60,7 @@ def rows_and_copies(model) -> torch.Tensor:
     """What the server's scheduler does besides plain forwards: prefill one row of the cache
     (`Slots.only`), copy a prefix into another row (`Slots.copy`), continue that row, then
     decode both rows at per-row positions. Their logits (2, 1, vocab)."""
-    from core.slots import Slots
+    from core.serve.slots import Slots
 
     net = model.net
     slots = Slots(net.kv_cache, model.config.attention_layers)
@@ -78,8 +78,9 @@ def parity_rank(rank: int, world: int, port: int, folders: dict, out: str) -> No
     rank 0's next forward must fail quickly and by name: rank0.txt holds how long it took and
     the error; the exit codes are 1 (rank 0, the error) and 3 (rank 1)."""
     _join(rank, world, port, 30)
-    from core import ZooError, distributed, load_model
-    from core.distributed import all_reduce
+    from core import ZooError, load_model
+    from core.parallel import distributed
+    from core.parallel.distributed import all_reduce
 
     results = {}
     for name, folder in folders.items():

@@ -16,7 +16,7 @@ from test_deepseek import VOCAB
 from test_fp8 import make_fp8
 
 from core import CheckpointError, load_model, quantize
-from core.cli import main
+from core.cli.commands import main
 from kernels import dispatch, quant_matmul, reference
 from kernels.dispatch import kernel_module
 from kernels.qweight import FP8, QuantExperts, QuantWeight

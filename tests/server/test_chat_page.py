@@ -16,7 +16,7 @@ import torch
 from test_server import Server, folder  # noqa: F401  (folder: a fixture)
 
 from core import load_model
-from core.server import create_app
+from core.serve.app import create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")

@@ -20,7 +20,7 @@ from test_server import KEY, Server
 from test_tools_api import WEATHER, scripted
 
 from core import load_model
-from core.server import create_app
+from core.serve.app import create_app
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = (

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server import IDLE, Server, folder  # noqa: F401  (folder: a fixture)
 
 from core import load_model
-from core.server import create_app
+from core.serve.app import create_app
 
 CONTEXT = 32
 
@@ -156,7 +156,7 @@ def test_the_queue_counts_what_waits_and_frees_what_a_row_takes(folder):  # noqa
     import asyncio
 
     from core.sampling import SamplingParams
-    from core.scheduler import Job, QueueFull, Scheduler
+    from core.serve.scheduler import Job, QueueFull, Scheduler
 
     sched = Scheduler(load_model(folder, max_seq_len=CONTEXT, max_batch_size=2), max_queue=1)
     loop = asyncio.new_event_loop()

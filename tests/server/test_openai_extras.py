@@ -13,7 +13,7 @@ import torch
 from test_server import KEY, Server, folder  # noqa: F401  (folder: a fixture)
 
 from core import load_model
-from core.server import create_app
+from core.serve.app import create_app
 
 PERSON = {
     "type": "object",

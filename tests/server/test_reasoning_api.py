@@ -13,7 +13,7 @@ from test_server import KEY, Server, folder  # noqa: F401  (folder: a fixture)
 from test_tools_api import scripted
 
 from core import load_model
-from core.server import create_app
+from core.serve.app import create_app
 
 # R1's distills: history answers lose their thinking; the generation prompt opens a block
 OPENS = (

@@ -19,7 +19,7 @@ from conftest import LLAMA32, make_checkpoint
 
 from core import load_model
 from core.sampling import SamplingParams
-from core.scheduler import Job, Scheduler
+from core.serve.scheduler import Job, Scheduler
 
 QWEN3_SLIDING = dict(  # tests/plugins/test_qwen3.py's: layers 1 and 2 slide over 5 positions
     model_type="qwen3",

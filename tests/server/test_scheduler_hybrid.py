@@ -11,7 +11,7 @@ from conftest import make_checkpoint
 from test_scheduler import decoding, params, prompt, run, same_as_alone
 
 from core import load_model
-from core.scheduler import Scheduler
+from core.serve.scheduler import Scheduler
 
 HYBRID = dict(
     model_type="qwen3_next",

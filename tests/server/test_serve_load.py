@@ -13,7 +13,7 @@ from test_limits_metrics import scrape
 from test_server import Server, folder  # noqa: F401  (folder: a fixture)
 
 from core import load_model
-from core.server import create_app
+from core.serve.app import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -106,7 +106,7 @@ def alone(folder):
 @pytest.fixture(scope="module")
 def served(folder):
     """(server, throttle) of the tiny model, batches of up to 4, behind an API key."""
-    from core.server import create_app
+    from core.serve.app import create_app
 
     model = load_model(folder, max_batch_size=4)
     throttle = model.net = Throttle(model.net)
@@ -478,7 +478,7 @@ def test_zoo_serve_command(folder):
 
 # --- a real model -----------------------------------------------------------------------------
 def test_smollm2_answers_paris():
-    from core.server import create_app
+    from core.serve.app import create_app
 
     server = Server(create_app(load_model("smollm2", max_seq_len=128), "smollm2"))
     try:

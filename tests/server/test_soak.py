@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server import Server, folder  # noqa: F401  (folder: a fixture)
 
 from core import load_model
-from core.server import create_app
+from core.serve.app import create_app
 
 CLIENTS, ROUNDS, CONTEXT = 64, 3, 256
 

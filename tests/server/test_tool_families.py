@@ -23,8 +23,8 @@ from test_tools_api import WEATHER, scripted
 from transformers import AutoTokenizer
 
 from core import load_model
-from core.server import create_app
-from core.tool_calls import template_arguments
+from core.chat.tool_calls import template_arguments
+from core.serve.app import create_app
 
 NOTE = {
     "type": "function",

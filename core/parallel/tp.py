@@ -14,7 +14,7 @@ loaded on rank 0 only (zeros elsewhere), so the sum adds it once. Norms, routers
 rest are replicated.
 
 The model is built with a *local* `RuntimeConfig` (heads and intermediate sizes / N), and the
-checkpoint is seen through `ShardedCheckpoint` (core/tp_slices.py), which gives each tensor
+checkpoint is seen through `ShardedCheckpoint` (core/parallel/slices.py), which gives each tensor
 its local shape and reads only this rank's slices (safetensors' `get_slice`), so the strict
 loader runs unchanged.
 """
@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import distributed
 from core.config import GQASpec, MLASpec, RuntimeConfig
 from core.errors import ConfigError, RequestError
 from core.layers.embedding import Embedding, LMHead
-from core.tp_slices import ShardedCheckpoint, Sharding
+from core.parallel import distributed
+from core.parallel.slices import ShardedCheckpoint, Sharding
 
 
 def _problems(cfg: RuntimeConfig, n: int) -> list[tuple[str, int, str]]:
@@ -176,7 +176,7 @@ def resident_bytes(net: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in net.parameters())
 
 
-__all__ = [  # ShardedCheckpoint and Sharding live in core/tp_slices.py
+__all__ = [  # ShardedCheckpoint and Sharding live in core/parallel/slices.py
     "ShardedCheckpoint",
     "Sharding",
     "VocabParallelEmbedding",

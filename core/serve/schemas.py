@@ -1,9 +1,9 @@
 """The OpenAI API's request bodies (pydantic), its error object, and the JSON objects
-`core.server` answers with.
+`core.serve.app` answers with.
 
 A field Zoo does not implement is refused with a 400 naming it, rather than silently ignored
 (the clients' harmless extras, HARMLESS, are accepted and unused); sampling values are
-range-checked once, by `SamplingParams` (core/server.py names the request's field).
+range-checked once, by `SamplingParams` (core/serve/app.py names the request's field).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.errors import ZooError
 from core.generation import GenerationResult, TokenLogprob
-from core.scheduler import Cancelled, ShuttingDown
+from core.serve.scheduler import Cancelled, ShuttingDown
 from core.tokenizer import Tokenizer
 
 # fields clients send that change nothing in an answer: accepted, unused (docs/serve.md)

@@ -1,4 +1,4 @@
-"""torch.distributed for tensor parallelism (core/tp.py): the process group, the two
+"""torch.distributed for tensor parallelism (core/parallel/tp.py): the process group, the two
 collectives a sharded model runs, rank 0 driving the others, and the launcher.
 
 - `start` joins the group torchrun's environment describes (gloo on CPUs, NCCL on GPUs), or
@@ -132,7 +132,7 @@ def _only(cache, row: int):
 def lead(net: torch.nn.Module, device: torch.device) -> None:
     """Rank 0: every forward of `net` first sends its arguments (and the cache row it is
     narrowed to) to the followers, and so does every row copy of the server's slots."""
-    from core import slots  # the server's rows; their prefix copies bypass forward
+    from core.serve import slots  # the server's rows; their prefix copies bypass forward
 
     inner, wire, full = net.forward, _wire(device), net.kv_cache.layers
 
@@ -177,7 +177,7 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
     """Ranks > 0: run each forward and row copy rank 0 announces, until it sends stop. Ctrl-C
     is rank 0's to act on (a terminal sends it to every rank): these ranks end when it says
     so, or dies."""
-    from core.slots import Slots
+    from core.serve.slots import Slots
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     wire, rows = _wire(device), Slots(net.kv_cache, net.config.attention_layers)
@@ -208,7 +208,7 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
 def release() -> None:
     """Rank 0: tell the followers to return from `follow` (the group stays up)."""
     if _state["leading"]:
-        from core import slots
+        from core.serve import slots
 
         _state["stop"].set()
         # a follower already gone: the launcher reports it

@@ -88,19 +88,19 @@ class Reasoner:
 
     @classmethod
     def for_request(cls, tok: Any, prompt: list[int]) -> Reasoner | None:
-        from core.harmony import is_harmony
+        from core.chat.harmony import is_harmony
 
         harmony = is_harmony(tok)
         return cls(tok, prompt, harmony) if harmony or thinks(tok) else None
 
     def params(self) -> dict:
         """What decoding the answer needs: harmony's channels are special tokens, kept in the
-        text for core.harmony.HarmonyReader."""
+        text for core.chat.harmony.HarmonyReader."""
         return {"skip_special_tokens": False} if self.harmony else {}
 
 
 class Reader:
-    """One answer read as it streams into deltas (core.tool_calls.Delta): its thinking apart,
+    """One answer read as it streams into deltas (core.chat.tool_calls.Delta): its thinking apart,
     then the rest as content or, with a tool-call reader, as content and calls."""
 
     def __init__(self, think: ThinkSplitter | None, calls: Any = None):
@@ -128,11 +128,11 @@ class Reader:
 
 def reader(reasoner: Reasoner | None, tools: Any = None) -> Any:
     """A fresh reader of one answer (a choice) of a chat request: a harmony answer's channels,
-    or a think block; and, with `tools` (a core.tool_calls.ToolUse), the calls."""
+    or a think block; and, with `tools` (a core.chat.tool_calls.ToolUse), the calls."""
     if tools is not None and tools.forced:  # the answer is the call's JSON from its start
         return Reader(None, tools.stream())
     if reasoner is not None and reasoner.harmony:
-        from core.harmony import HarmonyReader
+        from core.chat.harmony import HarmonyReader
 
         return HarmonyReader(tools=tools is not None)
     think = ThinkSplitter(reasoner.opened) if reasoner is not None else None

@@ -12,11 +12,11 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from core.chat.reasoning import Reasoner, read_whole, reader
+from core.chat.tool_calls import ToolUse, call_id
 from core.generation import GenerationResult, TokenLogprob
-from core.reasoning import Reasoner, read_whole, reader
-from core.scheduler import Job
-from core.server_schemas import Reply, as_api_error, error_body
-from core.tool_calls import ToolUse, call_id
+from core.serve.scheduler import Job
+from core.serve.schemas import Reply, as_api_error, error_body
 
 
 class EventStream(StreamingResponse):

@@ -1,7 +1,7 @@
 """`zoo serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one loaded model.
 
 Handlers validate a request on the event loop, queue it as a `Job` for the scheduler thread
-(core/scheduler.py: it owns the model and batches requests continuously), and turn the job's
+(core/serve/scheduler.py: it owns the model and batches requests continuously), and turn the job's
 events into a JSON response or server-sent events. A client that disconnects cancels its row.
 See docs/serve.md.
 """
@@ -24,13 +24,14 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from core.chat.reasoning import Reasoner
+from core.chat.tool_calls import ToolUse, family, template_arguments
 from core.errors import RequestError, ZooError
 from core.model import Model
-from core.reasoning import Reasoner
 from core.sampling import SamplingParams
-from core.scheduler import Job, QueueFull, Scheduler
-from core.server_metrics import CONTENT_TYPE, ServerMetrics
-from core.server_schemas import (
+from core.serve.metrics import CONTENT_TYPE, ServerMetrics
+from core.serve.scheduler import Job, QueueFull, Scheduler
+from core.serve.schemas import (
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -46,9 +47,8 @@ from core.server_schemas import (
     model_list,
     validation_error,
 )
-from core.server_stream import EventStream, Reading, events, results
+from core.serve.stream import EventStream, Reading, events, results
 from core.structured import schema_text
-from core.tool_calls import ToolUse, family, template_arguments
 
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # GET /
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)

@@ -8,7 +8,7 @@ or cancelled when its client goes away) and frees it between two steps. Each ste
 - then runs one decode step for every decoding row together (the model's `DecodeStep`:
   compiled / CUDA-graph buckets included), each row at its own position.
 A row keeps its tokens' keys and values after its request ends: a later prompt starts from
-the longest prefix any row holds (core/slots.py). See docs/architecture.md for why the cache
+the longest prefix any row holds (core/serve/slots.py). See docs/architecture.md for why the cache
 stays static (one row per request) rather than paged.
 """
 
@@ -26,9 +26,9 @@ import torch
 
 from core.model import Model
 from core.sampling import SamplingParams
-from core.seq import Seq
-from core.server_metrics import RequestClock, ServerMetrics
-from core.slots import Slots
+from core.serve.metrics import RequestClock, ServerMetrics
+from core.serve.seq import Seq
+from core.serve.slots import Slots
 
 log = logging.getLogger("zoo.server")
 CHUNK = 512  # prompt tokens prefilled per step, decoding rows included (vLLM's

@@ -1,8 +1,8 @@
-"""The two sides of `zoo bench --compare llama.cpp` (core/bench_llamacpp.py), each run in a
-process of its own: `python -m core.bench_worker zoo|llama.cpp CONFIG`. A worker loads the model,
-makes one untimed run, then answers "run" (one timed greedy run) and "exit" (its peak RSS) on
-stdin with JSON lines. Nothing here imports torch or llama_cpp at the top: the llama.cpp worker
-never loads torch, so its RSS is llama.cpp's own."""
+"""The two sides of `zoo bench --compare llama.cpp` (core/cli/bench_llamacpp.py), each run in a
+process of its own: `python -m core.cli.bench_worker zoo|llama.cpp CONFIG`. A worker loads the
+model, makes one untimed run, then answers "run" (one timed greedy run) and "exit" (its peak
+RSS) on stdin with JSON lines. Nothing here imports torch or llama_cpp at the top: the llama.cpp
+worker never loads torch, so its RSS is llama.cpp's own."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def _peak_rss() -> int:
 def main(argv: list[str]) -> None:
     """Worker: load, run once (untimed), then answer "run" and "exit" lines with JSON lines."""
     engine, cfg = argv[0], json.loads(argv[1])
-    # llama.cpp 0.3.36 may die on a multi-token batch (AMX: core/bench_llamacpp.py): no core file
+    # llama.cpp 0.3.36 may die on a multi-token batch (AMX: bench_llamacpp.py): no core file
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     reply = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own channel ...
     os.dup2(2, 1)  # ... and whatever a library prints goes to stderr

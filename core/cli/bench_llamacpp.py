@@ -4,7 +4,7 @@ the same GGUF file, each engine in a process of its own, their runs alternating.
 Two engines in one process disturb each other (llama.cpp's worker threads can spin after a
 call, and torch's run beside them), so neither engine shares a process with the other, and only
 one of them runs at a time: this process starts a worker per engine (`python -m
-core.bench_worker zoo|llama.cpp CONFIG`), each loads the model and runs once untimed, then they
+core.cli.bench_worker zoo|llama.cpp CONFIG`), each loads the model and runs once untimed, then they
 are asked in turn for one timed greedy run each, over a pipe of JSON lines. Where the two
 processes would not fit in memory together (a 12 GB file on a 24 GB machine), only one is
 alive at a time: a Zoo process, then a llama.cpp one, each timing one run after its warm-up,
@@ -51,10 +51,10 @@ class _Worker:
     def __init__(self, engine: str, config: dict[str, Any]):
         self.engine = engine
         self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close())
-        paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
+        paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "core.bench_worker", engine, json.dumps(config)],
+            [sys.executable, "-m", "core.cli.bench_worker", engine, json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env,
         )  # fmt: skip
         try:

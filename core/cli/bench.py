@@ -307,7 +307,7 @@ def render(report: BenchReport) -> str:
             f"{r['achieved_gbps']:>10.1f} {frac:>8}"
         )
     if report.compare.get("peer") == "llama.cpp":
-        from core.bench_llamacpp import render_lines
+        from core.cli.bench_llamacpp import render_lines
 
         lines += ["", *render_lines(report.compare)]
     elif report.compare:

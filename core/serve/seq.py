@@ -16,8 +16,8 @@ from core.structured import Masks, make_constraint
 
 if TYPE_CHECKING:
     from core.model import Model
-    from core.scheduler import Job
-    from core.server_metrics import ServerMetrics
+    from core.serve.metrics import ServerMetrics
+    from core.serve.scheduler import Job
 
 
 class Seq:

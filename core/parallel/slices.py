@@ -1,4 +1,4 @@
-"""Which part of each checkpoint tensor a tensor-parallel rank holds (core/tp.py), and the
+"""Which part of each checkpoint tensor a tensor-parallel rank holds (core/parallel/tp.py), and the
 checkpoint as one rank sees it: local shapes, and only the rank's slices read."""
 
 from __future__ import annotations

@@ -1,0 +1,2 @@
+"""What chat formats add on top of text: tool calls written in each model family's own format
+(tool_calls.py), reasoning sections (reasoning.py) and gpt-oss's harmony channels (harmony.py)."""
