@@ -68,7 +68,7 @@ def test_a_wrong_input_width_is_refused_as_f_linear_refuses_it(two_threads, spli
 
 def _slow(fn):
     def slowed(*args):
-        time.sleep(0.02)  # far above either path, even on a loaded machine
+        time.sleep(0.1)  # far above either path, even on a machine loaded 2x over
         return fn(*args)
 
     return slowed
