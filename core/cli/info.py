@@ -1,0 +1,105 @@
+"""`zoo info`, `zoo list` and `zoo plugins`: what a model is and how it will run, the named
+models, the loaded plugins."""
+
+from __future__ import annotations
+
+import argparse
+
+from core.cli.common import load
+
+
+def info(args: argparse.Namespace) -> None:
+    from core.quantize import weight_formats
+
+    m = load(args, max_seq_len=16)
+    c = m.config
+    formats = weight_formats(m.net)
+    params = sum(n for n, _ in formats.values())
+    print(f"model        {m.path}")
+    print(f"architecture {c.model_type}")
+    print(f"parameters   {params:,}")
+    print(f"layers       {c.num_layers} x hidden {c.hidden_size}, vocab {c.vocab_size}")
+    a = c.attention
+    print(f"attention    {type(a).__name__}: {a.num_heads} heads, " + _attention_detail(a))
+    print(f"rope         {type(c.rope).__name__} theta={c.rope.theta:g}")
+    print(f"dtype        {c.dtype} (loaded as {str(m.dtype).removeprefix('torch.')})")
+    print(f"layer kinds  {_layer_kinds(c)}")
+    kv = m.net.kv_cache.dtype
+    size, seq = kv.itemsize, c.max_position_embeddings
+    print(
+        f"KV bytes     {c.kv_bytes_per_token(size):,} per token (full layers, "
+        f"{str(kv).removeprefix('torch.')}), {c.kv_bytes(size, seq):,} per sequence of "
+        f"{seq:,} tokens"
+    )
+    state = c.state_bytes_per_sequence(size)
+    if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
+        print(f"state bytes  {state:,} per sequence (recurrent layers' conv + delta-rule state)")
+    print(f"decode step  {_decode_path(m)}")
+    total = sum(b for _, b in formats.values())
+    print(f"weights      {total:,} bytes resident")
+    for kind, (n, b) in formats.items():
+        print(f"  {kind:<10} {n:>14,} parameters {b:>14,} bytes")
+    if m.path.is_dir():
+        files = sorted(p.name for p in m.path.iterdir() if p.is_file())
+        print(f"files        {', '.join(files)}")
+
+
+def _decode_path(m) -> str:
+    """Which decode step a reply takes: the fused C blocks (CPU), or the modules and why."""
+    if m.step.compiled is not None:
+        return "compiled (torch.compile)"
+    if m.step.fused is None:
+        return f"eager modules ({m.device.type})"
+    from core.cpu_step import kinds  # (the CLI imports torch's side only where it runs)
+
+    why = m.step.fused.why_not()
+    if why is not None:
+        return f"eager modules ({why})"
+    return f"eager, fused C blocks (core/cpu_step.py): {kinds(m.net)}"
+
+
+def _layer_kinds(c) -> str:
+    """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9';
+    linear-attention layers by their spec's name ('GatedDeltaNetSpec x 36, full x 12')."""
+    kinds: dict[str, int] = {}
+    for i in range(c.num_layers):
+        spec = c.layer_attention(i)
+        if getattr(spec, "recurrent", False):
+            name = type(spec).__name__
+            kinds[name] = kinds.get(name, 0) + 1
+            continue
+        window = getattr(spec, "window", None)
+        kind = "full" if window is None else f"window {window}"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if c.layer_rope(i) is None:
+            kinds["NoPE"] = kinds.get("NoPE", 0) + 1
+    return ", ".join(f"{k} x {n}" for k, n in kinds.items())
+
+
+def _attention_detail(a) -> str:
+    if hasattr(a, "num_kv_heads"):
+        return f"{a.num_kv_heads} kv heads, head_dim {a.head_dim}"
+    return ", ".join(f"{k} {v}" for k, v in vars(a).items() if k != "num_heads")
+
+
+def list_models(args: argparse.Namespace) -> None:
+    from core.catalog import named_models
+    from core.hub import is_cached
+
+    print(f"{'NAME':<22} {'ARCHITECTURE':<13} {'SIZE':>6}  {'CACHED':<6}  SOURCE")
+    for name, entry in named_models().items():
+        arch, size = entry.get("architecture", "?"), entry.get("params", "?")
+        source = entry.get("repo") or f"pip package {entry.get('package', '?')}"
+        cached = "yes" if is_cached(name) else "no"
+        print(f"{name:<22} {arch:<13} {size:>6}  {cached:<6}  {source}")
+
+
+def plugins(args: argparse.Namespace) -> None:
+    from core.plugins import describe_plugins, skipped_plugins
+
+    for row in describe_plugins():
+        print(f"{row['name']}  ({row['distribution']} {row['version']})")
+        for kind, names in row["registers"].items():
+            print(f"    {kind}: {', '.join(names)}")
+    for p in skipped_plugins():
+        print(f"{p.name}  ({p.distribution} {p.version})  skipped: {p.skipped}")
