@@ -54,6 +54,39 @@ def routed_top_k(k: int, experts: int, experts_field: str) -> int:
     return k
 
 
+def text_model(raw: Any, source: str, model_type: str) -> dict[str, Any]:
+    """A multimodal config's text model (gemma3, qwen3_5): its `text_config`, with the top
+    level's dtype and tying (transformers reads them there) and its token ids where the text
+    model has none, as a `model_type` config."""
+    text = raw.get("text_config") if isinstance(raw, dict) else None
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"{source}: field 'text_config' is missing or not an object; a {model_type} config "
+            "describes its text model there"
+        )
+    top = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in raw}
+    gaps = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
+    return {**gaps, **text, **top, "model_type": model_type}
+
+
+def every_layer_moe(cfg: DecoderConfig, experts_field: str, width: int, **extra: Any) -> MoESpec:
+    """Routed experts on every layer, no shared ones, softmax top-k renormalised (Mixtral's
+    MoE; `extra`: the MoESpec fields a family adds): `experts_field` names the config key that
+    holds the expert count, `width` is each expert's; cfg.num_experts_per_tok route a token."""
+    e = getattr(cfg, experts_field)
+    return MoESpec(
+        num_experts=e,
+        top_k=routed_top_k(cfg.num_experts_per_tok, e, experts_field),
+        intermediate_size=width,
+        num_shared_experts=0,
+        layers=tuple(range(cfg.num_hidden_layers)),
+        scoring="softmax",
+        topk_method="greedy",
+        norm_topk_prob=True,
+        **extra,
+    )
+
+
 class DecoderConfig(BaseModel):
     """A Llama-style decoder's config.json. Subclasses narrow `model_type` and add their keys."""
 
@@ -193,6 +226,21 @@ class DecoderConfig(BaseModel):
 
     def rope_dim(self) -> int:
         return self.resolved_head_dim()
+
+    def partial_rope_dim(self, factor: float | None) -> int:
+        """Rope on the first int(head_dim * partial_rotary_factor) dims of each head, as
+        transformers: the factor in the rope parameters (transformers 5) wins over `factor`,
+        the top-level key (None: 1). For the families that rotate part of each head."""
+        _, params = DecoderConfig.rope_params(self)  # the hub's block, before a family's edits
+        f = float(params.get("partial_rotary_factor") or factor or 1.0)
+        dim = int(self.resolved_head_dim() * f)
+        if dim < 2 or dim % 2:
+            raise ConfigError(
+                f"config.json: field 'partial_rotary_factor' ({f}) gives {dim} rotary dims per "
+                f"head (head_dim {self.resolved_head_dim()}); it needs an even number of at "
+                "least 2"
+            )
+        return dim
 
     def rope_params(self) -> tuple[str, dict[str, Any]]:
         """(rope kind, its parameters) from `rope_parameters` or `rope_scaling`, any key style."""
