@@ -12,7 +12,7 @@ from core.errors import CheckpointError, RequestError
 from core.hugepages import keep_freed_memory, move_to_huge_pages
 from core.loader import load_weights, plan_load
 from core.model import Model
-from core.modeling import CausalLM
+from core.modeling import CausalLM, kernel_errors
 from core.plugins import registry
 from core.quantize import check_kind, held_bytes, quantize_model
 
@@ -224,4 +224,5 @@ def load_model(
         net.kv_cache.nbytes / 2**20,
         lazy,
     )
-    return Model(net, tokenizer, path, gen_config, compile=compile)
+    with kernel_errors():  # a compiled step resolves every kernel now (ZOO_KERNELS)
+        return Model(net, tokenizer, path, gen_config, compile=compile)

@@ -44,9 +44,11 @@ def _load(args: argparse.Namespace, model: str | None = None, **kw):
     )
     if tp > 1:
         from core import distributed
+        from core.modeling import kernel_errors
 
         if distributed.rank() != 0:
-            distributed.follow(m.net, m.device)
+            with kernel_errors():  # a kernel's refusal: one line, as on rank 0
+                distributed.follow(m.net, m.device)
             distributed.finish()
             raise SystemExit(0)
         distributed.lead(m.net, m.device)

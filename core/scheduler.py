@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from core.model import Model
+from core.modeling import kernel_errors
 from core.sampling import SamplingParams
 from core.seq import Seq
 from core.server_metrics import RequestClock, ServerMetrics
@@ -182,7 +183,7 @@ class Scheduler:
 
     def _step(self) -> None:
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), kernel_errors():  # a kernel's refusal: a ZooError
                 for seq in self.running:
                     if seq.job.cancelled:
                         seq.abort()
