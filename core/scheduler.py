@@ -14,21 +14,17 @@ stays static (one row per request) rather than paged.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from core.model import Model
 from core.modeling import kernel_errors
-from core.sampling import SamplingParams
-from core.seq import Seq
-from core.server_metrics import RequestClock, ServerMetrics
+from core.seq import Job, Seq
+from core.server_metrics import ServerMetrics
 from core.slots import Slots
 
 log = logging.getLogger("zoo.server")
@@ -46,27 +42,6 @@ class QueueFull(Exception):
 
 class Cancelled(Exception):
     """Handed to a request cancelled while it waited in the queue (it never runs)."""
-
-
-@dataclass(eq=False)
-class Job:
-    """One queued request: its prompt ids and parameters, and its handler's event queue."""
-
-    ids: list[int]
-    params: SamplingParams
-    stream: bool  # whether the handler wants "token" / "text" events, or only the end
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False  # set by the handler (client gone); read before each step
-    clock: RequestClock | None = None  # set by Scheduler.submit (for /metrics)
-
-    def emit(self, kind: str, value: Any = None) -> None:
-        """From the scheduler thread: ("token", TokenLogprob) | ("text", str) |
-        ("done", GenerationResult) | ("error", Exception), in order."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled = True
 
 
 class Scheduler:
