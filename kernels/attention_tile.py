@@ -14,6 +14,15 @@ from kernels.casting import mma, round_to, tanh
 
 
 @triton.jit
+def load_rows(base, rows, row_mask, width, BLOCK: tl.constexpr):
+    """A (len(rows), BLOCK) tile: row r from base + rows[r], its first `width` columns (0 past
+    them and in masked rows)."""
+    offs = tl.arange(0, BLOCK)
+    mask = row_mask[:, None] & (offs < width)[None, :]
+    return tl.load(base + rows[:, None] + offs[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def attend(
     q,  # (ROWS, BLOCK_D) query tile
     qpe,  # (ROWS, BLOCK_DPE) rope part of the queries, when HAS_PE (else any tensor)
@@ -46,27 +55,16 @@ def attend(
     BLOCK_DV: tl.constexpr,
 ):
     """-> (acc (ROWS, BLOCK_DV) fp32, m_i (ROWS,) running max, l_i (ROWS,) running sum)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_p = tl.arange(0, BLOCK_DPE)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_end
-        k = tl.load(
-            k_base + offs_n[:, None] * sk_s + offs_d[None, :],
-            mask=n_mask[:, None] & (offs_d < D)[None, :],
-            other=0.0,
-        )
+        k = load_rows(k_base, offs_n * sk_s, n_mask, D, BLOCK_D)
         scores = mma(q, tl.trans(k))  # (ROWS, BLOCK_N) fp32
         if HAS_PE:
-            kpe = tl.load(
-                kpe_base + offs_n[:, None] * skp_s + offs_p[None, :],
-                mask=n_mask[:, None] & (offs_p < DPE)[None, :],
-                other=0.0,
-            )
+            kpe = load_rows(kpe_base, offs_n * skp_s, n_mask, DPE, BLOCK_DPE)
             scores += mma(qpe, tl.trans(kpe))
         if HAS_SOFTCAP:
             scores = cap_out * tanh(scores * cap_in)
@@ -87,11 +85,7 @@ def attend(
         if V_IS_K:
             v = k
         else:
-            v = tl.load(
-                v_base + offs_n[:, None] * sv_s + offs_dv[None, :],
-                mask=n_mask[:, None] & (offs_dv < DV)[None, :],
-                other=0.0,
-            )
+            v = load_rows(v_base, offs_n * sv_s, n_mask, DV, BLOCK_DV)
         p = round_to(p, v_base.dtype.element_ty)  # P in V's dtype, as flash kernels do
         acc = acc * alpha[:, None] + mma(p, v)
         m_i = m_new

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend
+from kernels.attention_tile import attend, load_rows
 from kernels.casting import round_to
 from kernels.dispatch import check_features, interpreting, require, softcap_factors
 
@@ -90,21 +90,11 @@ def _decode_split_kernel(
     if HAS_WINDOW:  # the query sits at length - 1: keys before its window are not read
         start = tl.maximum(start, length - window)
 
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
-        mask=g_mask[:, None] & (offs_d < D)[None, :],
-        other=0.0,
-    )
+    q = load_rows(Q + b * sq_b, heads * sq_h, g_mask, D, BLOCK_D)
     qpe = q  # unread without HAS_PE
     if HAS_PE:
-        offs_p = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(
-            QPE + b * sqp_b + heads[:, None] * sqp_h + offs_p[None, :],
-            mask=g_mask[:, None] & (offs_p < DPE)[None, :],
-            other=0.0,
-        )
+        qpe = load_rows(QPE + b * sqp_b, heads * sqp_h, g_mask, DPE, BLOCK_DPE)
     # keys [start, end) are all visible: the query sits at length - 1, past the window's start
     acc, m_i, l_i = attend(
         q, qpe, K + b * sk_b + kvh * sk_h, KPE + b * skp_b, V + b * sv_b + kvh * sv_h,

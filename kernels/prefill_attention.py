@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend
+from kernels.attention_tile import attend, load_rows
 from kernels.casting import round_to
 from kernels.dispatch import check_features, interpreting, require, softcap_factors
 
@@ -85,21 +85,11 @@ def _prefill_kernel(
     if PER_ROW:
         start_pos = tl.load(STARTS + b)
     pos = start_pos + offs_m  # (BLOCK_M,) absolute positions of the queries
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
-        mask=m_mask[:, None] & (offs_d < D)[None, :],
-        other=0.0,
-    )
+    q = load_rows(Q + b * sq_b + h * sq_h, offs_m * sq_t, m_mask, D, BLOCK_D)
     qpe = q  # unread without HAS_PE
     if HAS_PE:
-        offs_p = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(
-            QPE + b * sqp_b + h * sqp_h + offs_m[:, None] * sqp_t + offs_p[None, :],
-            mask=m_mask[:, None] & (offs_p < DPE)[None, :],
-            other=0.0,
-        )
+        qpe = load_rows(QPE + b * sqp_b + h * sqp_h, offs_m * sqp_t, m_mask, DPE, BLOCK_DPE)
     hi = tl.minimum(n_kv, start_pos + (pid_m + 1) * BLOCK_M)  # keys past the block's last query
     lo = 0
     if HAS_WINDOW:  # keys before the block's first query's window: skipped, tile-aligned
