@@ -1,6 +1,7 @@
 """Hub rope blocks (`rope_scaling` / `rope_parameters`, any key style) -> `RopeSpec`.
 
-`ROPE_KINDS` maps each `rope_type` to a builder(params, theta, rotary dims, dto); its parameter
+`ROPE_KINDS` maps each `rope_type` to a builder(params, theta, rotary dims, dto: the
+`core.hfconfig.DecoderConfig`, read for max_position_embeddings and the like); its parameter
 block is validated by pydantic (unknown keys ignored), the derived factors computed as
 transformers computes them. `core.hfconfig.DecoderConfig.rope_spec` looks kinds up here.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
 
@@ -23,9 +24,6 @@ from core.config import (
     YarnRope,
 )
 from core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from core.hfconfig import DecoderConfig
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -71,22 +69,22 @@ class _LongRope(_Params):
     attention_factor: PositiveFloat | None = None  # None: derived from factor
 
 
-def _default(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+def _default(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
     return DefaultRope(theta=theta, dim=dim)
 
 
-def _linear(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+def _linear(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
     return LinearRope(theta=theta, dim=dim, factor=_Factor(**p).factor)
 
 
-def _dynamic(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+def _dynamic(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
     factor = _Factor(**p).factor
     return DynamicRope(
         theta=theta, dim=dim, factor=factor, max_position_embeddings=cfg.max_position_embeddings
     )
 
 
-def _llama3(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+def _llama3(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
     p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
     q = _Llama3(**p)
     if q.high_freq_factor <= q.low_freq_factor:
@@ -97,7 +95,7 @@ def _llama3(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
     return Llama3Rope(theta=theta, dim=dim, **q.model_dump())
 
 
-def _yarn(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+def _yarn(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
     p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
     q = _Yarn(**p)
     beta_fast, beta_slow = q.beta_fast or 32.0, q.beta_slow or 1.0
@@ -126,7 +124,7 @@ def _yarn(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
     )
 
 
-def _longrope(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
+def _longrope(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
     # transformers: a top-level original_max_position_embeddings (Phi-3 keeps it there) wins
     # over the one in the rope parameters; absent both, max_position_embeddings
     top = getattr(cfg, "original_max_position_embeddings", None)
