@@ -12,7 +12,7 @@ from core.errors import CheckpointError, RequestError
 from core.hugepages import keep_freed_memory, move_to_huge_pages
 from core.loader import load_weights, plan_load
 from core.model import Model
-from core.modeling import CausalLM
+from core.modeling import CausalLM, kernel_errors
 from core.plugins import registry
 from core.quantize import check_kind, held_bytes, quantize_model
 
@@ -36,9 +36,12 @@ def _resolve_path(
     return resolve(name_or_path, revision=revision, offline=offline)
 
 
-def _resolve_device_dtype(
+def resolve_device_dtype(
     device, dtype, ckpt_dtype: str, what: str = "dtype"
 ) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) a model runs in: the ones asked (a name or a torch.dtype; `what` names
+    the argument in errors), else CUDA when present and the checkpoint's dtype there, fp32 on
+    the CPU."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         # the checkpoint's dtype on accelerators; fp32 on the CPU, where half math is slow
@@ -66,7 +69,7 @@ def _cache_dtype(kv_dtype, dt: torch.dtype, dev: torch.device, quantized: bool) 
     """The KV cache's dtype: kv_dtype when given; fp16 on CPUs for quantized weights (half the
     memory and the attention reads, as llama.cpp keeps them); else the model's dtype."""
     if kv_dtype is not None:
-        return _resolve_device_dtype(dev, kv_dtype, "float32", "kv_dtype")[1]
+        return resolve_device_dtype(dev, kv_dtype, "float32", "kv_dtype")[1]
     return torch.float16 if dev.type == "cpu" and quantized else dt
 
 
@@ -152,7 +155,7 @@ def load_model(
         source = str(path / "config.json" if path.is_dir() else path)  # GGUF: its metadata
         arch = reg.architecture(raw.get("model_type"), source=source)
         cfg = arch.config.from_dict(raw, source=source).to_runtime()
-        dev, dt = _resolve_device_dtype(device, dtype, cfg.dtype)
+        dev, dt = resolve_device_dtype(device, dtype, cfg.dtype)
         sharding = None
         if tp != 1:  # a rank's own part of the model and of the checkpoint
             from core.parallel.tp import (
@@ -226,4 +229,5 @@ def load_model(
         net.kv_cache.nbytes / 2**20,
         lazy,
     )
-    return Model(net, tokenizer, path, gen_config, compile=compile)
+    with kernel_errors():  # a compiled step resolves every kernel now (ZOO_KERNELS)
+        return Model(net, tokenizer, path, gen_config, compile=compile)

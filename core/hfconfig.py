@@ -8,8 +8,6 @@ Unknown keys are ignored; invalid ones raise `ConfigError` naming the field.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
@@ -17,21 +15,16 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, Posit
 from pydantic import ValidationError as _ValidationError
 
 from core.config import (
-    DefaultRope,
     DenseMLPSpec,
-    DynamicRope,
     EmbeddingSpec,
     GQASpec,
-    LinearRope,
-    Llama3Rope,
-    LongRope,
     MoESpec,
     RMSNormSpec,
     RopeSpec,
     RuntimeConfig,
-    YarnRope,
 )
 from core.errors import ConfigError
+from core.hfrope import ROPE_KINDS
 
 DTYPES = ("float32", "float16", "bfloat16")
 LAYER_KINDS = ("full_attention", "sliding_attention")  # the `layer_types` values Zoo runs
@@ -49,42 +42,6 @@ def validation_error(err: _ValidationError, source: str) -> ConfigError:
     return ConfigError(f"{source}: " + "; ".join(parts))
 
 
-class _Params(BaseModel):
-    """Base of the per-kind rope parameter blocks: unknown keys are ignored."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class _Factor(_Params):
-    factor: PositiveFloat
-
-
-class _Llama3(_Params):
-    factor: PositiveFloat
-    low_freq_factor: PositiveFloat
-    high_freq_factor: PositiveFloat
-    original_max_position_embeddings: PositiveInt
-
-
-class _Yarn(_Params):
-    factor: PositiveFloat
-    original_max_position_embeddings: PositiveInt
-    beta_fast: float | None = None  # None (or 0): 32, as in transformers
-    beta_slow: float | None = None  # None (or 0): 1
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: PositiveFloat | None = None  # None: derived from factor and the mscales
-    truncate: bool = True
-
-
-class _LongRope(_Params):
-    short_factor: list[PositiveFloat]
-    long_factor: list[PositiveFloat]
-    original_max_position_embeddings: PositiveInt
-    factor: PositiveFloat | None = None  # None: max_position_embeddings / original
-    attention_factor: PositiveFloat | None = None  # None: derived from factor
-
-
 def routed_top_k(k: int, experts: int, experts_field: str) -> int:
     """num_experts_per_tok, checked against the layer's expert count (`experts_field` names the
     config key that holds it): a ConfigError naming both where a token would need more."""
@@ -97,106 +54,37 @@ def routed_top_k(k: int, experts: int, experts_field: str) -> int:
     return k
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature for a context stretched `scale` times (DeepSeek's form)."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _default(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
-    return DefaultRope(theta=theta, dim=dim)
-
-
-def _linear(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
-    return LinearRope(theta=theta, dim=dim, factor=_Factor(**p).factor)
-
-
-def _dynamic(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
-    factor = _Factor(**p).factor
-    return DynamicRope(
-        theta=theta, dim=dim, factor=factor, max_position_embeddings=cfg.max_position_embeddings
-    )
-
-
-def _llama3(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
-    p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
-    q = _Llama3(**p)
-    if q.high_freq_factor <= q.low_freq_factor:
+def text_model(raw: Any, source: str, model_type: str) -> dict[str, Any]:
+    """A multimodal config's text model (gemma3, qwen3_5): its `text_config`, with the top
+    level's dtype and tying (transformers reads them there) and its token ids where the text
+    model has none, as a `model_type` config."""
+    text = raw.get("text_config") if isinstance(raw, dict) else None
+    if not isinstance(text, dict):
         raise ConfigError(
-            f"rope_scaling: high_freq_factor ({q.high_freq_factor}) must exceed "
-            f"low_freq_factor ({q.low_freq_factor})"
+            f"{source}: field 'text_config' is missing or not an object; a {model_type} config "
+            "describes its text model there"
         )
-    return Llama3Rope(theta=theta, dim=dim, **q.model_dump())
+    top = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in raw}
+    gaps = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
+    return {**gaps, **text, **top, "model_type": model_type}
 
 
-def _yarn(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
-    p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
-    q = _Yarn(**p)
-    beta_fast, beta_slow = q.beta_fast or 32.0, q.beta_slow or 1.0
-    if beta_fast < beta_slow:
-        raise ConfigError(
-            f"rope_scaling: beta_fast ({beta_fast}) must not be below beta_slow ({beta_slow})"
-        )
-    mscale, mscale_all_dim = q.mscale or 0.0, q.mscale_all_dim or 0.0
-    attention_factor = q.attention_factor
-    if attention_factor is None:  # the same expressions as transformers' _compute_yarn_parameters
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(q.factor, mscale) / yarn_mscale(q.factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(q.factor)
-    return YarnRope(
-        theta=theta,
-        dim=dim,
-        factor=q.factor,
-        original_max_position_embeddings=q.original_max_position_embeddings,
-        beta_fast=float(beta_fast),
-        beta_slow=float(beta_slow),
-        mscale=float(mscale),
-        mscale_all_dim=float(mscale_all_dim),
-        attention_factor=float(attention_factor),
-        truncate=q.truncate,
+def every_layer_moe(cfg: DecoderConfig, experts_field: str, width: int, **extra: Any) -> MoESpec:
+    """Routed experts on every layer, no shared ones, softmax top-k renormalised (Mixtral's
+    MoE; `extra`: the MoESpec fields a family adds): `experts_field` names the config key that
+    holds the expert count, `width` is each expert's; cfg.num_experts_per_tok route a token."""
+    e = getattr(cfg, experts_field)
+    return MoESpec(
+        num_experts=e,
+        top_k=routed_top_k(cfg.num_experts_per_tok, e, experts_field),
+        intermediate_size=width,
+        num_shared_experts=0,
+        layers=tuple(range(cfg.num_hidden_layers)),
+        scoring="softmax",
+        topk_method="greedy",
+        norm_topk_prob=True,
+        **extra,
     )
-
-
-def _longrope(p: dict, theta: float, dim: int, cfg: DecoderConfig) -> RopeSpec:
-    # transformers: a top-level original_max_position_embeddings (Phi-3 keeps it there) wins
-    # over the one in the rope parameters; absent both, max_position_embeddings
-    top = getattr(cfg, "original_max_position_embeddings", None)
-    p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
-    if top is not None:
-        p["original_max_position_embeddings"] = top
-    q = _LongRope(**p)
-    for name in ("short_factor", "long_factor"):
-        if len(getattr(q, name)) != dim // 2:
-            raise ConfigError(
-                f"rope_scaling: field '{name}' has {len(getattr(q, name))} values; the rope "
-                f"turns {dim} dims per head, so it needs {dim // 2} (one per frequency)"
-            )
-    old = q.original_max_position_embeddings
-    factor = q.factor if q.factor is not None else cfg.max_position_embeddings / old
-    attention_factor = q.attention_factor  # the same expressions as transformers
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
-    return LongRope(
-        theta=theta,
-        dim=dim,
-        short_factor=tuple(q.short_factor),
-        long_factor=tuple(q.long_factor),
-        original_max_position_embeddings=old,
-        attention_factor=float(attention_factor),
-    )
-
-
-# rope kind -> builder(params, theta, rotary_dim, dto). Plugins extend this table for new kinds.
-ROPE_KINDS: dict[str, Callable[[dict, float, int, Any], RopeSpec]] = {
-    "default": _default,
-    "linear": _linear,
-    "dynamic": _dynamic,
-    "llama3": _llama3,
-    "yarn": _yarn,
-    "longrope": _longrope,
-}
 
 
 class DecoderConfig(BaseModel):
@@ -338,6 +226,21 @@ class DecoderConfig(BaseModel):
 
     def rope_dim(self) -> int:
         return self.resolved_head_dim()
+
+    def partial_rope_dim(self, factor: float | None) -> int:
+        """Rope on the first int(head_dim * partial_rotary_factor) dims of each head, as
+        transformers: the factor in the rope parameters (transformers 5) wins over `factor`,
+        the top-level key (None: 1). For the families that rotate part of each head."""
+        _, params = DecoderConfig.rope_params(self)  # the hub's block, before a family's edits
+        f = float(params.get("partial_rotary_factor") or factor or 1.0)
+        dim = int(self.resolved_head_dim() * f)
+        if dim < 2 or dim % 2:
+            raise ConfigError(
+                f"config.json: field 'partial_rotary_factor' ({f}) gives {dim} rotary dims per "
+                f"head (head_dim {self.resolved_head_dim()}); it needs an even number of at "
+                "least 2"
+            )
+        return dim
 
     def rope_params(self) -> tuple[str, dict[str, Any]]:
         """(rope kind, its parameters) from `rope_parameters` or `rope_scaling`, any key style."""

@@ -13,7 +13,7 @@ from core.config import RuntimeConfig
 from core.decode_step import DecodeStep
 from core.errors import RequestError
 from core.generation import GenerationResult, TokenLogprob
-from core.modeling import CausalLM
+from core.modeling import CausalLM, kernel_errors
 from core.sampling import SamplingParams, defaults_from_generation_config
 from core.tokenizer import Tokenizer
 
@@ -97,7 +97,8 @@ class Model:
             )
         if lengths is not None:
             lengths = torch.as_tensor(lengths, device=self.device)
-        return self.net(input_ids.to(self.device), start_pos, lengths=lengths)
+        with kernel_errors():
+            return self.net(input_ids.to(self.device), start_pos, lengths=lengths)
 
     def reset(self) -> None:
         """Clear the KV cache."""
@@ -195,12 +196,13 @@ class Model:
         if batch and not prompts:
             raise RequestError("prompt is an empty list; pass text, token ids or a list of them")
         loop = self.token_loop(*self._start(prompts, params))
-        while True:
-            try:
-                next(loop)
-            except StopIteration as done:
-                results = done.value
-                break
+        with kernel_errors():
+            while True:
+                try:
+                    next(loop)
+                except StopIteration as done:
+                    results = done.value
+                    break
         return results if batch else results[0]
 
     def stream(
@@ -227,7 +229,7 @@ class TextStream(Iterator[str]):
         self.result: GenerationResult | None = None
 
     def __next__(self) -> str:
-        with torch.inference_mode():
+        with torch.inference_mode(), kernel_errors():
             try:
                 return next(self._loop)[1]
             except StopIteration as done:

@@ -6,15 +6,36 @@ embedding, norms, attention, MLP) is built from the type of its spec, through th
 the plugins registered (`zoo_register_layers`; the core's own in plugins/core_layers.py).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+import kernels
 from core.config import RuntimeConfig
+from core.errors import ZooError
 from core.kv_cache import StaticKVCache
 from core.layers import LMHead, RotaryEmbedding
 from core.plugins import registry
+
+
+class KernelError(ZooError, kernels.KernelError):
+    """A kernel's refusal (ZOO_KERNELS=triton where Triton cannot run, an unknown ZOO_KERNELS,
+    bad kernel inputs) as the core reports it: a ZooError, and still a kernels.KernelError."""
+
+
+@contextmanager
+def kernel_errors() -> Iterator[None]:
+    """Re-raise a kernels.KernelError inside as the core's KernelError (same message): the
+    kernels know nothing of ZooError; users, the CLI and the server catch that."""
+    try:
+        yield
+    except kernels.KernelError as err:
+        if isinstance(err, ZooError):
+            raise
+        raise KernelError(str(err)) from err
 
 
 def build(spec: Any, *args: Any) -> nn.Module:

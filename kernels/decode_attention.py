@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.casting import mma, round_to, tanh
+from kernels.attention_tile import attend, load_rows
+from kernels.casting import round_to
 from kernels.dispatch import check_features, interpreting, require, softcap_factors
 
 INTERPRETED = interpreting()
@@ -89,62 +90,18 @@ def _decode_split_kernel(
     if HAS_WINDOW:  # the query sits at length - 1: keys before its window are not read
         start = tl.maximum(start, length - window)
 
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
-        mask=g_mask[:, None] & (offs_d < D)[None, :],
-        other=0.0,
-    )
+    q = load_rows(Q + b * sq_b, heads * sq_h, g_mask, D, BLOCK_D)
+    qpe = q  # unread without HAS_PE
     if HAS_PE:
-        offs_p = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(
-            QPE + b * sqp_b + heads[:, None] * sqp_h + offs_p[None, :],
-            mask=g_mask[:, None] & (offs_p < DPE)[None, :],
-            other=0.0,
-        )
-    k_base = K + b * sk_b + kvh * sk_h
-    v_base = V + b * sv_b + kvh * sv_h
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        k = tl.load(
-            k_base + offs_n[:, None] * sk_s + offs_d[None, :],
-            mask=n_mask[:, None] & (offs_d < D)[None, :],
-            other=0.0,
-        )
-        scores = mma(q, tl.trans(k))  # (BLOCK_G, BLOCK_N) fp32
-        if HAS_PE:
-            kpe = tl.load(
-                KPE + b * skp_b + offs_n[:, None] * skp_s + offs_p[None, :],
-                mask=n_mask[:, None] & (offs_p < DPE)[None, :],
-                other=0.0,
-            )
-            scores += mma(qpe, tl.trans(kpe))
-        if HAS_SOFTCAP:
-            scores = cap_out * tanh(scores * cap_in)
-        else:
-            scores = scores * qk_scale
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_IS_K:
-            v = k
-        else:
-            v = tl.load(
-                v_base + offs_n[:, None] * sv_s + offs_dv[None, :],
-                mask=n_mask[:, None] & (offs_dv < DV)[None, :],
-                other=0.0,
-            )
-        p = round_to(p, V.dtype.element_ty)  # P in V's dtype, as flash kernels do
-        acc = acc * alpha[:, None] + mma(p, v)
-        m_i = m_new
+        qpe = load_rows(QPE + b * sqp_b, heads * sqp_h, g_mask, DPE, BLOCK_DPE)
+    # keys [start, end) are all visible: the query sits at length - 1, past the window's start
+    acc, m_i, l_i = attend(
+        q, qpe, K + b * sk_b + kvh * sk_h, KPE + b * skp_b, V + b * sv_b + kvh * sv_h,
+        start, end, end, g, window, sk_s, skp_s, sv_s, qk_scale, cap_in, cap_out, D, DPE, DV,
+        BLOCK_G, HAS_PE, V_IS_K, False, HAS_WINDOW, HAS_SOFTCAP,  # CAUSAL: no
+        BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV,
+    )  # fmt: skip
 
     if DIRECT and HAS_SINKS:  # one split: the sink joins the denominator here (log2 domain)
         sink = tl.load(SINKS + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634

@@ -26,7 +26,6 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from core.errors import ZooError
 from kernels import cpu, cpu_ops, reference
 from kernels.blocks import BlockExperts, BlockWeight
 from kernels.qweight import QuantStack, QuantWeight
@@ -38,8 +37,11 @@ MODES = ("auto", "triton", "torch")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class KernelError(ZooError):
-    """A Triton kernel was demanded (ZOO_KERNELS=triton) but cannot run, or got bad inputs."""
+class KernelError(Exception):
+    """A Triton kernel was demanded (ZOO_KERNELS=triton) but cannot run, or got bad inputs.
+
+    Kernels' own error type (`kernels` imports nothing from `core`): the core reports it to
+    its users as a `core.ZooError` too (core.modeling.kernel_errors)."""
 
 
 def require(ok: bool, op: str, msg: str) -> None:

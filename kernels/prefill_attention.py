@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.casting import mma, round_to, tanh
+from kernels.attention_tile import attend, load_rows
+from kernels.casting import round_to
 from kernels.dispatch import check_features, interpreting, require, softcap_factors
 
 INTERPRETED = interpreting()
@@ -84,71 +85,21 @@ def _prefill_kernel(
     if PER_ROW:
         start_pos = tl.load(STARTS + b)
     pos = start_pos + offs_m  # (BLOCK_M,) absolute positions of the queries
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
-        mask=m_mask[:, None] & (offs_d < D)[None, :],
-        other=0.0,
-    )
+    q = load_rows(Q + b * sq_b + h * sq_h, offs_m * sq_t, m_mask, D, BLOCK_D)
+    qpe = q  # unread without HAS_PE
     if HAS_PE:
-        offs_p = tl.arange(0, BLOCK_DPE)
-        qpe = tl.load(
-            QPE + b * sqp_b + h * sqp_h + offs_m[:, None] * sqp_t + offs_p[None, :],
-            mask=m_mask[:, None] & (offs_p < DPE)[None, :],
-            other=0.0,
-        )
-    k_base = K + b * sk_b + kvh * sk_h
-    v_base = V + b * sv_b + kvh * sv_h
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        qpe = load_rows(QPE + b * sqp_b + h * sqp_h, offs_m * sqp_t, m_mask, DPE, BLOCK_DPE)
     hi = tl.minimum(n_kv, start_pos + (pid_m + 1) * BLOCK_M)  # keys past the block's last query
     lo = 0
     if HAS_WINDOW:  # keys before the block's first query's window: skipped, tile-aligned
         lo = tl.maximum(start_pos + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_kv
-        k = tl.load(
-            k_base + offs_n[:, None] * sk_s + offs_d[None, :],
-            mask=n_mask[:, None] & (offs_d < D)[None, :],
-            other=0.0,
-        )
-        scores = mma(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
-        if HAS_PE:
-            kpe = tl.load(
-                KPE + b * skp_b + offs_n[:, None] * skp_s + offs_p[None, :],
-                mask=n_mask[:, None] & (offs_p < DPE)[None, :],
-                other=0.0,
-            )
-            scores += mma(qpe, tl.trans(kpe))
-        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > pos[:, None] - window)
-        if HAS_SOFTCAP:
-            scores = cap_out * tanh(scores * cap_in)
-        else:
-            scores = scores * qk_scale
-        scores = tl.where(visible, scores, float("-inf"))
-        # a window may hide a whole tile from a row: keep its maximum finite (no inf - inf)
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_IS_K:
-            v = k
-        else:
-            v = tl.load(
-                v_base + offs_n[:, None] * sv_s + offs_dv[None, :],
-                mask=n_mask[:, None] & (offs_dv < DV)[None, :],
-                other=0.0,
-            )
-        p = round_to(p, V.dtype.element_ty)  # P in V's dtype, as flash kernels do
-        acc = acc * alpha[:, None] + mma(p, v)
-        m_i = m_new
+    acc, m_i, l_i = attend(
+        q, qpe, K + b * sk_b + kvh * sk_h, KPE + b * skp_b, V + b * sv_b + kvh * sv_h,
+        lo, hi, n_kv, pos, window, sk_s, skp_s, sv_s, qk_scale, cap_in, cap_out, D, DPE, DV,
+        BLOCK_M, HAS_PE, V_IS_K, True, HAS_WINDOW, HAS_SOFTCAP,  # CAUSAL: yes
+        BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV,
+    )  # fmt: skip
 
     if HAS_SINKS:  # the sink joins the denominator only (log2 domain, like the scores)
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634

@@ -11,7 +11,8 @@ from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
 from core.config import MLASpec, MoESpec, RopeSpec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig, yarn_mscale
+from core.hfconfig import DecoderConfig
+from core.hfrope import yarn_mscale
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 

@@ -17,7 +17,7 @@ from pydantic import PositiveFloat, PositiveInt
 
 from core.config import DefaultRope, DenseMLPSpec, EmbeddingSpec, GQASpec, RMSNormSpec, RopeSpec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig
+from core.hfconfig import DecoderConfig, text_model
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
@@ -146,16 +146,7 @@ class Gemma3Config(Gemma3TextConfig):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> Gemma3Config:
-        text = raw.get("text_config") if isinstance(raw, dict) else None
-        if not isinstance(text, dict):
-            raise ConfigError(
-                f"{source}: field 'text_config' is missing or not an object; a gemma3 config "
-                "describes its text model there"
-            )
-        # the top level's dtype and tying win (transformers reads them there); ids fill gaps
-        top = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in raw}
-        gaps = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
-        return super().from_dict({**gaps, **text, **top, "model_type": "gemma3"}, source)
+        return super().from_dict(text_model(raw, source, "gemma3"), source)
 
 
 # differs from llama3: Gemma 2's norm after attention is stored as post_attention_layernorm,

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt
 
 from core.config import GLUSpec, GQASpec, MoESpec
-from core.hfconfig import DecoderConfig, routed_top_k
+from core.hfconfig import DecoderConfig, every_layer_moe
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
@@ -67,18 +67,11 @@ class GptOssConfig(DecoderConfig):
         return DecoderConfig.rope_params(self)
 
     def moe_spec(self) -> MoESpec:
-        e, k = self.num_local_experts, self.num_experts_per_tok
-        return MoESpec(
-            num_experts=e,
-            top_k=routed_top_k(k, e, "num_local_experts"),
-            intermediate_size=self.intermediate_size,
-            num_shared_experts=0,
-            layers=tuple(range(self.num_hidden_layers)),
-            scoring="softmax",
-            topk_method="greedy",
-            norm_topk_prob=True,  # softmax over the top-k logits == renormalised top-k softmax
-            bias=True,
-            glu=GLUSpec(alpha=self.swiglu_alpha, limit=self.swiglu_limit),
+        # softmax over the top-k logits == the renormalised top-k softmax of every_layer_moe;
+        # differs from mixtral: biases on the router and experts, gpt-oss's clamped SwiGLU
+        glu = GLUSpec(alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+        return every_layer_moe(
+            self, "num_local_experts", self.intermediate_size, bias=True, glu=glu
         )
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt
 
 from core.config import MoESpec
-from core.hfconfig import routed_top_k
+from core.hfconfig import every_layer_moe
 from core.hookspecs import hookimpl
 from plugins.deepseek import STACKED_EXPERTS
 from plugins.mistral import WEIGHT_MAP as MISTRAL_WEIGHT_MAP
@@ -32,17 +32,8 @@ class MixtralConfig(MistralConfig):
     num_experts_per_tok: PositiveInt = 2
 
     def moe_spec(self) -> MoESpec:
-        e, k = self.num_local_experts, self.num_experts_per_tok
-        return MoESpec(
-            num_experts=e,
-            top_k=routed_top_k(k, e, "num_local_experts"),
-            intermediate_size=self.intermediate_size,
-            num_shared_experts=0,
-            layers=tuple(range(self.num_hidden_layers)),
-            scoring="softmax",
-            topk_method="greedy",
-            norm_topk_prob=True,  # always, even for top-1 (the weight is then 1)
-        )
+        # softmax top-k renormalised, always, even for top-1 (the weight is then 1)
+        return every_layer_moe(self, "num_local_experts", self.intermediate_size)
 
 
 _L = "model.layers.{}"

@@ -48,21 +48,9 @@ class Phi3Config(MistralConfig):
             )
         return kind, params
 
-    def rotary_factor(self) -> float:
-        """partial_rotary_factor from the rope parameters (transformers 5) or the top level."""
-        _, params = super().rope_params()
-        return float(params.get("partial_rotary_factor") or self.partial_rotary_factor or 1.0)
-
     def rope_dim(self) -> int:
         # differs from mistral: int(head_dim * partial_rotary_factor) dims, as transformers
-        dim = int(self.resolved_head_dim() * self.rotary_factor())
-        if dim < 2 or dim % 2:
-            raise ConfigError(
-                f"config.json: field 'partial_rotary_factor' ({self.rotary_factor()}) gives "
-                f"{dim} rotary dims per head (head_dim {self.resolved_head_dim()}); it needs an "
-                "even number of at least 2"
-            )
-        return dim
+        return self.partial_rope_dim(self.partial_rotary_factor)
 
 
 # differs from mistral: every tensor name maps to itself (fused q|k|v and gate|up)

@@ -19,7 +19,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from core.config import GatedDeltaNetSpec, GQASpec, MoESpec, RMSNormSpec
 from core.errors import ConfigError
-from core.hfconfig import routed_top_k
+from core.hfconfig import every_layer_moe, text_model
 from core.hookspecs import hookimpl
 from plugins.qwen3_moe import WEIGHT_MAP as QWEN3_MOE_WEIGHT_MAP
 from plugins.qwen3_moe import Qwen3MoeConfig
@@ -96,10 +96,6 @@ class Qwen3NextConfig(Qwen3MoeConfig):
         linear = self.linear_spec()
         return tuple(linear if k == "linear_attention" else base for k in self.layer_kinds())
 
-    def rotary_factor(self) -> float:
-        _, params = super().rope_params()
-        return float(params.get("partial_rotary_factor") or self.partial_rotary_factor)
-
     def rope_params(self) -> tuple[str, dict[str, Any]]:
         kind, params = super().rope_params()
         # Qwen3.5's multimodal rope sections: for text all three positions are the token's,
@@ -109,14 +105,7 @@ class Qwen3NextConfig(Qwen3MoeConfig):
         return kind, params
 
     def rope_dim(self) -> int:
-        dim = int(self.resolved_head_dim() * self.rotary_factor())
-        if dim < 2 or dim % 2:
-            raise ConfigError(
-                f"config.json: field 'partial_rotary_factor' ({self.rotary_factor()}) gives "
-                f"{dim} rotary dims per head (head_dim {self.resolved_head_dim()}); it needs an "
-                "even number of at least 2"
-            )
-        return dim
+        return self.partial_rope_dim(self.partial_rotary_factor)  # differs: part of each head
 
     def moe_spec(self) -> MoESpec | None:
         spec = super().moe_spec()
@@ -158,31 +147,14 @@ class Qwen35MoeTextConfig(Qwen3NextConfig):
     layout: Literal["grouped", "flat"] = "flat"
 
     def moe_spec(self) -> MoESpec | None:
-        e = self.num_experts
-        return MoESpec(
-            num_experts=e,
-            top_k=routed_top_k(self.num_experts_per_tok, e, "num_experts"),
-            intermediate_size=self.moe_intermediate_size,
-            num_shared_experts=0,
-            layers=tuple(range(self.num_hidden_layers)),
-            norm_topk_prob=True,
-            shared_intermediate_size=self.shared_expert_intermediate_size,
-            shared_gate=self.shared_expert_intermediate_size > 0,
+        width = self.shared_expert_intermediate_size
+        return every_layer_moe(
+            self,
+            "num_experts",
+            self.moe_intermediate_size,
+            shared_intermediate_size=width,
+            shared_gate=width > 0,
         )
-
-
-def text_model(raw: Any, source: str, model_type: str) -> dict[str, Any]:
-    """A multimodal config's text model: `text_config`, with the top level's dtype and tying
-    (transformers reads them there) and its token ids where the text model has none."""
-    text = raw.get("text_config") if isinstance(raw, dict) else None
-    if not isinstance(text, dict):
-        raise ConfigError(
-            f"{source}: field 'text_config' is missing or not an object; a {model_type} config "
-            "describes its text model there"
-        )
-    top = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in raw}
-    gaps = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
-    return {**gaps, **text, **top, "model_type": model_type}
 
 
 class Qwen35Config(Qwen35TextConfig):

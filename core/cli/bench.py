@@ -105,14 +105,14 @@ def random_model(
     shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int, compile=False
 ):
     """A `Model` of a registry entry's shape (its config.json keys) with random weights."""
-    from core.api import _resolve_device_dtype
+    from core.api import resolve_device_dtype
     from core.model import Model
     from core.modeling import CausalLM
     from core.plugins import registry
 
     arch = registry().architecture(shape.get("model_type"), source="registry shape")
     cfg = arch.config.from_dict(shape, source="registry shape").to_runtime()
-    dev, dt = _resolve_device_dtype(device, dtype, "bfloat16")
+    dev, dt = resolve_device_dtype(device, dtype, "bfloat16")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dt)
     try:
@@ -136,9 +136,9 @@ def random_checkpoint(shape: dict[str, Any], folder: Path, *, device, dtype, see
     `folder` needs room for the weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from core.api import _resolve_device_dtype
+    from core.api import resolve_device_dtype
 
-    _, dt = _resolve_device_dtype(device, dtype, "bfloat16")
+    _, dt = resolve_device_dtype(device, dtype, "bfloat16")
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape), dtype=dt)
     hf.save_pretrained(folder)

@@ -37,7 +37,10 @@ def load(args: argparse.Namespace, model: str | None = None, **kw):
         from core.parallel import distributed
 
         if distributed.rank() != 0:
-            distributed.follow(m.net, m.device)
+            from core.modeling import kernel_errors
+
+            with kernel_errors():  # a kernel's refusal: one line, as on rank 0
+                distributed.follow(m.net, m.device)
             distributed.finish()
             raise SystemExit(0)
         distributed.lead(m.net, m.device)

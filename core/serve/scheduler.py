@@ -14,20 +14,17 @@ stays static (one row per request) rather than paged.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from core.model import Model
-from core.sampling import SamplingParams
-from core.serve.metrics import RequestClock, ServerMetrics
-from core.serve.seq import Seq
+from core.modeling import kernel_errors
+from core.serve.metrics import ServerMetrics
+from core.serve.seq import Job, Seq
 from core.serve.slots import Slots
 
 log = logging.getLogger("zoo.server")
@@ -45,27 +42,6 @@ class QueueFull(Exception):
 
 class Cancelled(Exception):
     """Handed to a request cancelled while it waited in the queue (it never runs)."""
-
-
-@dataclass(eq=False)
-class Job:
-    """One queued request: its prompt ids and parameters, and its handler's event queue."""
-
-    ids: list[int]
-    params: SamplingParams
-    stream: bool  # whether the handler wants "token" / "text" events, or only the end
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False  # set by the handler (client gone); read before each step
-    clock: RequestClock | None = None  # set by Scheduler.submit (for /metrics)
-
-    def emit(self, kind: str, value: Any = None) -> None:
-        """From the scheduler thread: ("token", TokenLogprob) | ("text", str) |
-        ("done", GenerationResult) | ("error", Exception), in order."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled = True
 
 
 class Scheduler:
@@ -182,7 +158,7 @@ class Scheduler:
 
     def _step(self) -> None:
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), kernel_errors():  # a kernel's refusal: a ZooError
                 for seq in self.running:
                     if seq.job.cancelled:
                         seq.abort()

@@ -1,23 +1,46 @@
 """One running request of the scheduler (a sequence): its row, its sampling state and the
 tokens it has taken, sampled as `Model.generate` samples them (`core.generation`'s order of
 checks, text, stop strings and log-probabilities), so an answer does not depend on which
-other requests share its steps."""
+other requests share its steps; and the queued request (`Job`) a Seq runs, which the scheduler
+admits and the server's handlers read events from."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from core.generation import GenerationResult, _logprob_tensors, _logprobs, _Row
-from core.sampling import next_tokens, penalizes, sampler_groups
+from core.sampling import SamplingParams, next_tokens, penalizes, sampler_groups
 from core.structured import Masks, make_constraint
 
 if TYPE_CHECKING:
     from core.model import Model
-    from core.serve.metrics import ServerMetrics
-    from core.serve.scheduler import Job
+    from core.serve.metrics import RequestClock, ServerMetrics
+
+
+@dataclass(eq=False)
+class Job:
+    """One queued request: its prompt ids and parameters, and its handler's event queue."""
+
+    ids: list[int]
+    params: SamplingParams
+    stream: bool  # whether the handler wants "token" / "text" events, or only the end
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # set by the handler (client gone); read before each step
+    clock: RequestClock | None = None  # set by Scheduler.submit (for /metrics)
+
+    def emit(self, kind: str, value: Any = None) -> None:
+        """From the scheduler thread: ("token", TokenLogprob) | ("text", str) |
+        ("done", GenerationResult) | ("error", Exception), in order."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled = True
 
 
 class Seq:

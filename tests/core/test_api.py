@@ -93,6 +93,24 @@ def test_every_error_is_a_zoo_error():
         assert issubclass(getattr(core, name), ZooError)
 
 
+def test_a_kernel_refusal_reaches_the_user_as_a_zoo_error(root, monkeypatch):
+    """kernels import nothing from core: their KernelError becomes a ZooError (same message,
+    still a kernels.KernelError) at Model's calls."""
+    import kernels
+
+    m = load_model(root)
+    monkeypatch.setenv("ZOO_KERNELS", "bogus")
+    want = "ZOO_KERNELS='bogus' is not one of auto, triton, torch"
+    for call in (
+        lambda: m.forward(torch.tensor([[5, 6]])),
+        lambda: m.generate([5, 6, 7], max_new_tokens=2),
+        lambda: "".join(m.stream([5, 6, 7], max_new_tokens=2)),
+    ):
+        with pytest.raises(ZooError, match=want) as exc:
+            call()
+        assert isinstance(exc.value, kernels.KernelError)
+
+
 def test_cache_that_cannot_fit_is_refused_up_front(root):
     with pytest.raises(RequestError) as exc:
         load_model(root, max_seq_len=10**9, max_batch_size=64)

@@ -46,13 +46,6 @@ class StableLmConfig(DecoderConfig):
         return replace(super().attention_spec(), qkv_bias=self.use_qkv_bias, o_bias=False)
 
     def rope_dim(self) -> int:
-        # transformers 5 may move the factor into rope_parameters
-        _, params = self.rope_params()
-        factor = params.get("partial_rotary_factor") or self.partial_rotary_factor
-        dim = int(self.resolved_head_dim() * factor)
-        if dim < 2 or dim % 2:
-            raise ConfigError(
-                f"config.json: field 'partial_rotary_factor' ({factor}) gives {dim} rotary dims "
-                "per head; it needs an even number of at least 2"
-            )
-        return dim
+        # the core's partial-rotary helper (transformers 5 may move the factor into
+        # rope_parameters; that one wins)
+        return self.partial_rope_dim(self.partial_rotary_factor)
