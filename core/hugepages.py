@@ -7,7 +7,7 @@ with 2 MiB pages it spans 260. Linux gives huge pages to an anonymous mapping th
 them (madvise MADV_HUGEPAGE; `/sys/kernel/mm/transparent_hugepage/enabled` = madvise, the
 common default, gives them to no one else), and torch's allocator does not ask. Measured on
 an AMD EPYC (2 vCPUs), SmolLM2-135M's fused decode step: fp32 22.2 -> 20.6 ms, Q4_1 kept
-6.9 -> 6.1 ms (benchmarks/huge_pages.py; docs/benchmarks.md).
+6.9 -> 6.1 ms (benchmarks/huge_pages.py; docs/benchmarks-history.md).
 
 `move_to_huge_pages` copies a model's float weights into one private anonymous mapping that
 asks for huge pages, 2 MiB aligned, each weight still its own storage over its part of it: the
@@ -16,7 +16,8 @@ weights' addresses (load_model does, before the decode step is built). Where the
 no such advice, huge pages are off, or the mapping cannot be had, it does nothing.
 Quantized weights stay where the loader put them: kernels/qdot.c requests each unit's codes
 ahead of use, and on Llama-3.2-1B's shapes (Q4_K_M) huge pages moved decode by 1% (40.1 vs
-40.5 tok/s) while the copy added 0.4 s to a 1.8 s load (docs/benchmarks.md).
+40.5 tok/s) while the copy added 0.4 s to a 1.8 s load (measured when the choice was made,
+2026-11-24).
 """
 
 from __future__ import annotations
