@@ -51,6 +51,20 @@ def test_run_tp2_prints_the_same_greedy_text(folder, alone):
     assert launched.stdout == alone.stdout
 
 
+def stop(nodes: list[subprocess.Popen]) -> None:
+    """Stop the torchrun agents still running: SIGTERM (an agent stops its worker), then
+    SIGKILL for one waiting in the exit barrier, where it runs no signal handler (its worker
+    is done by then)."""
+    for p in nodes:
+        if p.poll() is None:
+            p.terminate()
+    for p in nodes:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def test_two_nodes_rendezvous_over_localhost(folder, alone, tmp_path):
     """Two torchrun "nodes" of one rank each, joined by the c10d rendezvous on 127.0.0.1 (as
     far as one machine can try several): the node holding rank 0 prints the text, the other
@@ -77,11 +91,9 @@ def test_two_nodes_rendezvous_over_localhost(folder, alone, tmp_path):
                 stdout=subprocess.PIPE, stderr=err, text=True,
             ))  # fmt: skip
     deadline = time.monotonic() + 150  # ~10 s here; a hang fails well before any 300 s wait
-    while any(p.poll() is None for p in nodes):
-        if any(p.returncode for p in nodes) or time.monotonic() > deadline:
-            for p in nodes:
-                if p.poll() is None:
-                    p.terminate()  # torchrun stops its worker and exits
+    while None in (codes := [p.poll() for p in nodes]):  # every node polled, each time
+        if any(codes) or time.monotonic() > deadline:
+            stop(nodes)
             break
         time.sleep(0.1)
     outs = [p.communicate(timeout=60)[0] for p in nodes]
