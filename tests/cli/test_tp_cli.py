@@ -51,23 +51,55 @@ def test_run_tp2_prints_the_same_greedy_text(folder, alone):
     assert launched.stdout == alone.stdout
 
 
-def test_two_nodes_rendezvous_over_localhost(folder, alone):
+def stop(nodes: list[subprocess.Popen]) -> None:
+    """Stop the torchrun agents still running: SIGTERM (an agent stops its worker), then
+    SIGKILL for one waiting in the exit barrier, where it runs no signal handler (its worker
+    is done by then)."""
+    for p in nodes:
+        if p.poll() is None:
+            p.terminate()
+    for p in nodes:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_two_nodes_rendezvous_over_localhost(folder, alone, tmp_path):
     """Two torchrun "nodes" of one rank each, joined by the c10d rendezvous on 127.0.0.1 (as
     far as one machine can try several): the node holding rank 0 prints the text, the other
-    nothing."""
+    nothing.
+
+    Node 0 alone hosts the rendezvous store (`is_host`): left to guess, both agents try to bind
+    the port and the loser falls back to a client. A node whose worker fails skips torchrun's
+    exit barrier, where the other node's agent then waits 300 s for it: so the nodes are
+    watched together, and the first failure stops the other and is reported at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     node = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zoo-test",
-        "-m", "core.cli", "run", str(folder), *ARGS,
     ]  # fmt: skip
-    nodes = [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]  # fmt: skip
-    outs = [p.communicate(timeout=300) for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outs
-    assert sorted(out for out, _ in outs) == sorted(["", alone.stdout])
+    logs = [tmp_path / f"node{i}.err" for i in range(2)]  # files: a pipe unread could fill
+    nodes = []
+    for i, log in enumerate(logs):
+        with log.open("w") as err:
+            nodes.append(subprocess.Popen(
+                [*node, "--rdzv-conf", f"is_host={int(i == 0)}", "-m", "core.cli", "run",
+                 str(folder), *ARGS],
+                stdout=subprocess.PIPE, stderr=err, text=True,
+            ))  # fmt: skip
+    deadline = time.monotonic() + 150  # ~10 s here; a hang fails well before any 300 s wait
+    while None in (codes := [p.poll() for p in nodes]):  # every node polled, each time
+        if any(codes) or time.monotonic() > deadline:
+            stop(nodes)
+            break
+        time.sleep(0.1)
+    outs = [p.communicate(timeout=60)[0] for p in nodes]
+    errs = [log.read_text()[-3000:] for log in logs]
+    assert [p.returncode for p in nodes] == [0, 0], errs
+    assert sorted(outs) == sorted(["", alone.stdout])
 
 
 def test_chat_tp2_answers_every_turn_as_one_process(folder):
