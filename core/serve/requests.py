@@ -1,0 +1,176 @@
+"""What a request asks, checked before it runs: the model it names, its n and logit_bias, its
+prompt within the context, its sampling values (400s naming the request's own fields), its tools
+and tool_choice, its chat messages as the template takes them; then one `Job` per choice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from core.chat.tool_calls import ToolUse, family, template_arguments
+from core.errors import RequestError
+from core.model import Model
+from core.sampling import SamplingParams
+from core.serve.metrics import ServerMetrics
+from core.serve.scheduler import Job, Scheduler
+from core.serve.schemas import ApiError, ChatRequest, NamedToolChoice
+from core.structured import schema_text
+
+
+@dataclass
+class Served:
+    """What the handlers serve (`app.state.zoo`): the model under its name, the scheduler that
+    runs its requests, the metrics they feed, and when the server started."""
+
+    model: Model
+    name: str
+    scheduler: Scheduler
+    metrics: ServerMetrics
+    created: int
+
+    @property
+    def tok(self):
+        return self.model.tokenizer
+
+
+def tool_use(req: ChatRequest, model: Model) -> ToolUse | None:
+    """The request's tools and tool_choice checked (400s name the field) -> a ToolUse, or None
+    when no tool may be called."""
+    tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function.name
+        if choice not in {t["name"] for t in tools}:
+            known = ", ".join(t["name"] for t in tools) or "none given"
+            message = f"tool_choice names '{choice}', which is not among the tools ({known})"
+            raise ApiError(400, message, param="tool_choice")
+    elif choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise ApiError(400, f"tool_choice '{choice}' needs tools", param="tool_choice")
+    for i, t in enumerate(tools):
+        if "parameters" in t:
+            try:
+                t["parameters"] = json.loads(schema_text(t["parameters"]))
+            except ValueError as err:
+                raise ApiError(400, str(err), param=f"tools.{i}.function.parameters") from None
+    if choice == "none":
+        return None
+    if choice != "auto" and req.response_format is not None:
+        message = "response_format cannot be combined with a forced tool call (tool_choice)"
+        raise ApiError(400, message, param="response_format")
+    fam, parallel = family(model.tokenizer.chat_template), req.parallel_tool_calls is not False
+    return ToolUse(tools, choice, fam, parallel)
+
+
+def _msg(e: dict) -> str:
+    """A pydantic error's message without its "Value error, " prefix."""
+    return e["msg"].removeprefix("Value error, ")
+
+
+def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
+    """Prompt ids, or a 400 naming the request field whose text or ids are at fault."""
+    try:
+        return encode()
+    except RequestError as err:
+        raise ApiError(400, str(err), param=param) from None
+
+
+def check(s: Served, req) -> None:
+    if req.model != s.name:
+        message = f"the model '{req.model}' does not exist; this server has '{s.name}'"
+        raise ApiError(404, message, param="model", code="model_not_found")
+    if not 1 <= req.n <= s.model.max_batch_size:
+        raise ApiError(
+            400,
+            f"n={req.n}: this server answers 1 to {s.model.max_batch_size} choices a request "
+            "(its batch size); restart zoo serve with a larger --max-batch-size for more",
+            param="n",
+        )
+    vocab = s.model.config.vocab_size
+    bad = [t for t in req.logit_bias or {} if not t.isdigit() or int(t) >= vocab]
+    if bad:
+        raise ApiError(
+            400,
+            f"logit_bias keys {bad[:5]} are not token ids of this model [0, {vocab})",
+            param="logit_bias",
+        )
+
+
+def prepare_jobs(
+    s: Served, req, ids: list[int], max_tokens: int | None, logprobs, names: dict, **extra
+) -> list[Job]:
+    """Context length and sampling values checked -> a Job per choice (n; choice i seeded
+    with seed + i). `names` maps SamplingParams fields to the request's (for errors);
+    `extra`: more SamplingParams fields (structured output)."""
+    model = s.model
+    room = model.max_seq_len - len(ids)
+    # as vLLM: a max_tokens past the room is refused, not clipped (no max_tokens: the room)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        asked = f" + {names['max_new_tokens']} ({max_tokens})" if room >= 1 else ""
+        left = f": {room} tokens are left for the answer" if room >= 1 else ""
+        raise ApiError(
+            400,
+            f"prompt ({len(ids)} tokens){asked} exceeds the context length "
+            f"({model.max_seq_len} tokens){left}; shorten the prompt, ask for fewer tokens, "
+            "or restart zoo serve with a larger --max-seq-len",
+            param=names["max_new_tokens"] if room >= 1 else None,
+            code="context_length_exceeded",
+        )
+    # OpenAI's default temperature is 1; the model's generation_config.json wins over it
+    fields = {"temperature": 1.0, **model.defaults, **req.sampling(), "logprobs": logprobs}
+    fields.update(extra)
+    # no max_tokens: up to the rest of the context (as OpenAI and vLLM)
+    default_max = min(model.defaults.get("max_new_tokens", room), room)
+    fields["max_new_tokens"] = default_max if max_tokens is None else max_tokens
+    try:
+        params = SamplingParams(**fields)
+    except ValidationError as err:
+        e = err.errors()[0]
+        key = str(e["loc"][0]) if e["loc"] else None
+        param = names.get(key, key)
+        raise ApiError(
+            400, f"invalid '{param}': {_msg(e)} (got {e.get('input')!r})", param=param
+        ) from None
+    choices = [params] * req.n
+    if params.seed is not None and req.n > 1:
+        choices = [params.model_copy(update={"seed": params.seed + i}) for i in range(req.n)]
+    loop = asyncio.get_running_loop()
+    return [Job(ids, p, stream=req.stream, loop=loop) for p in choices]
+
+
+def template_messages(s: Served, given) -> list[dict]:
+    """Chat messages as the template takes them (content parts joined: text only; a tool
+    call's arguments as an object, as templates write them with `tojson`, that joins to
+    strings as its JSON text, as DeepSeek's templates join it)."""
+    messages = []
+    for i, m in enumerate(given):
+        msg = m.model_dump(exclude_none=True)
+        if msg.get("tool_calls") and "content" not in msg:
+            msg["content"] = None  # (DeepSeek's templates test `content is none`)
+        if isinstance(m.content, list):
+            if any(part.type != "text" for part in m.content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            msg["content"] = "".join(part.text or "" for part in m.content)
+        for call in msg.get("tool_calls") or []:
+            f = call.get("function", {}) if isinstance(call, dict) else {}
+            if isinstance(f.get("arguments"), str):
+                try:
+                    f["arguments"] = template_arguments(f["arguments"])
+                except json.JSONDecodeError:
+                    where = f"messages.{i}.tool_calls"
+                    raise ApiError(400, f"{where}: arguments are not JSON", param=where) from None
+        messages.append(msg)
+    if s.tok is None:
+        raise RequestError(f"{s.model.path} has no tokenizer; use /v1/completions with ids")
+    return messages
+
+
+def check_name(s: Served, given: str | None) -> None:
+    if given is not None and given != s.name:
+        message = f"the model '{given}' does not exist; this server has '{s.name}'"
+        raise ApiError(404, message, param="model", code="model_not_found")
