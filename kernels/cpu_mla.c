@@ -15,22 +15,6 @@
 
 #define TILE 32  // slots scored and summed together: 32 x (512 + 64) floats, 72 KiB
 
-// Lanes the compiler keeps in one vector (a single accumulator would be a serial chain).
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
-    for (int w = 8; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    for (; i < n; i++) acc[0] += a[i] * b[i];
-    return acc[0];
-}
-
-static inline void axpy(float *restrict o, float e, const float *restrict v, int64_t n) {
-    for (int64_t i = 0; i < n; i++) o[i] += e * v[i];
-}
-
 static inline int64_t most_heads(const zmla_t *m, int64_t T) { return (m->heads + T - 1) / T; }
 
 int64_t zoo_mla_arena(const zmla_t *m, int64_t M) {
@@ -108,7 +92,8 @@ static void attend(const zmla_t *m, int64_t c, int64_t seen, const float *qlat, 
             const float *ts = tile + s * w;
             for (int64_t g = 0; g < G; g++) {
                 const float *qp = q + (g0 + g) * qs + m->dn;
-                p[g * TILE + s] = (dot(qlat + g * R, ts, R) + dot(qp, ts + R, m->dr)) * m->scale;
+                const float score = dot16(qlat + g * R, ts, R) + dot16(qp, ts + R, m->dr);
+                p[g * TILE + s] = score * m->scale;
             }
         }
         for (int64_t g = 0; g < G; g++) {  // the weights, against the running maximum
@@ -178,6 +163,6 @@ void zoo_mla(const zmla_t *m, const float *xn, float *att, int64_t M, const int6
         for (int64_t v = 0; v < dv; v++) {
             const float *wv = m->kv_b + (g * (dn + dv) + dn + v) * R;
             for (int64_t r = 0; r < M; r++)
-                att[r * H * dv + g * dv + v] = dot(wv, olat + (r * G + g - g0) * R, R);
+                att[r * H * dv + g * dv + v] = dot16(wv, olat + (r * G + g - g0) * R, R);
         }
 }

@@ -9,34 +9,6 @@
 
 #include "zoo_cpu.h"
 
-// sum_i a[i] * b[i] in 16 lane-wise partial sums, then added pairwise.
-#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline float dot16(const float *a, const float *b, int64_t n) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
-    if (i < n) {  // the last n % 16 in masked lanes: a scalar loop here costs every call
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i),
-                                               _mm512_maskz_loadu_ps(m, b + i)));
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-#else
-static inline float dot16(const float *a, const float *b, int64_t n) {
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
-    for (int w = 8; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    for (; i < n; i++) acc[0] += a[i] * b[i];
-    return acc[0];
-}
-#endif
-
 // fp16 <-> fp32 rows (a KV cache kept in fp16): F16C where the CPU has it, else the
 // compiler's _Float16, else by hand; round to nearest even, as torch's .to(float16).
 #if defined(__F16C__)
@@ -101,11 +73,6 @@ void zoo_float_to_half(const float *x, uint16_t *out, int64_t n) {
         out[i] = (uint16_t)(sign | hv);
 #endif
     }
-}
-
-// o[i] += e * v[i] (o and v do not overlap: the compiler vectorizes it)
-static inline void axpy(float *restrict o, float e, const float *restrict v, int64_t n) {
-    for (int64_t i = 0; i < n; i++) o[i] += e * v[i];
 }
 
 // out = w * (h * (1 / sqrt(mean(h^2) + eps))) per row of `dim`, h = x, or x + res when res is
