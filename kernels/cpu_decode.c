@@ -147,14 +147,16 @@ void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int
     }
 }
 
-// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a block's residual
-// add. With a post-norm `post`, rms_norm(l(x)) is added instead: the norm needs whole rows of
-// y, so the threads meet first, and each norms the rows into yn (M, H) for its columns.
-static void add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
-                        int64_t H, int64_t n0, int64_t n1, qx_t *px, char *buf,
-                        const float *post, float eps, float *yn, spin_barrier_t *bar,
-                        int64_t T) {
-    zoo_linear_prepare(l, x, M, px, buf);
+void zoo_linear_share(const zlinear_t *l, const float *x, float *y, int64_t M, int64_t t,
+                      int64_t T, qx_t *px, char *arena) {
+    zoo_linear_prepare(l, x, M, px, arena);
+    zoo_linear_rows(l, px, y, l->N, M, share(l->N, t, T), share(l->N, t + 1, T));
+}
+
+void zoo_add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
+                     int64_t H, int64_t n0, int64_t n1, qx_t *px, char *arena,
+                     const float *post, float eps, float *yn, spin_barrier_t *bar, int64_t T) {
+    zoo_linear_prepare(l, x, M, px, arena);
     zoo_linear_rows(l, px, y, H, M, n0, n1);
     if (post) {
         zoo_meet(bar, T);
@@ -186,8 +188,7 @@ static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, i
                    float *q, float *p, float *tmp, qx_t *px, char *buf, spin_barrier_t *bar) {
     const int64_t nq = b->qkv.N, group = b->hq / b->hkv, dh = b->d;
     const int64_t qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs floats apart
-    zoo_linear_prepare(&b->qkv, xn, M, px, buf);
-    zoo_linear_rows(&b->qkv, px, qkv, nq, M, share(nq, t, T), share(nq, t + 1, T));
+    zoo_linear_share(&b->qkv, xn, qkv, M, t, T, px, buf);
     zoo_meet(bar, T);
     for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
         const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
@@ -309,7 +310,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                            buf, &bar);
                 zoo_meet(&bar, T);
                 // h += o(attention): this thread's columns of h
-                add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,
+                zoo_add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,
                             &bar, T);
             }
             zoo_meet(&bar, T);
@@ -328,15 +329,13 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 zoo_activate(gu + r * 2 * I + i0, gu + r * 2 * I + I + i0, act + r * I + i0, i1 - i0,
                          b->act);
             zoo_meet(&bar, T);
-            add_product(&b->down, act, h, y, M, H, h0, h1, px, buf, b->post2, b->post_eps2, xn,
+            zoo_add_product(&b->down, act, h, y, M, H, h0, h1, px, buf, b->post2, b->post_eps2, xn,
                         &bar, T);
             zoo_meet(&bar, T);
         }
         if (hd) {  // the vocabulary's rows split over the threads
-            const int64_t V = hd->head.N;
             zoo_rms_norm(h, NULL, NULL, hd->norm, xn, M, H, hd->eps);
-            zoo_linear_prepare(&hd->head, xn, M, px, buf);
-            zoo_linear_rows(&hd->head, px, logits, V, M, share(V, t, T), share(V, t + 1, T));
+            zoo_linear_share(&hd->head, xn, logits, M, t, T, px, buf);
         }
         free(xn);
         free(p);

@@ -172,8 +172,5 @@ void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t 
     zoo_meet(bar, T);
     // h += out_proj(out): this thread's columns
     const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);
-    zoo_linear_prepare(&d->out, out, M, px, buf);
-    zoo_linear_rows(&d->out, px, y, H, M, h0, h1);
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t n = h0; n < h1; n++) h[r * H + n] += y[r * H + n];
+    zoo_add_product(&d->out, out, h, y, M, H, h0, h1, px, buf, NULL, 0.0f, NULL, bar, T);
 }

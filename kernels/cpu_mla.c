@@ -34,13 +34,6 @@ int64_t zoo_mla_local(const zmla_t *m, int64_t M, int64_t T) {
     return 2 * M * G * m->rank + TILE * (m->rank + m->dr) + G * TILE + 2 * G + M * m->q_rank;
 }
 
-// Rows [share(N, t), share(N, t + 1)) of l(x) into y (M, N).
-static void product(const zlinear_t *l, const float *x, float *y, int64_t M, int64_t t,
-                    int64_t T, qx_t *px, char *buf) {
-    zoo_linear_prepare(l, x, M, px, buf);
-    zoo_linear_rows(l, px, y, l->N, M, share(l->N, t, T), share(l->N, t + 1, T));
-}
-
 // Row r's latent normed and its k_pe roped, both written to the row's cache slot.
 static void write_slot(const zmla_t *m, float *kv, int64_t c, int64_t slot, const float *cos,
                        const float *sin) {
@@ -130,12 +123,12 @@ void zoo_mla(const zmla_t *m, const float *xn, float *att, int64_t M, const int6
     float *qlat = local, *olat = qlat + M * G * R, *tile = olat + M * G * R;
     float *p = tile + TILE * nkv, *top = p + G * TILE, *total = top + G, *qan = total + G;
     // the products of the normed rows: q (or q_a) and kv_a, each thread its share of rows
-    product(m->q_rank ? &m->q_a : &m->q, xn, m->q_rank ? qa : q, M, t, T, px, buf);
-    product(&m->kv_a, xn, kv, M, t, T, px, buf);
+    zoo_linear_share(m->q_rank ? &m->q_a : &m->q, xn, m->q_rank ? qa : q, M, t, T, px, buf);
+    zoo_linear_share(&m->kv_a, xn, kv, M, t, T, px, buf);
     zoo_meet(bar, T);
     if (m->q_rank) {  // q = q_b(rms_norm(q_a)): every thread norms the few rows itself
         zoo_rms_norm(qa, NULL, NULL, m->q_norm, qan, M, m->q_rank, m->q_eps);
-        product(&m->q, qan, q, M, t, T, px, buf);
+        zoo_linear_share(&m->q, qan, q, M, t, T, px, buf);
     }
     for (int64_t r = t; r < M; r += T)  // each row's latent and k_pe into its cache slot
         write_slot(m, kv + r * nkv, rows ? rows[r] : r, pos[r], cos + r * cstride,

@@ -135,8 +135,7 @@ void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, i
     const int64_t E = m->experts, K = m->topk, I = m->inter, S = m->shared_inter;
     float *glogit = logit + M * E;  // (M,): the shared experts' gate, x . shared_gate
     qx_t gpx[MAX_PARTS], spx[MAX_PARTS];
-    zoo_linear_prepare(&m->router, xn, M, px, buf);
-    zoo_linear_rows(&m->router, px, logit, E, M, share(E, t, T), share(E, t + 1, T));
+    zoo_linear_share(&m->router, xn, logit, M, t, T, px, buf);
     if (m->shared_gate.parts) {  // one row: the last thread's
         zoo_linear_prepare(&m->shared_gate, xn, M, gpx, buf + zoo_linear_bytes(&m->router, M));
         zoo_linear_rows(&m->shared_gate, gpx, glogit, 1, M, share(1, t, T), share(1, t + 1, T));

@@ -32,6 +32,16 @@ typedef struct {
 } spin_barrier_t;
 void zoo_meet(spin_barrier_t *b, int64_t T);
 
+// y (M, l->N) rows [share(N, t), share(N, t + 1)) = l(x): thread t of T's share of a product.
+void zoo_linear_share(const zlinear_t *l, const float *x, float *y, int64_t M, int64_t t,
+                      int64_t T, qx_t *px, char *arena);
+// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a residual add; with
+// `post` (H,), the product's whole rows RMS-normed into yn first (a meeting: every thread's
+// columns of y are needed).
+void zoo_add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
+                     int64_t H, int64_t n0, int64_t n1, qx_t *px, char *arena,
+                     const float *post, float eps, float *yn, spin_barrier_t *bar, int64_t T);
+
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 // A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
