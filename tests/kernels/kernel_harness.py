@@ -61,6 +61,20 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
+def assert_experts_match_dequantized(x, ids, w, gate_up, down, tol: tuple[float, float]) -> None:
+    """The Triton MoE on quantized experts (QuantExperts) against the reference on the same
+    experts dequantized, which the reference also reads QuantExperts as."""
+    from kernels import reference
+
+    deq = [q.dequantize().to(x.dtype) for q in (gate_up, down)]
+    want = reference.moe_experts(x, ids, w, *deq)
+    # the reference reads QuantExperts by dequantizing each expert it runs: the same numbers
+    assert torch.equal(reference.moe_experts(x, ids, w, gate_up, down), want)
+    got = triton_op("moe_experts")(x, ids, w, gate_up, down)
+    assert_close(got, want, tol)
+    assert got.abs().max() > 0.01  # not vacuous: the experts contribute
+
+
 def randn(*shape, dtype=torch.float32, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
