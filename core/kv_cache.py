@@ -13,6 +13,11 @@ Keys and values may be kept in another dtype than the model computes in (load_mo
 back in the model's dtype. On CPUs the whole cache is one anonymous memory mapping: pages are
 zero until written and resident only once written, so a cache sized for the model's whole
 context costs memory as the tokens come, and `reset` gives the pages back.
+
+The cache also owns its row operations, which the engine's rows (core/slots.py) and tensor
+parallelism call: `row(r)` (the cache seen as a batch of one row, views written in place),
+`copy(src, dst, n)` (a prefix of one row into another), and what a row can keep (`kept`
+positions; `recurrent`: a state that sums up every token fed, which no prefix can be cut from).
 """
 
 import mmap
@@ -58,6 +63,19 @@ class StaticKVCache:
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        # per layer, per tensor: its position dim, or None (a ring, or a recurrent state)
+        self.seq_dims = [
+            tuple(_grows(spec, max_seq_len, name) for name in names)
+            for spec, names in zip(specs, self.names, strict=True)
+        ]
+        windows = [getattr(spec, "window", None) for spec in specs]
+        # positions every layer keeps of a row (a ring: its last min(window, max_seq_len))
+        self.kept = min([w for w in windows if w is not None] + [max_seq_len])
+        # a layer caching neither positions nor a window: a state of everything fed so far
+        self.recurrent = any(
+            w is None and None in dims for w, dims in zip(windows, self.seq_dims, strict=True)
+        )
+        self._rows: dict[int, RowView] = {}
 
     def _mapped(self, plan: list) -> list[tuple[torch.Tensor, ...]]:
         """Every tensor of `plan` in one anonymous mapping, zero until written."""
@@ -82,6 +100,21 @@ class StaticKVCache:
         """Layer i's cache tensors, in the order its attention's forward() takes them."""
         return self.layers[i]
 
+    def row(self, r: int) -> "RowView":
+        """The cache as a batch of one, row r: a forward given it writes that row in place."""
+        if r not in self._rows:
+            self._rows[r] = RowView([tuple(t[r : r + 1] for t in bufs) for bufs in self.layers])
+        return self._rows[r]
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Make row dst hold row src's first n positions (a ring or a state whole)."""
+        for bufs, dims in zip(self.layers, self.seq_dims, strict=True):
+            for t, d in zip(bufs, dims, strict=True):
+                if d is None:
+                    t[dst].copy_(t[src])
+                else:  # d counts the batch dim; t[row] has lost it
+                    t[dst].narrow(d - 1, 0, n).copy_(t[src].narrow(d - 1, 0, n))
+
     def reset(self) -> None:
         """Zero every tensor (on CPUs: the pages go back to the system and read as zeros)."""
         if self._area is not None and hasattr(mmap, "MADV_DONTNEED"):
@@ -90,6 +123,23 @@ class StaticKVCache:
         for bufs in self.layers:
             for t in bufs:
                 t.zero_()
+
+
+class RowView:
+    """One row of a `StaticKVCache`: each layer's tensors as views of that row (batch of one)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, ...]]):
+        self.layers = layers
+
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        return self.layers[i]
+
+
+def _grows(spec, seq: int, name: str) -> int | None:
+    """The dim of a layer's cache tensor `name` that grows with the cache length (None: a
+    fixed-size ring or state)."""
+    a, b = spec.cache_layout(1, seq)[name], spec.cache_layout(1, seq + 1)[name]
+    return next((d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

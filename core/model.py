@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from core import generation
 from core.config import RuntimeConfig
 from core.decode_step import DecodeStep
+from core.engine import Engine
 from core.errors import RequestError
-from core.generation import GenerationResult, TokenLogprob
+from core.generation import GenerationResult, Seq, TokenLogprob, batch_timings
 from core.modeling import CausalLM, kernel_errors
 from core.sampling import SamplingParams, defaults_from_generation_config
 from core.tokenizer import Tokenizer
@@ -150,6 +150,10 @@ class Model:
             )
         return ids, p
 
+    def stop_ids(self, p: SamplingParams) -> set[int]:
+        """The token ids that end a sequence sampled by `p`: its own, and eos unless ignored."""
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+
     def token_loop(
         self,
         ids: list[list[int]],
@@ -158,27 +162,32 @@ class Model:
         cancelled: Callable[[int], bool] | None = None,
         on_token: Callable[[int, int, TokenLogprob | None], None] | None = None,
     ) -> Generator[tuple[int, str], None, list[GenerationResult]]:
-        """The token loop (`core.generation.run`) over encoded prompts, with one SamplingParams
-        for all rows or one per row; each row stops on its stop ids and the model's eos.
+        """Yield (row, text piece) as tokens arrive; return the results: the engine
+        (`core.engine`) run over encoded prompts as one batch, with one SamplingParams for
+        all rows or one per row; each row stops on its stop ids and the model's eos.
+        `cancelled(row)` is asked before each of a row's tokens: True ends that row with
+        finish_reason "abort". `on_token(row, token id, logprob or None)` sees each token as
+        its row takes it, before the text it makes is yielded.
 
         Checks nothing: callers validate prompts and lengths first (as `generate` does), and
         iterate under `torch.inference_mode()`.
         """
         ps = params if isinstance(params, list) else [params] * len(ids)
-        stop = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in ps]
-        return generation.run(
-            self.net,
-            self.step,
-            ids,
-            ps,
-            tokenizer=self.tokenizer,
-            stop_ids=stop,
-            vocab_size=self.config.vocab_size,
-            device=self.device,
-            cancelled=cancelled,
-            on_token=on_token,
-            ahead=self.ahead,
-        )
+        engine = Engine(self, self.max_batch_size)
+        pieces: list[tuple[int, str]] = []
+        seqs = [
+            _Row(i, pieces, cancelled, on_token, x, p, self.stop_ids(p), self.tokenizer,
+                 self.config.vocab_size, self.device)
+            for i, (x, p) in enumerate(zip(ids, ps, strict=True))
+        ]  # fmt: skip
+        for seq in seqs:
+            engine.add(seq)
+        while engine.running:
+            engine.step()
+            yield from pieces
+            pieces.clear()
+        timings = batch_timings(seqs)
+        return [s.result(timings) for s in seqs]
 
     @torch.inference_mode()
     def generate(
@@ -219,6 +228,25 @@ class Model:
         """
         with torch.inference_mode():
             return TextStream(self.token_loop(*self._start([prompt], params), on_token=on_token))
+
+
+class _Row(Seq):
+    """A row of `Model.token_loop`'s batch: its text pieces into the loop's list, its tokens
+    and cancel check through the loop's callbacks (which take the row's index)."""
+
+    def __init__(self, index: int, pieces: list, cancelled, on_token, *args):
+        super().__init__(*args)
+        self.index, self.pieces, self.cancel, self.callback = index, pieces, cancelled, on_token
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel(self.index)
+
+    def on_token(self, token: int, logprob: TokenLogprob | None) -> None:
+        if self.callback is not None:
+            self.callback(self.index, token, logprob)
+
+    def on_text(self, piece: str) -> None:
+        self.pieces.append((self.index, piece))
 
 
 class TextStream(Iterator[str]):

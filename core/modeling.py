@@ -118,6 +118,9 @@ class CausalLM(nn.Module):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tied_to=tied)
         self.kv_cache: StaticKVCache | None = None
+        # tensor parallelism's rank 0 (core/parallel/distributed.py `Lead`): tells the other
+        # ranks of each forward and row copy before running it; None on one rank
+        self.lead = None
         self.rotary: RotaryEmbedding | None = None  # the model's rope (cfg.rope)
         self.rotaries = nn.ModuleList()  # one per distinct rope among the layers
         ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
@@ -152,6 +155,7 @@ class CausalLM(nn.Module):
         end: int | None = None,
         logits_at: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
+        row: int | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) at positions start_pos.. -> logits (B, T, vocab); fills the cache.
 
@@ -163,7 +167,15 @@ class CausalLM(nn.Module):
         lengths: (B,) real tokens per row of a right-padded input_ids; sliding layers then keep
         no padding in their ring buffers (full layers never read past a row's position, so
         they need none). None: every row is T tokens.
+        row: run a batch of one on that row of the cache (the server's rows); None: rows [:B].
         """
+        if self.lead is not None:
+            with self.lead.forward(input_ids, start_pos, end, logits_at, lengths, row):
+                return self.run(input_ids, start_pos, end, logits_at, lengths, row)
+        return self.run(input_ids, start_pos, end, logits_at, lengths, row)
+
+    def run(self, input_ids, start_pos=0, end=None, logits_at=None, lengths=None, row=None):
+        """`forward` on this rank alone (what a tensor-parallel follower replays)."""
         t = input_ids.shape[1]
         if isinstance(start_pos, torch.Tensor):
             start_pos = start_pos.to(input_ids.device)
@@ -171,15 +183,22 @@ class CausalLM(nn.Module):
                 end = int(start_pos.max()) + t  # the one host sync of a step
         elif end is None:
             end = start_pos + t
+        cache = self.kv_cache if row is None else self.kv_cache.row(row)
         x = self.model.embed_tokens(input_ids)
         tables = [rotary(start_pos, t, end, lengths) for rotary in self.rotaries]
         for i, layer in enumerate(self.model.layers):
             j = self.rope_of_layer[i]
             cos, sin = (None, None) if j is None else tables[j]
-            x = layer(x, cos, sin, self.kv_cache.layer(i), start_pos, end, lengths)
+            x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
         return self.head(x)
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Row dst of the cache takes row src's first n positions (on every rank)."""
+        if self.lead is not None:
+            self.lead.copy(src, dst, n)
+        self.kv_cache.copy(src, dst, n)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last blocks' output (B, T, hidden) -> logits: final norm, LM head, scale, cap."""

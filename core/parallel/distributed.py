@@ -6,9 +6,10 @@ collectives a sharded model runs, rank 0 driving the others, and the launcher.
   a failed one (a rank died: its sockets closed) raises `DistributedError`, never hangs.
 - Library use is SPMD: every rank calls the same `forward` / `generate` (same prompts, same
   seed), and every rank gets the same logits (gathered) and so the same tokens.
-- The CLI and the server let rank 0 drive: `lead` makes rank 0's forward first broadcast its
-  arguments (and the cache row the server narrowed it to), and the server's prefix copies
-  between rows too; `follow` runs on the other ranks, replaying each until rank 0 `finish`es.
+- The CLI and the server let rank 0 drive: `lead` sets the network's `lead` hook, with which
+  each forward first broadcasts its arguments (its cache row included), and each copy between
+  cache rows (the engine's prefix reuse) too; `follow` runs on the other ranks, replaying each
+  until rank 0 `finish`es.
   Only rank 0 samples, streams, prints and serves; a heartbeat keeps an idle group alive.
 - `launch` starts N ranks of `python -m core.cli ...` through torch.distributed.run.
 """
@@ -108,56 +109,37 @@ def _header(*values: int, device) -> torch.Tensor:
     return torch.tensor(values + (0,) * (10 - len(values)), dtype=torch.int64, device=device)
 
 
-def _row_view(cache, full: list) -> int:
-    """The row the cache is narrowed to (the server's `Slots.only`: each buffer a view of one
-    row), or -1 when it is whole."""
-    if cache.layers is full:
-        return -1
-    t, base = cache.layers[0][0], full[0][0]
-    return (t.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+class Lead:
+    """Rank 0's `net.lead`: before each forward of the network (and each copy between cache
+    rows), it broadcasts the call to the followers, which replay it (`follow`)."""
 
+    def __init__(self, wire: torch.device):
+        self.wire = wire
 
-@contextlib.contextmanager
-def _only(cache, row: int):
-    """A follower's cache narrowed to `row`, as rank 0's was for this forward."""
-    full = cache.layers
-    if row >= 0:
-        cache.layers = [tuple(t[row : row + 1] for t in bufs) for bufs in full]
-    try:
-        yield
-    finally:
-        cache.layers = full
-
-
-def lead(net: torch.nn.Module, device: torch.device) -> None:
-    """Rank 0: every forward of `net` first sends its arguments (and the cache row it is
-    narrowed to) to the followers, and so does every row copy of the server's slots."""
-    from core.serve import slots  # the server's rows; their prefix copies bypass forward
-
-    inner, wire, full = net.forward, _wire(device), net.kv_cache.layers
-
-    def forward(input_ids, start_pos=0, end=None, logits_at=None, lengths=None):
+    @contextlib.contextmanager
+    def forward(self, input_ids, start_pos, end, logits_at, lengths, row):
         b, t = input_ids.shape
         per_row = isinstance(start_pos, torch.Tensor)
         head = (_FORWARD, b, t, int(per_row), 0 if per_row else int(start_pos),
                 -1 if end is None else int(end), int(logits_at is not None),
-                int(lengths is not None), _row_view(net.kv_cache, full))  # fmt: skip
-        with _lock:
-            _guard(dist.broadcast, _header(*head, device=wire), 0)
+                int(lengths is not None), -1 if row is None else row)  # fmt: skip
+        with _lock:  # held over the forward: its collectives come right after the broadcast
+            _guard(dist.broadcast, _header(*head, device=self.wire), 0)
             for x in (input_ids, start_pos if per_row else None, logits_at, lengths):
                 if x is not None:
-                    _guard(dist.broadcast, x.to(wire, torch.int64).contiguous(), 0)
-            return inner(input_ids, start_pos, end, logits_at, lengths)
-
-    plain_copy = slots.Slots.copy
+                    _guard(dist.broadcast, x.to(self.wire, torch.int64).contiguous(), 0)
+            yield
 
     def copy(self, src: int, dst: int, n: int) -> None:
-        if self.cache is net.kv_cache:
-            with _lock:
-                _guard(dist.broadcast, _header(_COPY, src, dst, n, device=wire), 0)
-        plain_copy(self, src, dst, n)
+        with _lock:
+            _guard(dist.broadcast, _header(_COPY, src, dst, n, device=self.wire), 0)
 
-    net.forward, slots.Slots.copy = forward, copy
+
+def lead(net: torch.nn.Module, device: torch.device) -> None:
+    """Rank 0: every forward of `net` and every copy between its cache rows first goes to
+    the followers (`net.lead`); a heartbeat keeps an idle group alive."""
+    wire = _wire(device)
+    net.lead = Lead(wire)
     stop = threading.Event()
 
     def beat() -> None:  # an idle server must not let the followers' broadcast time out
@@ -169,7 +151,7 @@ def lead(net: torch.nn.Module, device: torch.device) -> None:
                     return
 
     threading.Thread(target=beat, name="zoo-tp-heartbeat", daemon=True).start()
-    _state.update(leading=True, stop=stop, wire=wire, copy=plain_copy)
+    _state.update(leading=True, stop=stop, wire=wire, net=net)
 
 
 @torch.inference_mode()
@@ -177,10 +159,8 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
     """Ranks > 0: run each forward and row copy rank 0 announces, until it sends stop. Ctrl-C
     is rank 0's to act on (a terminal sends it to every rank): these ranks end when it says
     so, or dies."""
-    from core.serve.slots import Slots
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    wire, rows = _wire(device), Slots(net.kv_cache, net.config.attention_layers)
+    wire = _wire(device)
     while True:
         head = _header(device=wire)
         _guard(dist.broadcast, head, 0)
@@ -188,7 +168,7 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
         if cmd == _STOP:
             return
         if cmd == _COPY:  # (src, dst, n) in the b, t, per_row fields
-            rows.copy(b, t, per_row)
+            net.kv_cache.copy(b, t, per_row)
         if cmd != _FORWARD:
             continue
 
@@ -201,20 +181,19 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
         start_pos = receive(b) if per_row else start
         logits_at = receive(b) if has_at else None
         lengths = receive(b) if has_len else None
-        with _only(net.kv_cache, row):
-            net(ids, start_pos, None if end < 0 else end, logits_at, lengths)
+        net.run(
+            ids, start_pos, None if end < 0 else end, logits_at, lengths, None if row < 0 else row
+        )
 
 
 def release() -> None:
     """Rank 0: tell the followers to return from `follow` (the group stays up)."""
     if _state["leading"]:
-        from core.serve import slots
-
         _state["stop"].set()
         # a follower already gone: the launcher reports it
         with _lock, contextlib.suppress(RuntimeError):
             dist.broadcast(_header(_STOP, device=_state["wire"]), 0)
-        slots.Slots.copy = _state["copy"]
+        _state["net"].lead = None
         _state["leading"] = False
 
 

@@ -1,15 +1,14 @@
 """The scheduler thread of `zoo serve`: it owns the model and runs requests by continuous
-batching over the rows (slots) of the static KV cache.
+batching, through the engine (core/engine.py) that `Model.generate` runs too.
 
-A request waits in a FIFO queue until a row is free, then holds that row until it ends (done,
-or cancelled when its client goes away) and frees it between two steps. Each step
-- prefills waiting prompt tokens in chunks, oldest request first, under a token budget
-  (`chunk`, less one token per decoding row), so a long prompt cannot stall the others;
-- then runs one decode step for every decoding row together (the model's `DecodeStep`:
-  compiled / CUDA-graph buckets included), each row at its own position.
-A row keeps its tokens' keys and values after its request ends: a later prompt starts from
-the longest prefix any row holds (core/serve/slots.py). See docs/architecture.md for why the cache
-stays static (one row per request) rather than paged.
+A request waits in a FIFO queue until a row of the cache is free, then holds that row until
+it ends (done, or cancelled when its client goes away) and frees it between two steps. Each
+engine step decodes one token for every decoding row together and prefills waiting prompt
+tokens in chunks, oldest request first, under a token budget (`chunk`, less one token per
+decoding row), so a long prompt cannot stall the others. A row keeps its tokens' keys and
+values after its request ends: a later prompt starts from the longest prefix any row holds
+(core/slots.py). See docs/architecture.md for why the cache stays static (one row per
+request) rather than paged.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from collections import deque
 
 import torch
 
+from core.engine import Engine
 from core.model import Model
 from core.modeling import kernel_errors
 from core.serve.metrics import ServerMetrics
-from core.serve.seq import Job, Seq
-from core.serve.slots import Slots
+from core.serve.seq import Job, ServedSeq
 
 log = logging.getLogger("zoo.server")
 CHUNK = 512  # prompt tokens prefilled per step, decoding rows included (vLLM's
@@ -53,19 +52,38 @@ class Scheduler:
         self.model = model
         self.metrics = metrics or ServerMetrics("")
         self.max_queue = max_queue  # None: unbounded
-        self.chunk = CHUNK
-        self.reuse = True  # start prompts from a prefix some row holds
-        self.slots = Slots(model.net.kv_cache, model.config.attention_layers)
+        self.engine = Engine(model, model.max_batch_size, chunk=CHUNK, reuse=True)
         self.waiting: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.pending: deque[Job] = deque()  # taken off `waiting`, not yet in a row (FIFO)
         self.queued = 0  # jobs submitted and not yet in a row
         self._count = threading.Lock()
-        self.running: list[Seq] = []  # in admission order
         self._stopping = False
-        v = model.config.vocab_size  # penalties' per-row state, reset when a row is taken
-        self.counts = torch.zeros(model.max_batch_size, v, device=model.device)
-        self.seen = torch.zeros(model.max_batch_size, v, dtype=torch.bool, device=model.device)
         self._thread = threading.Thread(target=self._serve, name="zoo-scheduler", daemon=True)
+
+    # the engine's, under the names the server and its tests read
+    @property
+    def running(self) -> list[ServedSeq]:
+        return self.engine.running  # in admission order
+
+    @property
+    def slots(self):
+        return self.engine.slots
+
+    @property
+    def chunk(self) -> int:
+        return self.engine.chunk  # prompt tokens a step prefills (vLLM's max_num_batched_tokens)
+
+    @chunk.setter
+    def chunk(self, n: int) -> None:
+        self.engine.chunk = n
+
+    @property
+    def reuse(self) -> bool:
+        return self.engine.reuse  # start prompts from a prefix some row holds
+
+    @reuse.setter
+    def reuse(self, on: bool) -> None:
+        self.engine.reuse = on
 
     def start(self) -> None:
         self._thread.start()
@@ -90,8 +108,8 @@ class Scheduler:
             self._admit()
             if self.running:
                 self._step()
-        for seq in self.running:  # stopping: rows end as aborted, queued jobs get an error
-            seq.abort()
+        for seq in self.engine.clear():  # stopping: rows end as aborted, queued jobs get an error
+            seq.finish = seq.finish or "abort"
             self._end(seq)
         while True:  # what was submitted meanwhile, too
             try:
@@ -124,29 +142,24 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Pending jobs into free rows, first come first served."""
-        while self.pending and self.slots.free:
+        while self.pending and self.engine.free:
             job = self.pending.popleft()
             if job.cancelled:
                 self._dequeue(job, running=False)
                 job.emit("error", Cancelled("the client went away before its request ran"))
                 continue
             self._dequeue(job, running=True)
-            row, cached = self.slots.acquire(job.ids, self.reuse)
             try:
-                seq = Seq(job, row, cached, self.model, self.metrics)
+                seq = ServedSeq(job, self.model, self.metrics)
             except Exception as err:  # e.g. a grammar that cannot be built: this job only
                 log.exception("zoo: a request could not start")
-                self.slots.release(row)
                 self.metrics.finished(job.clock, None)
                 job.emit("error", err)
                 continue
-            self.metrics.prefix(len(job.ids), cached)
-            self.counts[row].zero_()
-            self.seen[row].zero_()
-            self.seen[row, job.ids] = True
-            self.running.append(seq)
+            self.engine.add(seq)
+            self.metrics.prefix(len(job.ids), seq.cached)
 
-    def _end(self, seq: Seq) -> None:
+    def _end(self, seq: ServedSeq) -> None:
         result = seq.result()
         log.debug(
             "zoo: row %d: %d prompt tokens (%d cached), %d new, %s",
@@ -154,79 +167,16 @@ class Scheduler:
         )  # fmt: skip
         self.metrics.finished(seq.job.clock, result)
         seq.job.emit("done", result)
-        self.slots.release(seq.row)
 
     def _step(self) -> None:
         try:
             with torch.inference_mode(), kernel_errors():  # a kernel's refusal: a ZooError
-                for seq in self.running:
-                    if seq.job.cancelled:
-                        seq.abort()
-                self._prefill()
-                self._decode()
+                ended = self.engine.step()
         except Exception as err:  # answer every running row, keep serving
             log.exception("zoo: a step of %d requests failed", len(self.running))
-            for seq in self.running:
+            for seq in self.engine.clear():  # what the rows hold is unknown now
                 self.metrics.finished(seq.job.clock, None)
                 seq.job.emit("error", err)
-                self.slots.release(seq.row)
-            self.running = []
-            self.slots.forget()  # what the rows hold is unknown now
             return
-        for seq in [s for s in self.running if s.finish]:
-            self.running.remove(seq)
+        for seq in ended:
             self._end(seq)
-
-    def _prefill(self) -> None:
-        """One chunk of prompt per prefilling row, oldest first, while the budget lasts. A
-        recurrent model prefills a prompt whole: its state must not see a decode step's
-        placeholder token between two chunks."""
-        net, slots = self.model.net, self.slots
-        budget = self.chunk - sum(s.decoding for s in self.running)
-        for seq in [s for s in self.running if not s.finish and not s.decoding]:
-            left = len(seq.ids) - len(slots.fed[seq.row])
-            n = left if slots.recurrent else min(left, budget)
-            if n <= 0:
-                break
-            budget -= n
-            start = len(slots.fed[seq.row])
-            chunk = seq.ids[start : start + n]
-            ids = torch.tensor([chunk], device=self.model.device)
-            with slots.only(seq.row):
-                logits = net(ids, start, logits_at=torch.tensor([n - 1], device=ids.device))
-            slots.fed[seq.row].extend(chunk)
-            if n == left:  # the prompt's last token: its logits give the first new token
-                seq.first(logits[:, 0].float(), self.counts, self.seen)
-
-    def _decode(self) -> None:
-        """One token for every decoding row. Where the step takes a list of cache rows (the
-        fused CPU step), it computes just those. Otherwise it runs rows [:k] of the cache,
-        and a row in [:k] that is not decoding (free, or between prefill chunks) takes a
-        placeholder token at its next position, which it has not filled yet: what it holds
-        stays intact (in a ring, that slot holds the position one window back, which no later
-        query of the row reads; a row that held a whole window is not reused)."""
-        rows = [s for s in self.running if s.decoding and not s.finish]
-        if not rows:
-            return
-        fed, dev = self.slots.fed, self.model.device
-        if self.model.step.takes_rows(len(rows)):
-            at = [s.row for s in rows]
-            tokens, pos, where = [s.last for s in rows], [len(fed[r]) for r in at], at
-        else:
-            k = max(s.row for s in rows) + 1
-            if self.model.step.compiled is not None:  # a few batch sizes to compile: 2^n
-                k = min(1 << (k - 1).bit_length(), self.model.max_batch_size)
-            tokens, pos, where = [0] * k, [len(fed[r]) for r in range(k)], None
-            for s in rows:
-                tokens[s.row] = s.last
-        logits = self.model.step(
-            torch.tensor(tokens, device=dev),
-            torch.tensor(pos, device=dev),
-            max(pos) + 1,
-            rows=None if where is None else torch.tensor(where, device=dev),
-        )
-        for s in rows:
-            fed[s.row].append(s.last)
-        Seq.sample(
-            rows, logits, self.counts, self.seen, None if where is None else list(range(len(rows)))
-        )

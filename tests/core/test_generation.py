@@ -489,32 +489,31 @@ class PerRowReference:
 
 
 def run_loop(base, prompts, per_row: list[dict] | None = None, hooks: dict | None = None, **kw):
-    """The token loop over the per-row reference: one set of parameters `kw`, or one per row;
-    `hooks`: run()'s cancelled / on_token. Returns (results, streamed text per row)."""
-    from core.generation import run
+    """The engine's token loop over the per-row reference: one set of parameters `kw`, or one
+    per row; `hooks`: Model.token_loop's cancelled / on_token, and `ahead`. Returns (results,
+    streamed text per row)."""
+    from types import SimpleNamespace
+
+    from core.model import Model
     from core.sampling import SamplingParams
     from core.tokenizer import Tokenizer
 
     root, ref, hf, _ = base
     ids = [hf.encode(x) if isinstance(x, str) else x for x in prompts]
-    if per_row is None:
-        p = SamplingParams(ignore_eos=True, **kw)
-        stop = set(p.stop_token_ids)
-    else:
-        p = [SamplingParams(ignore_eos=True, **x) for x in per_row]
-        stop = [set(x.stop_token_ids) for x in p]
+    p = [SamplingParams(ignore_eos=True, **x) for x in per_row or [kw] * len(ids)]
+    hooks = dict(hooks or {})
     reference = PerRowReference(ref)
-    loop = run(
-        reference,
-        reference.step,
-        ids,
-        p,
-        tokenizer=Tokenizer.from_folder(root),
-        stop_ids=stop,
-        vocab_size=ref.config.vocab_size,
+    model = SimpleNamespace(  # what Model.token_loop reads of a model
+        net=reference,
+        step=reference.step,
         device=torch.device("cpu"),
-        **(hooks or {}),
+        ahead=hooks.pop("ahead", False),
+        config=SimpleNamespace(vocab_size=ref.config.vocab_size),
+        tokenizer=Tokenizer.from_folder(root),
+        max_batch_size=len(ids),
+        stop_ids=lambda p: set(p.stop_token_ids),
     )
+    loop = Model.token_loop(model, ids, p, **hooks)
     pieces = [[] for _ in prompts]
     while True:
         try:
@@ -647,8 +646,8 @@ def test_cancelled_row_stops_and_the_others_go_on(base):
 
 
 def test_launching_steps_ahead_changes_nothing(base):
-    """run(ahead=True) launches step n+1 before the host reads step n's tokens (the order of
-    calls shows it) and returns, streams and calls back exactly what run() in step does, also
+    """ahead=True launches step n+1 before the host reads step n's tokens (the order of
+    calls shows it) and returns, streams and calls back exactly what it does in step, also
     as rows end at different times (their own lengths, a cancel)."""
     events = {}
 

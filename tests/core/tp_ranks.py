@@ -57,18 +57,13 @@ def measure(model, tp: int) -> dict:
 
 @torch.inference_mode()
 def rows_and_copies(model) -> torch.Tensor:
-    """What the server's scheduler does besides plain forwards: prefill one row of the cache
-    (`Slots.only`), copy a prefix into another row (`Slots.copy`), continue that row, then
-    decode both rows at per-row positions. Their logits (2, 1, vocab)."""
-    from core.serve.slots import Slots
-
+    """What the server's engine does besides plain forwards: prefill one row of the cache
+    (`row=`), copy a prefix into another row (`copy_rows`), continue that row, then decode
+    both rows at per-row positions. Their logits (2, 1, vocab)."""
     net = model.net
-    slots = Slots(net.kv_cache, model.config.attention_layers)
-    with slots.only(1):
-        net(torch.tensor([PROMPT]), 0)
-    slots.copy(1, 0, 5)
-    with slots.only(0):
-        net(torch.tensor([PROMPT[5:][::-1]]), 5)
+    net(torch.tensor([PROMPT]), 0, row=1)
+    net.copy_rows(1, 0, 5)
+    net(torch.tensor([PROMPT[5:][::-1]]), 5, row=0)
     return net(torch.tensor(NEXT), torch.tensor([len(PROMPT)] * 2)).float()
 
 

@@ -148,7 +148,7 @@ def run(sched, requests, after=None):
 
 def decoding(n: int):
     """Holds once the first row has taken n tokens."""
-    return lambda s: bool(s.running) and len(s.running[0].text.out) >= n
+    return lambda s: bool(s.running) and len(s.running[0].out) >= n
 
 
 def same_as_alone(alone, ids, p: SamplingParams, got) -> None:
@@ -238,7 +238,7 @@ def test_cancelled_rows_end_and_free_their_row(sched):
     requests = [(prompt(5, 30), params(max_new_tokens=80))] * 5
 
     def cancel_all(s):
-        if s.running and len(s.running[0].text.out) >= 2:
+        if s.running and len(s.running[0].out) >= 2:
             for seq in s.running:
                 seq.job.cancelled = True
             return True
