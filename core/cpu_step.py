@@ -43,6 +43,8 @@ def why_not(net: CausalLM) -> str | None:
     for i, layer in enumerate(net.model.layers):
         if type(layer) is not DecoderBlock:
             return f"block {i} is {type(layer).__name__}"
+        if layer.reduce is not None:
+            return f"block {i} sums its outputs over tensor-parallel ranks"
         attn, mlp = layer.self_attn, layer.mlp
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
         attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
@@ -53,7 +55,7 @@ def why_not(net: CausalLM) -> str | None:
                 return f"block {i} has post-norms around a MoE MLP"
             kinds += [(n, RMSNorm) for n in _post_norms(layer)]
         for part, kind in kinds:
-            if type(part) is not kind:  # a subclass may compute more (tensor parallelism's sum)
+            if type(part) is not kind:  # a subclass may compute more
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
         if attn_kind is MLAAttention:
             for name in ("q_a_layernorm", "kv_a_layernorm"):  # (no q_a: a plain q_proj)

@@ -6,7 +6,7 @@ embedding, norms, attention, MLP) is built from the type of its spec, through th
 the plugins registered (`zoo_register_layers`; the core's own in plugins/core_layers.py).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,6 +63,9 @@ class DecoderBlock(nn.Module):
         mlp = cfg.layer_mlp(index)
         self.mlp = build(mlp, h, mlp)
         self.post_norms = cfg.post_norms
+        # tensor parallelism (core/parallel/tp.py): sums the attention's and the MLP's partial
+        # outputs (this rank's heads / intermediate rows) over the ranks; None on one rank
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         if cfg.post_norms:  # the hub's post_attention_layernorm / post_feedforward_layernorm
             self.attn_out_layernorm = build(cfg.norm, h, cfg.norm)
             self.post_feedforward_layernorm = build(cfg.norm, h, cfg.norm)
@@ -74,8 +77,12 @@ class DecoderBlock(nn.Module):
         `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T; `lengths`:
         None, or (B,) real tokens per row of a right-padded prefill."""
         a = self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end, lengths)
+        if self.reduce is not None:
+            a = self.reduce(a)
         h = x + (self.attn_out_layernorm(a) if self.post_norms else a)
         m = self.mlp(self.post_attention_layernorm(h))
+        if self.reduce is not None:
+            m = self.reduce(m)
         return h + (self.post_feedforward_layernorm(m) if self.post_norms else m)
 
 

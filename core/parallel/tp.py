@@ -9,9 +9,9 @@ Megatron's split, as gpt-fast's tp.py and vLLM do it, declared per parameter nam
 - MoE: every routed and shared expert split the same way (each expert's intermediate size / N);
   the router is replicated, so every rank routes every token alike;
 - embedding and LM head vocab-parallel (rows padded to a multiple of N).
-Each attention and each MLP ends in one all-reduce (`row_parallel`); a row-parallel bias is
-loaded on rank 0 only (zeros elsewhere), so the sum adds it once. Norms, routers and the
-rest are replicated.
+Each attention's and each MLP's output is summed by one all-reduce (`DecoderBlock.reduce`);
+a row-parallel bias is loaded on rank 0 only (zeros elsewhere), so the sum adds it once.
+Norms, routers and the rest are replicated.
 
 The model is built with a *local* `RuntimeConfig` (heads and intermediate sizes / N), and the
 checkpoint is seen through `ShardedCheckpoint` (core/parallel/slices.py), which gives each tensor
@@ -135,30 +135,10 @@ class VocabParallelLMHead(LMHead):
         return distributed.all_gather(super().forward(h))[..., : self.vocab]
 
 
-_ROW_PARALLEL: dict[type, type] = {}
-
-
-def row_parallel(module: nn.Module) -> None:
-    """Make `module` (an attention or MLP whose last linear is row-parallel) sum its output
-    over the ranks: its class becomes a subclass whose forward ends in one all-reduce. A
-    subclass, not a hook, so that no fast path that matches the plain class (the fused CPU
-    decode step) runs it without the sum."""
-    cls = type(module)
-    sub = _ROW_PARALLEL.get(cls)
-    if sub is None:
-
-        def forward(self, *args, **kwargs):
-            return distributed.all_reduce(cls.forward(self, *args, **kwargs))
-
-        doc = f"{cls.__name__} over this rank's heads / intermediate rows, summed over ranks."
-        sub = type(f"RowParallel{cls.__name__}", (cls,), {"forward": forward, "__doc__": doc})
-        _ROW_PARALLEL[cls] = sub
-    module.__class__ = sub
-
-
 def parallelize(net: nn.Module, sharding: Sharding) -> None:
-    """Swap in the vocab-parallel embedding and head, and make every attention and MLP sum
-    its partial output across ranks (one all-reduce each). `net` is on the meta device."""
+    """Swap in the vocab-parallel embedding and head, and make every block sum its attention's
+    and MLP's partial outputs across ranks (`DecoderBlock.reduce`: one all-reduce each). `net`
+    is on the meta device."""
     cfg = sharding.cfg
     lo, hi, per = sharding.vocab_rows()
     with torch.device("meta"):
@@ -167,8 +147,7 @@ def parallelize(net: nn.Module, sharding: Sharding) -> None:
         net.model.embed_tokens = embed
         net.lm_head = VocabParallelLMHead(cfg.hidden_size, per, cfg.vocab_size, tied)
     for block in net.model.layers:
-        row_parallel(block.self_attn)
-        row_parallel(block.mlp)
+        block.reduce = distributed.all_reduce
 
 
 def resident_bytes(net: nn.Module) -> int:
@@ -185,6 +164,5 @@ __all__ = [  # ShardedCheckpoint and Sharding live in core/parallel/slices.py
     "local_config",
     "parallelize",
     "resident_bytes",
-    "row_parallel",
     "tensor_parallel",
 ]
