@@ -52,3 +52,15 @@ def zoo_register_models(registry):
     A name then works like one from registry.yaml (`load_model(name)`, `zoo run name`,
     `zoo list`): a hub `repo` at `revision`, or a `file` inside the pip `package`.
     """
+
+
+@hookspec
+def zoo_register_tool_formats(registry):
+    """Register tool-call formats: `registry.add_tool_format(name, detect, grammar,
+    call_id=None)`.
+
+    `detect(chat_template)` says whether a chat template teaches the format (a plugin's formats
+    are asked before the built-ins); `grammar` reads an answer's calls, a generator over a
+    `core.chat.tool_formats.call_stream.CallStream`; `call_id()` makes a call's id (None:
+    OpenAI's `call_...`).
+    """

@@ -1,4 +1,5 @@
-"""The registry plugins fill: architectures, checkpoint formats, layer kinds and named models.
+"""The registry plugins fill: architectures, checkpoint formats, layer kinds, named models and
+tool-call formats.
 
 Each hook in `core.hookspecs` receives one `Registry`; whatever a plugin adds is credited to it
 (`current_plugin`), and two plugins claiming one name is a `PluginError` naming both. Nothing
@@ -62,6 +63,15 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    detect: Callable[[str], bool]  # chat template -> whether it teaches this format
+    grammar: Callable  # a core.chat.tool_formats.call_stream.Grammar
+    call_id: Callable[[], str] | None  # None: OpenAI's ids
+    plugin: str
+
+
+@dataclass(frozen=True)
 class NamedModel:
     name: str
     entry: dict[str, Any]  # registry.yaml's shape: repo + revision | package + file, and info
@@ -76,6 +86,7 @@ class Registry:
         self.formats: dict[str, Format] = {}
         self.layers: dict[type, Layer] = {}
         self.models: dict[str, NamedModel] = {}
+        self.tool_formats: dict[str, ToolFormat] = {}
         self.current_plugin = "?"  # set while a plugin's hooks run, to credit what it adds
 
     # --- what the hooks call -----------------------------------------------------------------
@@ -137,6 +148,19 @@ class Registry:
         model = NamedModel(name, entry, self.current_plugin)
         self._claim(self.models, name, model, f"model name {name!r}")
 
+    def add_tool_format(
+        self, name: str, detect: Callable, grammar: Callable, call_id: Callable | None = None
+    ) -> None:
+        """Read the tool calls of models whose chat template `detect` accepts by `grammar`."""
+        ok = isinstance(name, str) and name and callable(detect) and callable(grammar)
+        if not ok or not (call_id is None or callable(call_id)):
+            raise PluginError(
+                f"plugin {self.current_plugin!r}: add_tool_format({name!r}, ...) needs a "
+                "non-empty name, a detect(chat_template) function, a grammar and call_id() or None"
+            )
+        fmt = ToolFormat(name, detect, grammar, call_id, self.current_plugin)
+        self._claim(self.tool_formats, name, fmt, f"tool-call format {name!r}")
+
     def _claim(self, table: dict, key: Any, value: Any, what: str) -> None:
         if key in table:
             raise PluginError(
@@ -148,7 +172,8 @@ class Registry:
 
     def forget(self, plugin: str) -> None:
         """Drop everything `plugin` registered (its hook failed half way)."""
-        for table in (self.architectures, self.formats, self.layers, self.models):
+        tables = (self.architectures, self.formats, self.layers, self.models, self.tool_formats)
+        for table in tables:
             for key in [k for k, v in table.items() if v.plugin == plugin]:
                 del table[key]
 
@@ -159,6 +184,7 @@ class Registry:
             "formats": sorted(k for k, v in self.formats.items() if v.plugin == plugin),
             "layers": [t.__name__ for t, v in self.layers.items() if v.plugin == plugin],
             "models": sorted(k for k, v in self.models.items() if v.plugin == plugin),
+            "tool_formats": [k for k, v in self.tool_formats.items() if v.plugin == plugin],
         }
         return {kind: names for kind, names in kinds.items() if names}
 

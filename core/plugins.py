@@ -28,7 +28,15 @@ import pluggy
 
 from core import hookspecs
 from core.errors import PluginError, ZooError
-from core.plugin_registry import Architecture, Format, Layer, NamedModel, Registry, WeightMap
+from core.plugin_registry import (
+    Architecture,
+    Format,
+    Layer,
+    NamedModel,
+    Registry,
+    ToolFormat,
+    WeightMap,
+)
 
 __all__ = [
     "Architecture",
@@ -36,6 +44,7 @@ __all__ = [
     "Layer",
     "NamedModel",
     "Registry",
+    "ToolFormat",
     "WeightMap",
     "describe_plugins",
     "merge_named_models",
@@ -63,6 +72,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen3_next",
     "plugins.safetensors",
     "plugins.gguf",
+    "plugins.tool_formats",
 )
 # every hook, in the order core/hookspecs.py defines them
 HOOKS = tuple(name for name in vars(hookspecs) if name.startswith("zoo_"))

@@ -31,9 +31,9 @@ RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_.\-]+)")
 
 class HarmonyReader:
     """Reads a harmony answer as it streams (its text with the markers kept) into deltas, as
-    core.chat.tool_calls.CallStream does: the analysis channel as reasoning, the final channel (and
-    commentary addressed to no one: a preamble) as content, and a commentary message addressed
-    `to=functions.NAME` as a tool call whose arguments are the message's text."""
+    core.chat.tool_formats.call_stream.CallStream does: the analysis channel as reasoning, the
+    final channel (and commentary addressed to no one: a preamble) as content, and a commentary
+    message addressed `to=functions.NAME` as a tool call whose arguments are the message's text."""
 
     def __init__(self, tools: bool = True):
         self.tools = tools

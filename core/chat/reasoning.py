@@ -100,8 +100,8 @@ class Reasoner:
 
 
 class Reader:
-    """One answer read as it streams into deltas (core.chat.tool_calls.Delta): its thinking apart,
-    then the rest as content or, with a tool-call reader, as content and calls."""
+    """One answer read as it streams into deltas (core.chat.tool_formats.call_stream.Delta): its
+    thinking apart, then the rest as content or, with a tool-call reader, as content and calls."""
 
     def __init__(self, think: ThinkSplitter | None, calls: Any = None):
         self.think, self.reader = think, calls

@@ -1,355 +1,47 @@
-"""Tool calls: what a model writes when it calls a function, per family, read back into OpenAI's
-`tool_calls` as it streams; and the JSON schemas that force a call (`tool_choice` "required" or
-a named function), as vLLM forces them.
-
-Each family writes its calls its own way (the chat template tells the model how):
-- Hermes / Qwen2.5 / Qwen3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (with
-  newlines inside the tags), repeated
-- Llama 3.1 / 3.2 / 3.3: the whole answer is `{"name": ..., "parameters": {...}}` (after an
-  optional `<|python_tag|>`), several joined by `;`
-- Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or (v11+)
-  `[TOOL_CALLS]name[ARGS]{...}`
-- DeepSeek V3 / R1: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function
-  <｜tool▁sep｜>name` + a ```json block + `<｜tool▁call▁end｜>` (V3.1: `<｜tool▁call▁begin｜>name
-  <｜tool▁sep｜>{...}<｜tool▁call▁end｜>`), then `<｜tool▁calls▁end｜>`
-A `CallStream` reads an answer (special tokens kept: some families' markers are special tokens)
-piece by piece, as vLLM's tool parsers do: text before a call goes out as content, text that
-may still be a call's marker is held back until decided, a call goes out as a head (its name)
-once its name is read, then its arguments' JSON text piece by piece as written. Text that turns
-out to be no call goes out as content.
+"""Tool calls in OpenAI's shape: which format a chat template teaches (the formats registered
+through `zoo_register_tool_formats`: the built-in families of core/chat/tool_formats/ and any
+plugin's), answers read back into `tool_calls` by that format's grammar, call ids, earlier calls'
+arguments as chat templates take them, and the JSON schemas that force a call (`tool_choice`
+"required" or a named function), as vLLM forces them.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import secrets
-import string
 import uuid
-from collections.abc import Callable, Generator
 from typing import Any
 
+from core.chat.tool_formats.call_stream import CallStream, Grammar, listed, named
+from core.plugins import BUILTIN_PLUGINS, ToolFormat, registry
+
 Call = dict[str, Any]  # {"name": str, "arguments": dict}
-# what a reader says, piece by piece: ("content" | "reasoning", text, None), ("call", name, k)
-# (call k begins), ("args", text, k) (the next piece of call k's arguments)
-Delta = tuple[str, str, int | None]
-
-DS_CALLS, DS_CALL = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
-DS_SEP, DS_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-MISTRAL = "[TOOL_CALLS]"
-NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what OpenAI accepts as a function's name
+FALLBACK = "hermes"  # the format of templates that name none
 
 
-class NoCall(Exception):
-    """The text being read is not (or no longer) a well-formed call."""
+def formats() -> list[ToolFormat]:
+    """The registered tool-call formats in the order chat templates are matched: plugins' own
+    first (one may claim a template a built-in would also take), then the built-ins."""
+    return sorted(registry().tool_formats.values(), key=lambda f: f.plugin in BUILTIN_PLUGINS)
 
 
-Grammar = Callable[["CallStream"], Generator[None, None, None]]
+def tool_format(name: str) -> ToolFormat:
+    """The registered format called `name` (as `family` names them)."""
+    return registry().tool_formats[name]
 
 
-class CallStream:
-    """Reads one answer as it streams (`feed`, then `finish`) into deltas, by a family's
-    grammar: a generator over this reader's helpers that yields whenever it needs more text."""
-
-    def __init__(self, grammar: Grammar):
-        self.text, self.i, self.sent = "", 0, 0  # all text fed; the grammar's cursor; content out
-        self.eof = False
-        self.calls: list[list[str]] = []  # [name, arguments' text so far] per call
-        self.out: list[Delta] = []
-        self.prose = False  # no call (any more): the rest is content
-        self._run: Generator | None = grammar(self)
-
-    def feed(self, piece: str) -> list[Delta]:
-        self.text += piece
-        return self._step()
-
-    def finish(self) -> list[Delta]:
-        self.eof = True
-        return self._step()
-
-    def complete(self) -> bool:
-        """Whether the calls read are whole: each one's arguments a JSON object."""
-        return bool(self.calls) and all(isinstance(_json(a), dict) for _, a in self.calls)
-
-    def _step(self) -> list[Delta]:
-        if self._run is not None:
-            try:
-                next(self._run)  # runs until it needs more text
-            except StopIteration:  # the calls are over: what follows them is dropped
-                self._run = None
-            except NoCall:
-                self._run, self.prose = None, not self.calls  # (after a call: dropped)
-        if self.prose and self.sent < len(self.text):
-            self._content(len(self.text))
-        out, self.out = self.out, []
-        return out
-
-    # --- helpers the grammars use (generators: `yield from` them) --------------------------------
-    def _content(self, end: int) -> None:
-        if end > self.sent:
-            self.out.append(("content", self.text[self.sent : end], None))
-            self.sent = end
-
-    def wait(self, n: int = 1) -> Generator:
-        """Until n characters past the cursor have arrived (or the answer ended)."""
-        while len(self.text) - self.i < n and not self.eof:
-            yield
-
-    def ws(self) -> Generator:
-        """Skip whitespace."""
-        while True:
-            while self.i < len(self.text) and self.text[self.i].isspace():
-                self.i += 1
-            if self.i < len(self.text) or self.eof:
-                return
-            yield
-
-    def at(self, s: str) -> Generator[None, None, bool]:
-        """Whether the text at the cursor starts with `s` (waits until it can tell)."""
-        while True:
-            got = self.text[self.i : self.i + len(s)]
-            if got == s:
-                return True
-            if not s.startswith(got) or self.eof:
-                return False
-            yield
-
-    def take(self, s: str) -> Generator:
-        """`s` must come next (else: no call)."""
-        if not (yield from self.at(s)):
-            raise NoCall
-        self.i += len(s)
-
-    def upto(self, marker: str) -> Generator[None, None, str]:
-        """The text up to `marker` (consumed, marker included)."""
-        while (cut := self.text.find(marker, self.i)) < 0:
-            if self.eof:
-                raise NoCall
-            yield
-        text, self.i = self.text[self.i : cut], cut + len(marker)
-        return text
-
-    def content_until(self, marker: str) -> Generator[None, None, bool]:
-        """Content up to `marker` (consumed); False when the answer ends without one. A tail
-        that may be the marker's start, and whitespace before it, are held back meanwhile."""
-        while (cut := self.text.find(marker, self.i)) < 0:
-            if self.eof:
-                self._content(len(self.text))
-                return False
-            end = len(self.text)
-            end -= max(
-                (k for k in range(1, len(marker)) if self.text.endswith(marker[:k])), default=0
-            )
-            self._content(len(self.text[:end].rstrip()))
-            self.i = self.sent
-            yield
-        self._content(len(self.text[:cut].rstrip()))
-        self.i = cut + len(marker)
-        return True
-
-    def head(self, name: str) -> None:
-        """A call begins: its name goes out."""
-        if not NAME.fullmatch(name):
-            raise NoCall
-        self.sent = len(self.text)  # (what lay between the content and the call is no content)
-        self.out.append(("call", name, len(self.calls)))
-        self.calls.append([name, ""])
-
-    def _args(self, piece: str) -> None:
-        if piece:
-            self.out.append(("args", piece, len(self.calls) - 1))
-            self.calls[-1][1] += piece
-
-    def value(self, stream: bool = False) -> Generator[None, None, str]:
-        """One JSON value's text; with `stream`, sent out as the current call's arguments as
-        it arrives (not a JSON string: see `arguments`)."""
-        yield from self.ws()
-        yield from self.wait()
-        start = done = self.i
-        first = self.text[start : start + 1]
-        stream = stream and first != '"'
-        depth, quoted, escaped = 0, False, False
-        while True:
-            end = None
-            while self.i < len(self.text):
-                c = self.text[self.i]
-                if quoted:
-                    escaped, quoted = (False, True) if escaped else (c == "\\", c != '"')
-                elif c == '"':
-                    quoted = True
-                elif c in "{[":
-                    depth += 1
-                elif depth == 0 and (c in "}],;<" or c.isspace()):  # a bare number ends
-                    end = self.i
-                    break
-                elif c in "}]":
-                    depth -= 1
-                self.i += 1
-                if depth == 0 and not quoted and first in '{["':
-                    end = self.i
-                    break
-            if stream:
-                self._args(self.text[done : self.i])
-                done = self.i
-            if end is None and self.eof and depth == 0 and not quoted:
-                end = self.i  # a bare number at the very end
-            if end is not None:
-                if end == start:
-                    raise NoCall
-                return self.text[start:end]
-            if self.eof:
-                raise NoCall
-            yield
-
-    def arguments(self) -> Generator:
-        """The current call's arguments (a JSON value) streamed as they are written (a JSON
-        string holding them, as some models write: decoded, sent whole at its end)."""
-        raw = yield from self.value(stream=True)
-        if raw.startswith('"'):
-            args = _json(raw)
-            self._args(args if isinstance(args, str) else raw)
-
-    def call_object(self) -> Generator:
-        """`{"name": ..., "arguments" | "parameters": {...}}`: the head once the name is read,
-        then the arguments as they are written (held until the name, if written first)."""
-        yield from self.ws()
-        yield from self.take("{")
-        name, seen, early = None, False, None
-        while True:
-            yield from self.ws()
-            if (yield from self.at("}")):
-                self.i += 1
-                break
-            key = _json((yield from self.value()))
-            yield from self.ws()
-            yield from self.take(":")
-            if key == "name" and name is None:
-                name = _json((yield from self.value()))
-                if not isinstance(name, str):
-                    raise NoCall
-                self.head(name)
-                if early is not None:
-                    self._args(early)
-            elif key in ("arguments", "parameters") and not seen:
-                seen = True
-                if name is not None:
-                    yield from self.arguments()
-                else:
-                    raw = yield from self.value()
-                    decoded = _json(raw) if raw.startswith('"') else None
-                    early = decoded if isinstance(decoded, str) else raw
-            elif name is None:  # an object that does not start as a call
-                raise NoCall
-            else:
-                yield from self.value()
-            yield from self.ws()
-            if (yield from self.at(",")):
-                self.i += 1
-        if name is None:
-            raise NoCall
-        if not seen:  # no arguments written: none
-            self._args("{}")
+def family(chat_template: str | None) -> str:
+    """The tool-call format a chat template teaches its model (Hermes when it names none)."""
+    t = chat_template or ""
+    return next((f.name for f in formats() if f.detect(t)), FALLBACK)
 
 
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        return None
-
-
-# --- each family's grammar --------------------------------------------------------------------
-def hermes(s: CallStream):
-    if not (yield from s.content_until("<tool_call>")):
-        return
-    while True:
-        yield from s.call_object()
-        yield from s.ws()
-        if (yield from s.at("</tool_call>")):
-            s.i += len("</tool_call>")
-        yield from s.ws()
-        if not (yield from s.at("<tool_call>")):
-            return
-        s.i += len("<tool_call>")
-
-
-def llama3(s: CallStream):
-    yield from s.ws()
-    if (yield from s.at("<|python_tag|>")):
-        s.i += len("<|python_tag|>")
-        yield from s.ws()
-    if not (yield from s.at("{")):
-        raise NoCall
-    while True:
-        yield from s.call_object()
-        yield from s.ws()
-        if not (yield from s.at(";")):
-            return
-        s.i += 1
-
-
-def mistral(s: CallStream):
-    if not (yield from s.content_until(MISTRAL)):
-        return
-    yield from s.ws()
-    if (yield from s.at("[")):  # v0.3: one JSON list
-        yield from listed(s)
-        return
-    while True:  # v11+: name[ARGS]{...}, each after its own [TOOL_CALLS]
-        s.head((yield from s.upto("[ARGS]")).strip())
-        yield from s.arguments()
-        yield from s.ws()
-        if not (yield from s.at(MISTRAL)):
-            return
-        s.i += len(MISTRAL)
-
-
-def deepseek(s: CallStream):
-    if not (yield from s.content_until(DS_CALLS)):
-        return
-    while True:
-        yield from s.ws()
-        if not (yield from s.at(DS_CALL)):
-            return
-        s.i += len(DS_CALL)
-        name = (yield from s.upto(DS_SEP)).strip()
-        if name == "function":  # V3 / R1: the name on its line, then a ```json block
-            name = (yield from s.upto("\n")).strip()
-            yield from s.upto("```")
-            yield from s.upto("\n")
-        s.head(name)
-        yield from s.arguments()
-        yield from s.upto(DS_END)
-
-
-def listed(s: CallStream):
-    """A JSON list of call objects (Mistral v0.3; "required" forced calls)."""
-    yield from s.ws()
-    yield from s.take("[")
-    while True:
-        yield from s.call_object()
-        yield from s.ws()
-        if not (yield from s.at(",")):
-            return
-        s.i += 1
-
-
-def named(name: str) -> Grammar:
-    """A call forced by name: the whole answer is its arguments."""
-
-    def grammar(s: CallStream):
-        s.head(name)
-        yield from s.arguments()
-
-    return grammar
-
-
-GRAMMARS: dict[str, Grammar] = {
-    "hermes": hermes,
-    "llama3": llama3,
-    "mistral": mistral,
-    "deepseek": deepseek,
-}
+def call_id(fam: str | None = None) -> str:
+    """A call's id, as its format makes them (Mistral's templates accept only 9 letters and
+    digits); OpenAI's `call_...` otherwise."""
+    fmt = registry().tool_formats.get(fam) if fam else None
+    if fmt is not None and fmt.call_id is not None:
+        return fmt.call_id()
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def read(grammar: Grammar, text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -364,29 +56,8 @@ def read(grammar: Grammar, text: str) -> tuple[str, list[tuple[str, str]]]:
 
 def parse(fam: str, text: str) -> tuple[str, list[Call]]:
     """(content, calls with their arguments parsed) of a whole answer of a family."""
-    content, calls = read(GRAMMARS[fam], text)
+    content, calls = read(tool_format(fam).grammar, text)
     return content, [{"name": n, "arguments": json.loads(a)} for n, a in calls]
-
-
-def family(chat_template: str | None) -> str:
-    """The tool-call format a chat template teaches its model (Hermes when it names none)."""
-    t = chat_template or ""
-    if "tool▁calls▁begin" in t:
-        return "deepseek"
-    if MISTRAL in t:
-        return "mistral"
-    if "<tool_call>" in t:
-        return "hermes"
-    if "<|python_tag|>" in t or ("<|start_header_id|>" in t and '"parameters"' in t):
-        return "llama3"
-    return "hermes"
-
-
-def call_id(fam: str | None = None) -> str:
-    """A call's id; Mistral's templates accept only 9 letters and digits (as vLLM writes them)."""
-    if fam == "mistral":
-        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class _Arguments(dict):
@@ -454,7 +125,7 @@ class ToolUse:
     def grammar(self) -> Grammar:
         if self.named:
             return named(self.named)
-        return listed if self.forced else GRAMMARS[self.fam]
+        return listed if self.forced else tool_format(self.fam).grammar
 
     def stream(self) -> CallStream:
         return CallStream(self.grammar())

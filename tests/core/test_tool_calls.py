@@ -10,18 +10,9 @@ import jsonschema
 import pytest
 from fixtures.chat_tokenizers import LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, QWEN25_TEMPLATE
 
-from core.chat.tool_calls import (
-    GRAMMARS,
-    CallStream,
-    call_id,
-    family,
-    forced_schema,
-    listed,
-    named,
-    parse,
-    read,
-    template_arguments,
-)
+from core.chat.tool_calls import call_id, family, forced_schema, parse, read, template_arguments
+from core.chat.tool_formats import GRAMMARS
+from core.chat.tool_formats.call_stream import CallStream, listed, named
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
 TIME = {"name": "get_time", "arguments": {"zone": "CET"}}
