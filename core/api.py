@@ -112,6 +112,88 @@ def _check_finite(net: CausalLM, path: Path) -> None:
         )
 
 
+def _read_config(ckpt, path: Path):
+    """(architecture plugin, RuntimeConfig, source named in errors) of an open checkpoint."""
+    raw = ckpt.config()
+    source = str(path / "config.json" if path.is_dir() else path)  # GGUF: its metadata
+    arch = registry().architecture(raw.get("model_type"), source=source)
+    return arch, arch.config.from_dict(raw, source=source).to_runtime(), source
+
+
+def _shard(ckpt, arch, cfg, tp: int, dev: torch.device, source: str, compile: bool, quantize):
+    """Join the tensor-parallel group: (sharding, this rank's device, the checkpoint as this
+    rank reads it: its own slices only)."""
+    from core.parallel.tp import ShardedCheckpoint, tensor_parallel
+
+    sharding, dev = tensor_parallel(cfg, tp, dev, source, compile, quantize)
+    return sharding, dev, ShardedCheckpoint(ckpt, arch.weight_map, sharding)
+
+
+def _check_positive(max_seq_len: int | None, max_batch_size: int) -> None:
+    if (max_seq_len is not None and max_seq_len < 1) or max_batch_size < 1:
+        raise RequestError(
+            f"max_seq_len ({max_seq_len}) and max_batch_size ({max_batch_size}) must be positive"
+        )
+
+
+def _build_network(cfg, tp: int, sharding) -> CausalLM:
+    """The network on the meta device: the whole model, or (tensor parallel) one rank's part."""
+    if sharding is not None:
+        from core.parallel.tp import local_config, parallelize
+
+        cfg = local_config(cfg, tp)
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    if sharding is not None:
+        parallelize(net, sharding)
+    return net
+
+
+def _fill_network(net: CausalLM, ckpt, arch, plan, dt, dev, keep: bool, quantize) -> None:
+    """Read the checkpoint into `net` on `dev` (quantized blocks kept as they are when `keep`),
+    then quantize it at load when asked."""
+    load_weights(
+        net,
+        ckpt,
+        arch.weight_map,
+        dtype=dt,
+        device=dev,
+        ignore=net.ignored_checkpoint_names(),
+        progress=True,
+        keep_quantized=keep,
+        plan=plan,
+    )
+    if quantize is not None:
+        quantize_model(net, quantize)
+
+
+def _log_loaded(path, cfg, net: CausalLM, dev, dt, kv, batch: int, seq: int, asked, t0: float):
+    """The one line that says what was loaded, where, in how long (since `t0`), and how its KV
+    cache was sized."""
+    how = (
+        "asked for"
+        if asked is not None
+        else (
+            "the model's context" if seq == cfg.max_position_embeddings else "what fits in memory"
+        )
+    )
+    lazy = ", committed as it fills" if dev.type == "cpu" else ""
+    log.info(
+        "zoo: loaded %s (%s) on %s as %s in %.2fs; KV cache %d x %d tokens (%s), %s, %.1f MiB%s",
+        path,
+        cfg.model_type,
+        dev,
+        str(dt).removeprefix("torch."),
+        time.perf_counter() - t0,
+        batch,
+        seq,
+        how,
+        str(kv).removeprefix("torch."),
+        net.kv_cache.nbytes / 2**20,
+        lazy,
+    )
+
+
 def load_model(
     name_or_path: str | Path,
     *,
@@ -148,54 +230,23 @@ def load_model(
     if quantize is not None:
         check_kind(quantize)  # before any download or read
     path = _resolve_path(name_or_path, revision=revision, offline=offline)
-    reg = registry()
-    ckpt = reg.format_for(path).open(path)
+    ckpt = registry().format_for(path).open(path)
     try:
-        raw = ckpt.config()
-        source = str(path / "config.json" if path.is_dir() else path)  # GGUF: its metadata
-        arch = reg.architecture(raw.get("model_type"), source=source)
-        cfg = arch.config.from_dict(raw, source=source).to_runtime()
+        arch, cfg, source = _read_config(ckpt, path)
         dev, dt = resolve_device_dtype(device, dtype, cfg.dtype)
         sharding = None
         if tp != 1:  # a rank's own part of the model and of the checkpoint
-            from core.parallel.tp import (
-                ShardedCheckpoint,
-                local_config,
-                parallelize,
-                tensor_parallel,
-            )
-
-            sharding, dev = tensor_parallel(cfg, tp, dev, source, compile, quantize)
-            ckpt = ShardedCheckpoint(ckpt, arch.weight_map, sharding)
-        if (max_seq_len is not None and max_seq_len < 1) or max_batch_size < 1:
-            raise RequestError(
-                f"max_seq_len ({max_seq_len}) and max_batch_size ({max_batch_size}) must be "
-                "positive"
-            )
+            sharding, dev, ckpt = _shard(ckpt, arch, cfg, tp, dev, source, compile, quantize)
+        _check_positive(max_seq_len, max_batch_size)
         t0 = time.perf_counter()
-        with torch.device("meta"):
-            net = CausalLM(cfg if sharding is None else local_config(cfg, tp))
-        if sharding is not None:
-            parallelize(net, sharding)
+        net = _build_network(cfg, tp, sharding)
         keep = not dequantize and quantize is None and sharding is None
         plan = plan_load(net, ckpt, arch.weight_map, net.ignored_checkpoint_names())
         weights, kept = held_bytes(net, ckpt, plan, dt, dev, keep)
         kv = _cache_dtype(kv_dtype, dt, dev, kept > 0 or quantize is not None)
         seq = _cache_length(net.config, weights, kv, dev, max_batch_size, max_seq_len)
         _check_fits(net.config, weights, kv, dev, max_batch_size, seq)
-        load_weights(
-            net,
-            ckpt,
-            arch.weight_map,
-            dtype=dt,
-            device=dev,
-            ignore=net.ignored_checkpoint_names(),
-            progress=True,
-            keep_quantized=keep,
-            plan=plan,
-        )
-        if quantize is not None:
-            quantize_model(net, quantize)
+        _fill_network(net, ckpt, arch, plan, dt, dev, keep, quantize)
         if check_finite:
             _check_finite(net, path)
         if dev.type == "cpu":  # decode streams every weight: fewer TLB misses in 2 MiB pages
@@ -207,27 +258,6 @@ def load_model(
         ckpt.close()
     net.setup_caches(max_batch_size, seq, kv)
     net.eval().requires_grad_(False)  # inference only: no autograd in eager or compiled steps
-    how = (
-        "asked for"
-        if max_seq_len is not None
-        else (
-            "the model's context" if seq == cfg.max_position_embeddings else "what fits in memory"
-        )
-    )
-    lazy = ", committed as it fills" if dev.type == "cpu" else ""
-    log.info(
-        "zoo: loaded %s (%s) on %s as %s in %.2fs; KV cache %d x %d tokens (%s), %s, %.1f MiB%s",
-        path,
-        cfg.model_type,
-        dev,
-        str(dt).removeprefix("torch."),
-        time.perf_counter() - t0,
-        max_batch_size,
-        seq,
-        how,
-        str(kv).removeprefix("torch."),
-        net.kv_cache.nbytes / 2**20,
-        lazy,
-    )
+    _log_loaded(path, cfg, net, dev, dt, kv, max_batch_size, seq, max_seq_len, t0)
     with kernel_errors():  # a compiled step resolves every kernel now (ZOO_KERNELS)
         return Model(net, tokenizer, path, gen_config, compile=compile)

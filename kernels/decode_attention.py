@@ -12,16 +12,53 @@ extra rope score term (q_pe . k_pe).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention_tile import attend, load_rows
 from kernels.casting import round_to
-from kernels.dispatch import check_features, interpreting, require, softcap_factors
+from kernels.dispatch import check_features, check_operands, interpreting, require, softcap_factors
 
 INTERPRETED = interpreting()
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_keys(LENS, b, split, seq_len, split_len, window, HAS_LENS: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """[start, end): the keys of row b that split `split` reads (empty past the row's length)."""
+    length = seq_len
+    if HAS_LENS:
+        length = tl.load(LENS + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+    if HAS_WINDOW:  # the query sits at length - 1: keys before its window are not read
+        start = tl.maximum(start, length - window)
+    return start, end
+
+
+@triton.jit
+def _store_split(acc, m_i, l_i, SINKS, O_PART, LSE_PART, b, heads, g_mask, split, so_b, so_h,
+                 so_s, sl_b, sl_h, DV, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+                 BLOCK_DV: tl.constexpr):  # fmt: skip
+    """Normalise a split's output acc (BLOCK_G, BLOCK_DV) of the query heads `heads` (those
+    in g_mask), with its running max m_i and sum l_i, and store it with its log-sum-exp; with
+    DIRECT (one split) store the output itself, its sink joined to the denominator."""
+    if DIRECT and HAS_SINKS:  # one split: the sink joins the denominator here (log2 domain)
+        sink = tl.load(SINKS + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i += tl.exp2(sink - m_i)
+    # an empty split (past this row's length) leaves l_i = 0: write 0 and lse = -inf
+    offs_dv = tl.arange(0, BLOCK_DV)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptr = O_PART + b * so_b + heads[:, None] * so_h + split * so_s + offs_dv[None, :]
+    out = round_to(out, O_PART.dtype.element_ty)  # fp32 partials, or the final dtype
+    tl.store(o_ptr, out, mask=g_mask[:, None] & (offs_dv < DV)[None, :])
+    if not DIRECT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(LSE_PART + b * sl_b + heads * sl_h + split, lse, mask=g_mask)
 
 
 @triton.jit
@@ -82,15 +119,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     g_mask = g < group
     heads = kvh * group + g  # (BLOCK_G,) query heads
-    length = seq_len
-    if HAS_LENS:
-        length = tl.load(LENS + b)
-    start = split * split_len
-    end = tl.minimum(start + split_len, length)
-    if HAS_WINDOW:  # the query sits at length - 1: keys before its window are not read
-        start = tl.maximum(start, length - window)
-
-    offs_dv = tl.arange(0, BLOCK_DV)
+    start, end = _split_keys(LENS, b, split, seq_len, split_len, window, HAS_LENS, HAS_WINDOW)
     q = load_rows(Q + b * sq_b, heads * sq_h, g_mask, D, BLOCK_D)
     qpe = q  # unread without HAS_PE
     if HAS_PE:
@@ -102,18 +131,10 @@ def _decode_split_kernel(
         BLOCK_G, HAS_PE, V_IS_K, False, HAS_WINDOW, HAS_SOFTCAP,  # CAUSAL: no
         BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV,
     )  # fmt: skip
-
-    if DIRECT and HAS_SINKS:  # one split: the sink joins the denominator here (log2 domain)
-        sink = tl.load(SINKS + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-        l_i += tl.exp2(sink - m_i)
-    # an empty split (past this row's length) leaves l_i = 0: write 0 and lse = -inf
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptr = O_PART + b * so_b + heads[:, None] * so_h + split * so_s + offs_dv[None, :]
-    out = round_to(out, O_PART.dtype.element_ty)  # fp32 partials, or the final dtype
-    tl.store(o_ptr, out, mask=g_mask[:, None] & (offs_dv < DV)[None, :])
-    if not DIRECT:
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(LSE_PART + b * sl_b + heads * sl_h + split, lse, mask=g_mask)
+    _store_split(
+        acc, m_i, l_i, SINKS, O_PART, LSE_PART, b, heads, g_mask, split,
+        so_b, so_h, so_s, sl_b, sl_h, DV, DIRECT, HAS_SINKS, BLOCK_DV,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -173,51 +194,50 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _launch(
-    q, qpe, k, kpe, v, seq_lens, scale, num_splits, op, window=None, softcap=None, sinks=None
-):
-    """q (B, Hq, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, DV)."""
+class _Tiling(NamedTuple):
+    """How stage 1 cuts the work: query heads per tile and tiles per GQA group, keys per tile,
+    and the cache cut into num_splits splits of split_len keys (a multiple of block_n)."""
+
+    block_g: int
+    n_gblocks: int
+    block_n: int
+    num_splits: int
+    split_len: int
+
+
+def _tiling(q, hkv: int, s: int, dv: int, num_splits: int | None) -> _Tiling:
+    """The tiling of q (B, Hq, D) over a cache of hkv heads, s positions and values dv wide
+    (num_splits: the splits asked for, or None: enough for the GPU)."""
     bsz, hq, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    dv = k.shape[3] if v is None else v.shape[3]
-    require(hq % hkv == 0, op, f"{hq} query heads are not a multiple of {hkv} kv heads")
-    require(k.shape[0] >= bsz and k.shape[3] == d, op, f"k {tuple(k.shape)} vs q {q.shape}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("q_pe", qpe), ("k_pe", kpe)):
-        if t is not None:
-            require(t.stride(-1) == 1, op, f"{name} must be contiguous in its last dim")
-            require(t.device == q.device, op, f"{name} on {t.device}, q on {q.device}")
-            require(t.dtype == k.dtype, op, f"{name} is {t.dtype}, the cache is {k.dtype}")
-    check_features(op, hq, q.device, window, softcap, sinks)
-    out = torch.empty(bsz, hq, 1, dv, dtype=q.dtype, device=q.device)
-    if bsz == 0:
-        return out
     group = hq // hkv
-    block_d, block_dv = _p2(d), _p2(dv)
     # query heads fill the tile's M dim (>= 16 for tl.dot); wide latent values get small tiles
-    block_g = max(16, min(_p2(group), 64 if block_dv <= 128 else 16))
+    block_g = max(16, min(_p2(group), 64 if _p2(dv) <= 128 else 16))
     n_gblocks = triton.cdiv(group, block_g)
-    block_n = 64 if block_d <= 128 else 32
+    block_n = 64 if _p2(d) <= 128 else 32
     if q.dtype == torch.float32:  # exact fp32 dots: twice the registers per element
         block_n //= 2
     if num_splits is None:  # enough programs for ~2 waves of the GPU
         num_splits = triton.cdiv(2 * _num_sms(q.device), bsz * hkv * n_gblocks)
     num_splits = max(1, min(num_splits, triton.cdiv(s, block_n), 128))
     split_len = triton.cdiv(triton.cdiv(s, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(s, split_len)
-    direct = num_splits == 1  # one split: stage 1 writes the output, no merge launch
-    o3 = out.view(bsz, hq, dv)
-    if direct:
-        o_part, lse_part = o3[:, :, None], o3[:, :, 0]  # strides only; lse is not written
-    else:
-        o_part = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    return _Tiling(block_g, n_gblocks, block_n, triton.cdiv(s, split_len), split_len)
+
+
+def _split_stage(
+    q, qpe, k, kpe, v, seq_lens, sinks, o_part, lse_part, scale, window, softcap, tiling: _Tiling
+):
+    """Stage 1: each split's partial output (and log-sum-exp) into o_part (and lse_part);
+    with one split, the output itself."""
+    block_g, n_gblocks, block_n, num_splits, split_len = tiling
+    hkv, s = k.shape[1], k.shape[2]
+    dv = k.shape[3] if v is None else v.shape[3]
     lens = seq_lens if seq_lens is not None else o_part  # a dummy pointer when unused
     sinks_ = sinks if sinks is not None else o_part
     has_pe = qpe is not None
     qpe_ = qpe if has_pe else q
     kpe_ = kpe if has_pe else k
     v_ = k if v is None else v
-    _decode_split_kernel[(bsz, hkv * n_gblocks, num_splits)](
+    _decode_split_kernel[(q.shape[0], hkv * n_gblocks, num_splits)](
         q,
         qpe_,
         k,
@@ -244,38 +264,42 @@ def _launch(
         o_part.stride(2),
         lse_part.stride(0),
         lse_part.stride(1),
-        group,
+        q.shape[1] // hkv,
         n_gblocks,
         s,
         split_len,
         scale * LOG2E,
         window or 0,
         *softcap_factors(scale, softcap),
-        d,
+        q.shape[2],
         qpe_.shape[-1],
         dv,
         HAS_PE=has_pe,
         HAS_LENS=seq_lens is not None,
         V_IS_K=v is None,
-        DIRECT=direct,
+        DIRECT=num_splits == 1,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         BLOCK_G=block_g,
         BLOCK_N=block_n,
-        BLOCK_D=block_d,
+        BLOCK_D=_p2(q.shape[2]),
         BLOCK_DPE=_p2(qpe_.shape[-1]) if has_pe else 16,
-        BLOCK_DV=block_dv,
+        BLOCK_DV=_p2(dv),
         num_warps=4,
         num_stages=2,
     )
-    if direct:
-        return out
+
+
+def _merge_stage(o_part, lse_part, sinks, out) -> None:
+    """Stage 2: out (B, Hq, DV) = the splits' partials, each weighted by its share of the
+    softmax (and the sink's share in the denominator)."""
+    bsz, hq, num_splits, dv = o_part.shape
     _decode_merge_kernel[(bsz * hq,)](
         o_part,
         lse_part,
-        sinks_,
-        o3,
+        sinks if sinks is not None else o_part,
+        out,
         hq,
         num_splits,
         o_part.stride(0),
@@ -283,14 +307,42 @@ def _launch(
         o_part.stride(2),
         lse_part.stride(0),
         lse_part.stride(1),
-        o3.stride(0),
-        o3.stride(1),
+        out.stride(0),
+        out.stride(1),
         dv,
         HAS_SINKS=sinks is not None,
         BLOCK_S=_p2(num_splits),
-        BLOCK_DV=block_dv,
+        BLOCK_DV=_p2(dv),
         num_warps=4,
     )
+
+
+def _launch(
+    q, qpe, k, kpe, v, seq_lens, scale, num_splits, op, window=None, softcap=None, sinks=None
+):
+    """q (B, Hq, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, DV)."""
+    bsz, hq, _ = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    dv = k.shape[3] if v is None else v.shape[3]
+    check_operands(op, q, qpe, k, kpe, v)
+    check_features(op, hq, q.device, window, softcap, sinks)
+    out = torch.empty(bsz, hq, 1, dv, dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    tiling = _tiling(q, hkv, s, dv, num_splits)
+    num_splits = tiling.num_splits
+    direct = num_splits == 1  # one split: stage 1 writes the output, no merge launch
+    o3 = out.view(bsz, hq, dv)
+    if direct:
+        o_part, lse_part = o3[:, :, None], o3[:, :, 0]  # strides only; lse is not written
+    else:
+        o_part = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    _split_stage(
+        q, qpe, k, kpe, v, seq_lens, sinks, o_part, lse_part, scale, window, softcap, tiling
+    )
+    if not direct:
+        _merge_stage(o_part, lse_part, sinks, o3)
     return out
 
 

@@ -59,6 +59,21 @@ def check_features(op, heads, device, window, softcap, sinks) -> None:
         require(sinks.device == device and sinks.is_contiguous(), op, "sinks on q's device")
 
 
+def check_operands(op, q, qpe, k, kpe, v) -> None:
+    """Launcher-side checks of attention's operands (q (B, Hq, [T,] D) over a cache k (B',
+    Hkv, S, D), B' >= B; v, q_pe, k_pe or None): whole GQA groups, matching shapes, last dims
+    contiguous, one device, the cache's dtype."""
+    bsz, hq, d = q.shape[0], q.shape[1], q.shape[-1]
+    hkv = k.shape[1]
+    require(hq % hkv == 0, op, f"{hq} query heads are not a multiple of {hkv} kv heads")
+    require(k.shape[0] >= bsz and k.shape[3] == d, op, f"k {tuple(k.shape)} vs q {q.shape}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_pe", qpe), ("k_pe", kpe)):
+        if t is not None:
+            require(t.stride(-1) == 1, op, f"{name} must be contiguous in its last dim")
+            require(t.device == q.device, op, f"{name} on {t.device}, q on {q.device}")
+            require(t.dtype == k.dtype, op, f"{name} is {t.dtype}, the cache is {k.dtype}")
+
+
 def softcap_factors(scale: float, softcap: float | None) -> tuple[float, float]:
     """(cap_in, cap_out) such that the kernels' log2-domain score is cap_out * tanh(cap_in *
     q.k) = log2(e) * softcap * tanh(scale * q.k / softcap); (0, 0) without a soft-cap."""

@@ -19,10 +19,37 @@ import triton.language as tl
 
 from kernels.attention_tile import attend, load_rows
 from kernels.casting import round_to
-from kernels.dispatch import check_features, interpreting, require, softcap_factors
+from kernels.dispatch import check_features, check_operands, interpreting, require, softcap_factors
 
 INTERPRETED = interpreting()
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _block_keys(pid_m, start_pos, n_kv, window, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """[lo, hi): the keys query block pid_m may see (causal, and inside the window)."""
+    hi = tl.minimum(n_kv, start_pos + (pid_m + 1) * BLOCK_M)  # keys past the block's last query
+    lo = 0
+    if HAS_WINDOW:  # keys before the block's first query's window: skipped, tile-aligned
+        lo = tl.maximum(start_pos + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, SINK, o_rows, m_mask, DV, HAS_SINKS: tl.constexpr,
+                BLOCK_DV: tl.constexpr):  # fmt: skip
+    """Normalise acc (BLOCK_M, BLOCK_DV), with its running max m_i and sum l_i (and the sink
+    at SINK, when HAS_SINKS), and store row r at o_rows[r] where m_mask."""
+    if HAS_SINKS:  # the sink joins the denominator only (log2 domain, like the scores)
+        sink = tl.load(SINK).to(tl.float32) * 1.4426950408889634
+        l_i += tl.exp2(sink - m_i)
+    # (a query row past T may see no key: 0, not 0/0; it is not stored)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    out = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], o_rows.dtype.element_ty)
+    tl.store(
+        o_rows[:, None] + offs_dv[None, :], out, mask=m_mask[:, None] & (offs_dv < DV)[None, :]
+    )
 
 
 @triton.jit
@@ -85,70 +112,54 @@ def _prefill_kernel(
     if PER_ROW:
         start_pos = tl.load(STARTS + b)
     pos = start_pos + offs_m  # (BLOCK_M,) absolute positions of the queries
-    offs_dv = tl.arange(0, BLOCK_DV)
     q = load_rows(Q + b * sq_b + h * sq_h, offs_m * sq_t, m_mask, D, BLOCK_D)
     qpe = q  # unread without HAS_PE
     if HAS_PE:
         qpe = load_rows(QPE + b * sqp_b + h * sqp_h, offs_m * sqp_t, m_mask, DPE, BLOCK_DPE)
-    hi = tl.minimum(n_kv, start_pos + (pid_m + 1) * BLOCK_M)  # keys past the block's last query
-    lo = 0
-    if HAS_WINDOW:  # keys before the block's first query's window: skipped, tile-aligned
-        lo = tl.maximum(start_pos + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    lo, hi = _block_keys(pid_m, start_pos, n_kv, window, HAS_WINDOW, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = attend(
         q, qpe, K + b * sk_b + kvh * sk_h, KPE + b * skp_b, V + b * sv_b + kvh * sv_h,
         lo, hi, n_kv, pos, window, sk_s, skp_s, sv_s, qk_scale, cap_in, cap_out, D, DPE, DV,
         BLOCK_M, HAS_PE, V_IS_K, True, HAS_WINDOW, HAS_SOFTCAP,  # CAUSAL: yes
         BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV,
     )  # fmt: skip
-
-    if HAS_SINKS:  # the sink joins the denominator only (log2 domain, like the scores)
-        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
-        l_i += tl.exp2(sink - m_i)
-    # (a query row past T may see no key: 0, not 0/0; it is not stored)
-    out = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], OUT.dtype.element_ty)
-    o_ptr = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_dv[None, :]
-    tl.store(o_ptr, out, mask=m_mask[:, None] & (offs_dv < DV)[None, :])
+    o_rows = OUT + b * so_b + h * so_h + offs_m * so_t
+    _store_rows(acc, m_i, l_i, SINKS + h, o_rows, m_mask, DV, HAS_SINKS, BLOCK_DV)
 
 
 def _p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, sinks=None):
-    """q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, T, DV).
-
-    start_pos: an int, or a (B,) tensor of per-row positions (then S >= max + T is the
-    caller's to ensure: checking it would cost a device sync)."""
-    bsz, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    dv = k.shape[3] if v is None else v.shape[3]
-    require(hq % hkv == 0, op, f"{hq} query heads are not a multiple of {hkv} kv heads")
-    require(k.shape[0] >= bsz and k.shape[3] == d, op, f"k {tuple(k.shape)} vs q {q.shape}")
-    per_row = isinstance(start_pos, torch.Tensor)
-    if per_row:
+def _starts(op, start_pos, q, s: int):
+    """start_pos as the kernel takes it: a (B,) int32 tensor of per-row positions, or None for
+    one int (then checked: the cache holds its T queries)."""
+    bsz, _, t, _ = q.shape
+    if isinstance(start_pos, torch.Tensor):
         require(start_pos.shape == (bsz,), op, f"start_pos {tuple(start_pos.shape)} != ({bsz},)")
-        starts = start_pos.to(device=q.device, dtype=torch.int32)
-    else:
-        require(
-            s >= start_pos + t, op, f"cache holds {s} positions < start_pos {start_pos} + T {t}"
-        )
-        starts = None
-    for name, x in (("q", q), ("k", k), ("v", v), ("q_pe", qpe), ("k_pe", kpe)):
-        if x is not None:
-            require(x.stride(-1) == 1, op, f"{name} must be contiguous in its last dim")
-            require(x.device == q.device, op, f"{name} on {x.device}, q on {q.device}")
-            require(x.dtype == k.dtype, op, f"{name} is {x.dtype}, the cache is {k.dtype}")
-    check_features(op, hq, q.device, window, softcap, sinks)
-    out = torch.empty(bsz, hq, t, dv, dtype=q.dtype, device=q.device)
-    if bsz * t == 0:
-        return out
-    block_d, block_dv = _p2(d), _p2(dv)
-    wide = block_d + block_dv > 256  # MLA's 512-wide latent: smaller tiles fit in registers
+        return start_pos.to(device=q.device, dtype=torch.int32)
+    require(s >= start_pos + t, op, f"cache holds {s} positions < start_pos {start_pos} + T {t}")
+    return None
+
+
+def _tiles(dtype: torch.dtype, d: int, dv: int) -> tuple[int, int, bool]:
+    """(block_m, block_n, wide): queries and keys per tile; wide: MLA's wide latent tiles."""
+    wide = _p2(d) + _p2(dv) > 256  # MLA's 512-wide latent: smaller tiles fit in registers
     block_m, block_n = (32, 32) if wide else (64, 64)
-    if q.dtype == torch.float32:  # exact fp32 dots run on FMA units, and twice the registers
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units, and twice the registers
         block_m, block_n = block_m // 2, block_n // 2
     if INTERPRETED:  # small tiles exercise the block edges and the causal diagonal on tiny tests
         block_m, block_n = 16, 16
+    return block_m, block_n, wide
+
+
+def _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softcap, sinks) -> None:
+    """The kernel over q (B, Hq, T, D) into out (B, Hq, T, DV): starts, per-row positions, or
+    None and the int start_pos."""
+    bsz, hq, t, d = q.shape
+    dv = out.shape[3]
+    block_m, block_n, wide = _tiles(q.dtype, d, dv)
+    block_d, block_dv = _p2(d), _p2(dv)
     has_pe = qpe is not None
     qpe_ = qpe if has_pe else q
     kpe_ = kpe if has_pe else k
@@ -160,7 +171,7 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, 
         kpe_,
         v_,
         out,
-        starts if per_row else out,  # a dummy pointer when unused
+        starts if starts is not None else out,  # a dummy pointer when unused
         sinks if sinks is not None else out,
         q.stride(0),
         q.stride(1),
@@ -180,10 +191,10 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, 
         out.stride(1),
         out.stride(2),
         hq,
-        hq // hkv,
+        hq // k.shape[1],
         t,
-        s,
-        0 if per_row else start_pos,
+        k.shape[2],
+        0 if starts is not None else start_pos,
         scale * LOG2E,
         window or 0,
         *softcap_factors(scale, softcap),
@@ -192,7 +203,7 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, 
         dv,
         HAS_PE=has_pe,
         V_IS_K=v is None,
-        PER_ROW=per_row,
+        PER_ROW=starts is not None,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
@@ -204,6 +215,22 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, 
         num_warps=4 if not wide else 8,
         num_stages=2,
     )
+
+
+def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, sinks=None):
+    """q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, T, DV).
+
+    start_pos: an int, or a (B,) tensor of per-row positions (then S >= max + T is the
+    caller's to ensure: checking it would cost a device sync)."""
+    bsz, hq, t, _ = q.shape
+    dv = k.shape[3] if v is None else v.shape[3]
+    check_operands(op, q, qpe, k, kpe, v)
+    starts = _starts(op, start_pos, q, k.shape[2])
+    check_features(op, hq, q.device, window, softcap, sinks)
+    out = torch.empty(bsz, hq, t, dv, dtype=q.dtype, device=q.device)
+    if bsz * t == 0:
+        return out
+    _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softcap, sinks)
     return out
 
 

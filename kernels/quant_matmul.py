@@ -89,6 +89,22 @@ def _weights(q, scale, mn, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr, FP8: tl.
 
 
 @triton.jit
+def _store_gemv(y, BIAS, OUT, offs_m, rows, m_mask, n_mask, split, s_op, s_om,
+                HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+    """Store the GEMV's y (BLOCK_M, BLOCK_N) fp32: with DIRECT, plus the bias and in OUT's
+    dtype; else as split `split`'s fp32 partials."""
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            y += tl.load(BIAS + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        o_ptr = OUT + offs_m.to(tl.int64)[:, None] * s_om + rows[None, :]
+        tl.store(o_ptr, round_to(y, OUT.dtype.element_ty), mask=out_mask)
+    else:
+        o_ptr = OUT + split * s_op + offs_m.to(tl.int64)[:, None] * s_om + rows[None, :]
+        tl.store(o_ptr, y, mask=out_mask)
+
+
+@triton.jit
 def _gemv_kernel(
     X,  # (M, K), last dim contiguous
     C,  # codes (N, K) int8, or (N, K / 2) uint8 when PACKED
@@ -163,15 +179,7 @@ def _gemv_kernel(
                 x = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0).to(tl.float32)
                 acc += x[:, None, :] * w[None, :, :]
     y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            y += tl.load(BIAS + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        o_ptr = OUT + offs_m.to(tl.int64)[:, None] * s_om + rows[None, :]
-        tl.store(o_ptr, round_to(y, OUT.dtype.element_ty), mask=out_mask)
-    else:
-        o_ptr = OUT + split * s_op + offs_m.to(tl.int64)[:, None] * s_om + rows[None, :]
-        tl.store(o_ptr, y, mask=out_mask)
+    _store_gemv(y, BIAS, OUT, offs_m, rows, m_mask, n_mask, split, s_op, s_om, HAS_BIAS, DIRECT)
 
 
 @triton.jit

@@ -194,11 +194,7 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zoo", description="Download and run decoder-only LLMs.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="answer one prompt, streamed to stdout")
     _model_options(run)
     _compile_option(run)
@@ -212,12 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_options(run)
     run.set_defaults(func=_run)
 
+
+def _add_chat(sub) -> None:
     chat = sub.add_parser("chat", help="an interactive chat in the terminal")
     _model_options(chat)
     _compile_option(chat)
     _sampling_options(chat)
     chat.set_defaults(func=_chat)
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see docs/serve.md)")
     _model_options(serve)
     _compile_option(serve)
@@ -242,14 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    download = sub.add_parser("download", help="fetch a model into the hub cache")
-    _model_options(download, optional=False)
-    download.set_defaults(func=_download)
 
-    about = sub.add_parser("info", help="architecture, parameters, dtype, KV bytes per token")
-    _model_options(about, optional=False)
-    about.set_defaults(func=info.info)
-
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="throughput, latency, memory and bandwidth figures")
     _model_options(b)
     _compile_option(b)
@@ -273,6 +267,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peak-gbps", type=float, help="the device's peak memory GB/s (default: "
                    "a datasheet figure for known GPUs, measured on CPUs)")  # fmt: skip
     b.set_defaults(func=bench_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `zoo` command's parser: one subcommand each, its handler in `func`."""
+    p = argparse.ArgumentParser(prog="zoo", description="Download and run decoder-only LLMs.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="command", required=True)  # each _add_*: one subcommand
+    _add_run(sub)
+    _add_chat(sub)
+    _add_serve(sub)
+
+    download = sub.add_parser("download", help="fetch a model into the hub cache")
+    _model_options(download, optional=False)
+    download.set_defaults(func=_download)
+
+    about = sub.add_parser("info", help="architecture, parameters, dtype, KV bytes per token")
+    _model_options(about, optional=False)
+    about.set_defaults(func=info.info)
+
+    _add_bench(sub)
 
     listing = sub.add_parser("list", help="the named models of registry.yaml")
     listing.set_defaults(func=info.list_models)
