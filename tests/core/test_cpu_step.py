@@ -1,4 +1,4 @@
-"""The fused CPU decode step (core/cpu_step.py, kernels/cpu_decode.c) against the modules it
+"""The fused CPU decode step (core/cpu_step.py, kernels/cpu/decode.c) against the modules it
 replaces, and against transformers: ragged rows at their own positions, rings that wrap,
 NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms and post-norms,
 soft-caps, DeepSeek's MLA (q_lora or not, YaRN) and its MoE routings (V2-Lite's softmax greedy,
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from core import load_model
 from core.cpu_step import FusedStep, why_not
-from kernels.cpu_quant import MAX_ROWS, library
+from kernels.cpu.build import MAX_ROWS, library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the step is unfused")
 

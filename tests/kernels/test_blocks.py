@@ -19,7 +19,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from kernels import blocks, cpu_quant
+from kernels import blocks
+from kernels.cpu import build
 from kernels.qweight import quantize
 
 T = GGMLQuantizationType
@@ -38,7 +39,7 @@ MARCHES = ["native", "x86-64-v3", "x86-64"] + (["skylake-avx512"] if _has_avx512
 
 @pytest.fixture(scope="module", params=MARCHES)
 def lib(request):
-    built = cpu_quant.build(request.param)
+    built = build.build(request.param)
     if built is None:
         pytest.fail(f"the C library does not build for -march={request.param}")
     return built
@@ -75,7 +76,7 @@ def repacked(lib, kind: str, sources: list[np.ndarray], cols: int, orders=None):
     n = len(rows)
     out = torch.empty(lib.zoo_repacked_bytes(fmt.type, n, cols), dtype=torch.uint8)
     lib.zoo_repack(fmt.type, rows.ctypes.data, n, cols, out.data_ptr(), 2)
-    return out, cpu_quant.QWeightView(out.data_ptr(), n, cols, fmt.type)
+    return out, build.QWeightView(out.data_ptr(), n, cols, fmt.type)
 
 
 def dequantized(lib, view, rows: int, cols: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The CPU C library (kernels/qgemv.c, qdot.c, cpu_ops.c and the fused step's cpu_decode.c,
-cpu_moe.c, cpu_delta.c, cpu_mla.c) and the products of block weights on CPUs.
+"""The CPU C library (kernels/cpu/qgemv.c, qdot.c, ops.c and the fused step's decode.c,
+moe.c, delta.c, mla.c) and the products of block weights on CPUs.
 
 The library is compiled on first use with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`, a few seconds) into a per-user cache and loaded with ctypes; where no compiler
@@ -30,16 +30,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import cache_dir
+from kernels.cpu.split import cache_dir
 
 log = logging.getLogger("zoo")
 
-# the block products, decode's small ops (kernels/cpu_ops.py) and its fused blocks
-# (kernels/cpu_decode.py): one library; the headers are hashed into the cache key with them
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("qgemv.c", "qdot.c", "cpu_ops.c", "cpu_decode.c", "cpu_moe.c",
-                        "cpu_delta.c", "cpu_mla.c")]  # fmt: skip
-HEADERS = [Path(__file__).with_name(name) for name in ("zoo_cpu.h", "cpu_step.h")]
+# the block products, decode's small ops (kernels/cpu/ops.py) and its fused blocks
+# (kernels/cpu/decode.py): one library; the headers are hashed into the cache key with them
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("qgemv.c", "qdot.c", "ops.c", "decode.c", "moe.c", "delta.c", "mla.c")
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("zoo_cpu.h", "step.h")]
 MAX_ROWS = 8  # rows of x a fused decode step takes (zoo_cpu.h's MAX_ROWS)
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # the instruction set: this machine's; tests also build x86-64-v3 (AVX2) and x86-64 (plain C)
@@ -131,7 +132,7 @@ def _cpu_flags() -> str:
 
 
 def block_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias for a `kernels.blocks.BlockWeight` W (kernels/qdot.c), any number of
+    """x @ W.T + bias for a `kernels.blocks.BlockWeight` W (kernels/cpu/qdot.c), any number of
     rows; fp32 x (other dtypes: the dequantized weight in F.linear)."""
     if torch.compiler.is_compiling():
         y = _qdot_op(x.reshape(-1, w.in_features).contiguous(), w.blocks, w.fmt.type,
