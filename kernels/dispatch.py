@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from kernels import cpu, reference
 from kernels.blocks import BlockExperts, BlockWeight
+from kernels.cpu import build as cpu_build
 from kernels.cpu import ops as cpu_ops
+from kernels.cpu import quant as cpu_quant
 from kernels.qweight import QuantStack, QuantWeight
 
 log = logging.getLogger("zoo")
@@ -219,9 +221,7 @@ def prepare(device: torch.device, dtype: torch.dtype) -> None:
     for op in OPS:
         pick(op, x)
     if device.type == "cpu":
-        from kernels.cpu import build
-
-        build.library()  # the quantized-weight kernel: compiled (or found) now
+        cpu_build.library()  # the quantized-weight kernel: compiled (or found) now
 
 
 # --- the ops the core layers call: same signatures as kernels.reference -----------------------
@@ -240,9 +240,7 @@ def linear(
     if isinstance(weight, BlockWeight):  # GGML blocks on the CPU (kernels/cpu/qdot.c)
         if os.environ.get(ENV) == "torch":
             return F.linear(x, weight.dequantize().to(x.dtype), bias)
-        from kernels.cpu import build
-
-        return build.block_linear(x, weight, bias)
+        return cpu_quant.block_linear(x, weight, bias)
     if isinstance(weight, QuantWeight):
         return _quant_linear(x, weight, bias)
     if x.device.type == "cpu" and os.environ.get(ENV) != "torch":
