@@ -2,7 +2,7 @@
 weight shapes of a model, at a few row counts: time and the bandwidth it implies.
 
 Each shape is stacked `--layers` times so the weights stream from memory, as in a decode step.
-The split is timed directly (kernels/cpu/split.py's `_split`), whatever `split_pays` chose for
+The split is timed directly (`kernels.cpu.split.split_linear`), whatever `split_pays` chose for
 `kernels.cpu.linear`.
 
     python benchmarks/cpu_linear.py [--shape smollm2] [--rows 1,4,16,64] [--layers 30]
@@ -69,7 +69,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, in_f)
             plain = best_ms(lambda: [F.linear(x, w) for w in ws])  # noqa: B023
-            split_ms = best_ms(lambda: [split._split(x, w, blocks) for w in ws])  # noqa: B023
+            split_ms = best_ms(lambda: [split.split_linear(x, w, blocks) for w in ws])  # noqa: B023
             print(
                 f"{name:>8} {rows:>5} {plain:>10.2f} {gb / plain * 1e3:>6.1f} "
                 f"{split_ms:>10.2f} {gb / split_ms * 1e3:>6.1f}"

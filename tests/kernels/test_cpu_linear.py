@@ -121,20 +121,24 @@ def test_the_probe_keeps_whichever_path_is_faster(two_threads, monkeypatch, slow
     if slower == "linear":
         monkeypatch.setattr(split.F, "linear", _slow(F.linear))
     else:
-        monkeypatch.setattr(split, "_split", _slow(split._split))
+        monkeypatch.setattr(split, "split_linear", _slow(split.split_linear))
     assert split.split_pays(torch.float32) is verdict
     # remembered per (dtype, threads): asked again, or by linear at any row count, untimed
     monkeypatch.setattr(split, "_medians_s", lambda *fns: pytest.fail("timed twice"))
     assert split.split_pays(torch.float32) is verdict
     calls = []
-    monkeypatch.setattr(split, "_split", lambda *a: calls.append(a) or split.torch.zeros(16, 96))
+    monkeypatch.setattr(
+        split, "split_linear", lambda *a: calls.append(a) or split.torch.zeros(16, 96)
+    )
     split.linear(torch.randn(16, 40), torch.randn(96, 40))
     assert len(calls) == verdict
 
 
 def test_where_the_split_does_not_pay_f_linear_runs(two_threads, monkeypatch):
     monkeypatch.setattr(split, "_split_pays", {(torch.float32, 2): False})
-    monkeypatch.setattr(split, "_split", lambda *a: pytest.fail("split where it does not pay"))
+    monkeypatch.setattr(
+        split, "split_linear", lambda *a: pytest.fail("split where it does not pay")
+    )
     x, w = torch.randn(4, 40), torch.randn(96, 40)
     assert torch.equal(split.linear(x, w), F.linear(x, w))
 
@@ -164,8 +168,8 @@ def test_a_trace_reads_the_verdict_and_never_times(two_threads, monkeypatch):
     """Inside torch.compile, linear takes what an eager probe found, or F.linear if none ran."""
     monkeypatch.setattr(split, "_medians_s", lambda *fns: pytest.fail("timed inside a trace"))
     calls = []
-    real = split._split
-    monkeypatch.setattr(split, "_split", lambda *a: calls.append(1) or real(*a))
+    real = split.split_linear
+    monkeypatch.setattr(split, "split_linear", lambda *a: calls.append(1) or real(*a))
     x, w = torch.randn(1, 40), torch.randn(96, 40)
     torch.compiler.assume_constant_result(split.threads)  # as a compiled decode step marks it
     for verdicts, splits in (({}, 0), ({(torch.float32, 2): True}, 1)):
