@@ -61,8 +61,8 @@ BUILTIN_PLUGINS = (
     "plugins.gpt_oss",
     "plugins.qwen3_moe",
     "plugins.qwen3_next",
-    "plugins.safetensors",
-    "plugins.gguf",
+    "plugins.formats.safetensors",
+    "plugins.formats.gguf",
 )
 # every hook, in the order core/hookspecs.py defines them
 HOOKS = tuple(name for name in vars(hookspecs) if name.startswith("zoo_"))
