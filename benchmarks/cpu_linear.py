@@ -2,7 +2,8 @@
 weight shapes of a model, at a few row counts: time and the bandwidth it implies.
 
 Each shape is stacked `--layers` times so the weights stream from memory, as in a decode step.
-The split is timed directly (`cpu._split`), whatever `split_pays` chose for `cpu.linear`.
+The split is timed directly (`kernels.cpu.split.split_linear`), whatever `split_pays` chose for
+`kernels.cpu.linear`.
 
     python benchmarks/cpu_linear.py [--shape smollm2] [--rows 1,4,16,64] [--layers 30]
 """
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from core.catalog import named_models
-from kernels import cpu
+from kernels.cpu import split
 
 
 def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
@@ -59,7 +60,7 @@ def main() -> None:
     cfg = named_models()[args.shape]["shape"]
     blocks = torch.get_num_threads()
     print(f"{args.shape}, fp32, {blocks} threads; ms for all copies, GB/s")
-    print(f"kernels.cpu.split_pays(float32) on this machine: {cpu.split_pays(torch.float32)}")
+    print(f"kernels.cpu.split_pays(float32) on this machine: {split.split_pays(torch.float32)}")
     print(f"{'weight':>8} {'rows':>5} {'F.linear':>10} {'GB/s':>6} {'split':>10} {'GB/s':>6}")
     for name, (out_f, in_f) in shapes(cfg).items():
         n = 1 if name == "lm_head" else args.layers
@@ -68,10 +69,10 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, in_f)
             plain = best_ms(lambda: [F.linear(x, w) for w in ws])  # noqa: B023
-            split = best_ms(lambda: [cpu._split(x, w, blocks) for w in ws])  # noqa: B023
+            split_ms = best_ms(lambda: [split.split_linear(x, w, blocks) for w in ws])  # noqa: B023
             print(
                 f"{name:>8} {rows:>5} {plain:>10.2f} {gb / plain * 1e3:>6.1f} "
-                f"{split:>10.2f} {gb / split * 1e3:>6.1f}"
+                f"{split_ms:>10.2f} {gb / split_ms * 1e3:>6.1f}"
             )
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.synth_hub import TEXT_MODELS, write_folder  # noqa: E402
 from core.catalog import named_models  # noqa: E402
-from plugins.gguf_reader import GGUFFile  # noqa: E402
+from plugins.formats.gguf_reader import GGUFFile  # noqa: E402
 
 STD = 0.02
 SOURCES = {"q8_0": (T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),

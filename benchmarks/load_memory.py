@@ -33,7 +33,7 @@ print(json.dumps({
 
 BASELINE = """
 import json, resource
-import torch, core.api, core.model, plugins.safetensors  # what loading imports, no weights
+import torch, core.api, core.model, plugins.formats.safetensors  # what loading imports, no weights
 print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 

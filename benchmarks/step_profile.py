@@ -24,17 +24,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from core import load_model
-from core.cli.bench import _sync
+from core.cli.bench import synchronize
 from core.quantize import weight_formats
 
 
 def timed_ms(fn, device: torch.device, repeat: int) -> list[float]:
     times = []
     for _ in range(repeat):
-        _sync(device)
+        synchronize(device)
         t = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - t) * 1e3)
     return times
 
@@ -91,7 +91,7 @@ def main() -> None:
         with profile(activities=acts) as prof:
             for _ in range(args.steps):
                 step()
-            _sync(dev)
+            synchronize(dev)
         guard = None
         if args.compile:
             from core.decode_step import bucket

@@ -1,11 +1,11 @@
-"""The eager decode step on CPUs: every decoder block in one C call (kernels/cpu_decode.py).
+"""The eager decode step on CPUs: every decoder block in one C call (kernels/cpu/decode.py).
 
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
 and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms and a
 sigmoid output gate, DeepSeek's MLA, or a gated DeltaNet layer; a gated SiLU / GELU MLP or a
 MoE: any routing of `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or
 without biases, shared experts gated or not; weights fp32 or kept quantized), the step
-embeds the tokens, hands the blocks to `kernels.cpu_decode.Blocks` and runs the final norm and
+embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
 rounding (tests/core/test_cpu_step.py). Which models take it: `zoo info` says.
@@ -23,12 +23,12 @@ from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
-from kernels.cpu_decode import NO_ATTENTION, Block, Blocks
-from kernels.cpu_delta import DELTA_MAX_DIM, Delta
-from kernels.cpu_mla import Latent
-from kernels.cpu_moe import MAX_EXPERTS, Experts, SharedExperts
-from kernels.cpu_quant import MAX_ROWS, library
-from kernels.cpu_views import ACTS
+from kernels.cpu.build import MAX_ROWS, library
+from kernels.cpu.decode import NO_ATTENTION, Block, Blocks
+from kernels.cpu.delta import DELTA_MAX_DIM, Delta
+from kernels.cpu.mla import Latent
+from kernels.cpu.moe import MAX_EXPERTS, Experts, SharedExperts
+from kernels.cpu.views import ACTS
 from kernels.qweight import QuantStack, QuantWeight
 
 ATTENTION = (GQAAttention, MLAAttention, GatedDeltaNet)  # the attention kinds the step takes
@@ -333,7 +333,7 @@ class FusedStep:
         if mode != "auto":
             return f"ZOO_KERNELS={mode}"
         if library() is None:
-            return "no C compiler for kernels/cpu_decode.c"
+            return "no C compiler for kernels/cpu/decode.c"
         if self._blocks() is None:
             return "a weight or cache tensor the C step cannot read"
         return None

@@ -16,7 +16,6 @@ import logging
 import torch
 
 import kernels.cpu
-import kernels.cpu_quant
 import kernels.dispatch
 from core.config import DynamicRope
 from core.cpu_step import FusedStep

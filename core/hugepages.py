@@ -14,7 +14,7 @@ asks for huge pages, 2 MiB aligned, each weight still its own storage over its p
 values and shapes are unchanged, only where they live. Call it before anything holds the
 weights' addresses (load_model does, before the decode step is built). Where the platform has
 no such advice, huge pages are off, or the mapping cannot be had, it does nothing.
-Quantized weights stay where the loader put them: kernels/qdot.c requests each unit's codes
+Quantized weights stay where the loader put them: kernels/cpu/qdot.c requests each unit's codes
 ahead of use, and on Llama-3.2-1B's shapes (Q4_K_M) huge pages moved decode by 1% (40.1 vs
 40.5 tok/s) while the copy added 0.4 s to a 1.8 s load (measured when the choice was made,
 2026-11-24).

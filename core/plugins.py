@@ -70,8 +70,8 @@ BUILTIN_PLUGINS = (
     "plugins.gpt_oss",
     "plugins.qwen3_moe",
     "plugins.qwen3_next",
-    "plugins.safetensors",
-    "plugins.gguf",
+    "plugins.formats.safetensors",
+    "plugins.formats.gguf",
     "plugins.tool_formats",
 )
 # every hook, in the order core/hookspecs.py defines them

@@ -141,7 +141,7 @@ def stacked_experts(net: nn.Module, target: str, formats: list, device: torch.de
 def read_kept(ckpt, parts: list, dtype: torch.dtype, device: torch.device):
     """One parameter's blocks, its shards stacked in row order, on `device`; stacked experts'
     shards ((e, rows) indices), or a stacked tensor, become one `QuantExperts`. On CPUs, GGML
-    blocks become `BlockWeight`s repacked for kernels/qdot.c (consecutive shards of one format
+    blocks become `BlockWeight`s repacked for kernels/cpu/qdot.c (consecutive shards of one format
     together)."""
     if device.type == "cpu" and hasattr(ckpt, "blocks") and blocks.available():
         w = _repacked_experts(ckpt, parts) if _by_expert(parts) else None
@@ -246,7 +246,7 @@ def quantize_model(net: nn.Module, kind: str) -> None:
             continue
         w = quantize_tensor(p.data, kind).to(p.device)
         w.dtype = p.dtype
-        if p.device.type == "cpu" and blocks.available():  # the same blocks, for kernels/qdot.c
+        if p.device.type == "cpu" and blocks.available():  # the same blocks, for kernels/cpu/qdot.c
             w = blocks.from_quant(w)
         install(net, name, w)
     if skipped:

@@ -4,7 +4,7 @@ Each op dispatches (kernels/dispatch.py) to its Triton launcher on CUDA, or to i
 reference (kernels/reference.py) elsewhere; `ZOO_KERNELS=auto|triton|torch` overrides.
 Triton launchers live one op per file: rmsnorm.py, rope.py, silu_mul.py, decode_attention.py,
 prefill_attention.py, moe.py, quant_matmul.py (quantized weights); CPU fast paths of plain
-torch ops live in cpu.py and cpu_quant.py. (No file is named after an op: importing a
+torch ops and the C kernels live in kernels/cpu/. (No file is named after an op: importing a
 submodule `kernels.x` would overwrite the op function `kernels.x` that the layers call.)
 """
 

@@ -1,5 +1,5 @@
 """GGML block weights on CPUs: a GGUF file's blocks (or int8 / int4 weights quantized at load),
-repacked losslessly for kernels/qdot.c.
+repacked losslessly for kernels/cpu/qdot.c.
 
 `BlockWeight` holds an (out, in) weight as the file's blocks reordered in groups of 16 rows:
 per group, the rows' block headers side by side, then their codes interleaved 4 bytes per row,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.cpu_quant import QWeightView, library
+from kernels.cpu.build import QWeightView, library
 from kernels.qweight import QuantizedWeight, QuantWeight
 
 
@@ -65,7 +65,7 @@ class BlockWeight(QuantizedWeight):
         return f"{self.fmt.name}, shape={self.shape}, repacked"
 
     def c_view(self):
-        """The C struct the kernels read (kernels/zoo_cpu.h's qweight_t), kept while the
+        """The C struct the kernels read (kernels/cpu/zoo_cpu.h's qweight_t), kept while the
         buffer stays the same tensor."""
         cached = self.__dict__.get("_c_view")
         if cached is not None and cached[0] is self.blocks:

@@ -3,7 +3,7 @@
 `ZOO_KERNELS` picks the policy, read on every call so tests can flip it:
 - `auto` (default): Triton for CUDA tensors where triton is installed and the GPU supports the
   dtype (bf16 needs sm80+); the torch reference everywhere else, except the small ops that
-  `kernels.cpu_ops` runs as one C call each for eager fp32 CPU tensors (rms_norm, rope).
+  `kernels.cpu.ops` runs as one C call each for eager fp32 CPU tensors (rms_norm, rope).
 - `triton`: Triton always, also for CPU tensors under `TRITON_INTERPRET=1`; raises `KernelError`
   instead of falling back when a kernel cannot run.
 - `torch`: the references in `kernels.reference` always.
@@ -26,8 +26,11 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu, cpu_ops, reference
+from kernels import cpu, reference
 from kernels.blocks import BlockExperts, BlockWeight
+from kernels.cpu import build as cpu_build
+from kernels.cpu import ops as cpu_ops
+from kernels.cpu import quant as cpu_quant
 from kernels.qweight import QuantStack, QuantWeight
 
 log = logging.getLogger("zoo")
@@ -196,7 +199,7 @@ def _resolve(op: str, mode: str, x: torch.Tensor) -> Callable:
     elif mode == "auto" and x.device.type != "cuda":
         fn, path = ref, f"torch ({x.device.type} tensors)"
         if x.device.type == "cpu" and x.dtype == torch.float32 and op in cpu_ops.OPS:
-            fn, path = getattr(cpu_ops, op), "C (kernels/cpu_ops.c), eager fp32"
+            fn, path = getattr(cpu_ops, op), "C (kernels/cpu/ops.c), eager fp32"
     else:
         why = _unsupported(x)
         if why is None:
@@ -233,9 +236,7 @@ def prepare(device: torch.device, dtype: torch.dtype) -> None:
     for op in OPS:
         pick(op, x)
     if device.type == "cpu":
-        from kernels import cpu_quant
-
-        cpu_quant.library()  # the quantized-weight kernel: compiled (or found) now
+        cpu_build.library()  # the quantized-weight kernel: compiled (or found) now
 
 
 # --- the ops the core layers call: same signatures as kernels.reference -----------------------
@@ -245,17 +246,15 @@ def linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias. cuBLAS needs no help; on CPUs a few rows are split over the
-    threads (kernels/cpu.py) unless ZOO_KERNELS=torch asks for the plain reference. A
-    quantized weight takes its own kernels: a `BlockWeight` (CPUs) kernels/qdot.c, a
+    threads (kernels/cpu/split.py) unless ZOO_KERNELS=torch asks for the plain reference. A
+    quantized weight takes its own kernels: a `BlockWeight` (CPUs) kernels/cpu/qdot.c, a
     `QuantWeight` Triton on GPUs, the dequantizing reference otherwise."""
     if isinstance(weight, QuantStack):  # parts of different formats
         y = torch.cat([linear(x, part, None) for part in weight.parts], dim=-1)
         return y if bias is None else y + bias
-    if isinstance(weight, BlockWeight):  # GGML blocks on the CPU (kernels/qdot.c)
+    if isinstance(weight, BlockWeight):  # GGML blocks on the CPU (kernels/cpu/qdot.c)
         if os.environ.get(ENV) == "torch":
             return F.linear(x, weight.dequantize().to(x.dtype), bias)
-        from kernels import cpu_quant
-
         return cpu_quant.block_linear(x, weight, bias)
     if isinstance(weight, QuantWeight):
         return _quant_linear(x, weight, bias)
@@ -361,5 +360,5 @@ def quant_linear(
     """x @ W.T + bias for one quantized W (kernels/qweight.py), as `linear` runs it: Triton or
     the dequantizing reference by `pick` (CPU tensors reach Triton under ZOO_KERNELS=triton, in
     the interpreter; on CPUs weights kept quantized are `BlockWeight`s, which `linear` sends to
-    kernels/qdot.c)."""
+    kernels/cpu/qdot.c)."""
     return _quant_linear(x, weight, bias)

@@ -22,9 +22,9 @@ E2M1 twice the e2m1 values (ggml's kvalues_mxfp4), one exact fp32 product: the `
 floats bit for bit (its code 8 is +0.0; transformers' table has -0.0 there, equal in value).
 
 GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4) are repacked into this layout
-losslessly by plugins/gguf_quant.py, and `dequantize` reproduces the `gguf` package's floats bit
-for bit (the same fp32 products and sums, in the same order); `quantize` makes int8 / int4
-weights from floats at load time. `kernels.linear` dispatches on the `QuantWeight` type.
+losslessly by plugins/formats/gguf_quant.py, and `dequantize` reproduces the `gguf` package's
+floats bit for bit (the same fp32 products and sums, in the same order); `quantize` makes int8 /
+int4 weights from floats at load time. `kernels.linear` dispatches on the `QuantWeight` type.
 """
 
 from __future__ import annotations

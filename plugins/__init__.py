@@ -1,1 +1,1 @@
-"""Zoo's built-in plugins: architectures (llama3) and checkpoint formats (safetensors)."""
+"""Zoo's built-in plugins: architectures (llama3.py, ...) and, in formats/, checkpoint formats."""

@@ -42,7 +42,7 @@ class DeepseekV2Config(DecoderConfig):
     routed_scaling_factor: PositiveFloat = 1.0
     num_nextn_predict_layers: NonNegativeInt = 0  # MTP layers stored after the decoder's
     # quantization_config (DeepSeek's own V3/R1 weights are block fp8) is the format's to read:
-    # plugins/safetensors_fp8.py dequantizes them at load
+    # plugins/formats/safetensors_fp8.py dequantizes them at load
 
     def rope_interleaved(self) -> bool:
         return True  # V2 rotates (x0, x1) pairs, as complex numbers

@@ -8,7 +8,7 @@
 
 Checkpoints store the experts stacked and transposed, (E, H, 2I) `mlp.experts.gate_up_proj`
 and (E, I, H) `down_proj` (transformers' names), or, as released, in MXFP4
-(`gate_up_proj_blocks` + `_scales`, read dequantized by plugins/safetensors_mxfp4.py) in the
+(`gate_up_proj_blocks` + `_scales`, read dequantized by plugins/formats/safetensors_mxfp4.py) in the
 (E, 2I, H) / (E, H, I) orientation the core keeps; both keep gate/up interleaved, as the core's
 gpt-oss experts do.
 """

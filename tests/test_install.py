@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from conftest import LLAMA32
 
+from kernels.cpu.build import HEADERS, SOURCES
+
 REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
@@ -31,6 +33,8 @@ def test_wheel_install_outside_repo_loads_a_checkpoint(checkpoint, tmp_path):
          "--target", str(site), str(REPO)],
         check=True, cwd=tmp_path, capture_output=True, timeout=300,
     )  # fmt: skip
+    # the C kernels ship as sources, compiled on first use by the installed copy
+    assert all((site / "kernels" / "cpu" / src.name).is_file() for src in [*SOURCES, *HEADERS])
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(root)],

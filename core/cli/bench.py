@@ -40,7 +40,8 @@ class BenchReport:
     peak_source: str = ""  # where peak_bandwidth_gbps comes from
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA; a no-op on CPUs), so a timer reads it whole."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -200,7 +201,7 @@ def measure(
         bytes_per_step += b * context * report.kv_bytes_per_token
         gbps = bytes_per_step / step_s / 1e9
         report.decode[b] = {"tokens_per_s": tps, "step_ms": step_s * 1e3, "achieved_gbps": gbps}
-    _sync(dev)
+    synchronize(dev)
     report.peak_memory_bytes = _peak_memory(dev)
     if peak_gbps:
         report.peak_bandwidth_gbps, report.peak_source = peak_gbps, "given"
@@ -242,17 +243,17 @@ def compare_transformers(model, source: Path, *, prompt: list[int], decode_token
     hf_kw = dict(max_new_tokens=decode_tokens, do_sample=False)
 
     def run_hf() -> tuple[float, list[int]]:
-        _sync(model.device)
+        synchronize(model.device)
         t = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), **hf_kw)
-        _sync(model.device)
+        synchronize(model.device)
         return decode_tokens / (time.perf_counter() - t), out[0, len(prompt) :].tolist()
 
     def run_zoo() -> tuple[float, list[int]]:
         t = time.perf_counter()
         res = model.generate(prompt, max_new_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
-        _sync(model.device)
+        synchronize(model.device)
         return decode_tokens / (time.perf_counter() - t), res.token_ids
 
     # warm-up (and compilation) outside the timed runs; its tokens show both ran the same model

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from core import CheckpointError, ZooError, load_model
-from plugins.safetensors import check_file
+from plugins.formats.safetensors import check_file
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from core import load_model
 from core.config import MoESpec
 from core.cpu_step import FusedStep, why_not
 from core.layers.moe import MoE
-from kernels.cpu_quant import library
+from kernels.cpu.build import library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the step is unfused")
 

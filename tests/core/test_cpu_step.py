@@ -1,4 +1,4 @@
-"""The fused CPU decode step (core/cpu_step.py, kernels/cpu_decode.c) against the modules it
+"""The fused CPU decode step (core/cpu_step.py, kernels/cpu/decode.c) against the modules it
 replaces, and against transformers: ragged rows at their own positions, rings that wrap,
 NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms and post-norms,
 soft-caps, DeepSeek's MLA (q_lora or not, YaRN) and its MoE routings (V2-Lite's softmax greedy,
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from core import load_model
 from core.cpu_step import FusedStep, why_not
-from kernels.cpu_quant import MAX_ROWS, library
+from kernels.cpu.build import MAX_ROWS, library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the step is unfused")
 
@@ -240,7 +240,7 @@ def test_the_fused_step_on_weights_kept_quantized(checkpoint, quantize, kv):
     m = load_model(root, max_batch_size=2, max_seq_len=64, quantize=quantize, kv_dtype=kv)
     assert m.net.kv_cache.layer(0)[0].dtype == getattr(torch, kv)
     tokens = feed(7)
-    # the same block products (kernels/qdot.c) and cache either way, but the modules' attention
+    # the same block products (kernels/cpu/qdot.c) and cache either way, but the modules' attention
     # (SDPA) and SwiGLU (torch's silu) round otherwise, and values an fp32 ulp apart can meet a
     # rounding step: x's 15-bit steps in the next products (2^-15 of its block's largest value)
     # and, in an fp16 cache, fp16's (2^-11 of the value). A tiny model (hidden 64) feels each
@@ -254,8 +254,8 @@ def test_the_fused_step_on_weights_kept_quantized(checkpoint, quantize, kv):
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_mla_over_a_long_latent_cache(checkpoint, tmp_path, quantize, kv):
-    """Rows whose latents span two tiles of 32 slots (cpu_mla.c's softmax carried from tile to
-    tile), the latent cache in fp32 or fp16, MLA's products fp32 or kept in int8 blocks."""
+    """Rows whose latents span two tiles of 32 slots (kernels/cpu/mla.c's softmax carried from
+    tile to tile), the latent cache in fp32 or fp16, MLA's products fp32 or kept in int8 blocks."""
     m = load(checkpoint, tmp_path, "deepseek-v3", quantize=quantize, kv_dtype=kv)
     assert m.net.kv_cache.layer(0)[0].dtype == getattr(torch, kv)
     prompts = ([5 + i % 90 for i in range(45)], [11 + 3 * i % 80 for i in range(20)])

@@ -25,7 +25,7 @@ from plugins.llama3 import LlamaConfig
 def test_builtins_registered():
     reg = registry()
     assert reg.architectures["llama"].plugin == "plugins.llama3"
-    assert reg.formats["safetensors"].plugin == "plugins.safetensors"
+    assert reg.formats["safetensors"].plugin == "plugins.formats.safetensors"
     assert reg.layers[GQASpec].plugin == "plugins.core_layers"  # the core's own layer kinds
     assert plugin_manager().has_plugin("plugins.llama3")
     assert registry() is registry()  # loaded once per process

@@ -263,7 +263,7 @@ def test_a_rank_reads_its_slices_through_get_slice(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from core.plugins import registry
-    from plugins.safetensors import SafetensorsCheckpoint
+    from plugins.formats.safetensors import SafetensorsCheckpoint
 
     folder, _ = make_checkpoint(tmp_path / "m", LLAMA31)
     full = load_file(folder / "model.safetensors")

@@ -1,4 +1,4 @@
-"""GGML block weights on CPUs (kernels/blocks.py, kernels/qdot.c), on every instruction set the
+"""GGML block weights on CPUs (kernels/blocks.py, kernels/cpu/qdot.c), on every instruction set the
 library is built for (this machine's, x86-64-v3 = AVX2, x86-64 = plain C, and where the CPU has
 AVX-512, skylake-avx512 = AVX-512 without VNNI):
 
@@ -19,7 +19,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from kernels import blocks, cpu_quant
+from kernels import blocks
+from kernels.cpu import build
 from kernels.qweight import quantize
 
 T = GGMLQuantizationType
@@ -38,7 +39,7 @@ MARCHES = ["native", "x86-64-v3", "x86-64"] + (["skylake-avx512"] if _has_avx512
 
 @pytest.fixture(scope="module", params=MARCHES)
 def lib(request):
-    built = cpu_quant.build(request.param)
+    built = build.build(request.param)
     if built is None:
         pytest.fail(f"the C library does not build for -march={request.param}")
     return built
@@ -75,7 +76,7 @@ def repacked(lib, kind: str, sources: list[np.ndarray], cols: int, orders=None):
     n = len(rows)
     out = torch.empty(lib.zoo_repacked_bytes(fmt.type, n, cols), dtype=torch.uint8)
     lib.zoo_repack(fmt.type, rows.ctypes.data, n, cols, out.data_ptr(), 2)
-    return out, cpu_quant.QWeightView(out.data_ptr(), n, cols, fmt.type)
+    return out, build.QWeightView(out.data_ptr(), n, cols, fmt.type)
 
 
 def dequantized(lib, view, rows: int, cols: int) -> torch.Tensor:
@@ -106,7 +107,7 @@ def test_repacking_is_lossless(lib, kind):
 
 
 def q8_reference(x: torch.Tensor):
-    """x (M, K) in 8-bit blocks of 32, twice, as kernels/qdot.c's zoo_q8_quantize_row: codes
+    """x (M, K) in 8-bit blocks of 32, twice, as kernels/cpu/qdot.c's zoo_q8_quantize_row: codes
     q1 = rint(x / d), d = max|x| / 127; the remainder's q2 = rint((x - d q1) / (d / 256))
     clamped to +-127; per block d / 256 and (d / 256) * sum(256 q1 + q2), per half block too."""
     m, k = x.shape
@@ -255,7 +256,7 @@ def test_zoo_kernels_torch_multiplies_the_dequantized_weight(monkeypatch):
 
 
 def test_block_products_inside_a_compiled_graph():
-    """A compiled decode step reaches kernels/qdot.c through the custom op zoo::qdot, in one
+    """A compiled decode step reaches kernels/cpu/qdot.c through the custom op zoo::qdot, in one
     graph, with the eager results bit for bit."""
     import kernels
 

@@ -1,4 +1,4 @@
-"""The fused CPU step's MoE routing (kernels/cpu_moe.c, `kernels.cpu_moe.moe_route`) against
+"""The fused CPU step's MoE routing (kernels/cpu/moe.c, `kernels.cpu.moe.moe_route`) against
 core.layers.moe.route, the modules' routing, over every scoring and top-k method."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from core.config import MoESpec
 from core.layers.moe import route
-from kernels.cpu_moe import Experts, moe_route
-from kernels.cpu_quant import library
+from kernels.cpu.build import library
+from kernels.cpu.moe import Experts, moe_route
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the step is unfused")
 

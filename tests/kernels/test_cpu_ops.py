@@ -1,12 +1,13 @@
-"""kernels/cpu_ops.py (one C call per small op on CPUs) against the torch references."""
+"""kernels/cpu/ops.py (one C call per small op on CPUs) against the torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
-from kernels.cpu_quant import library
+from kernels import reference
+from kernels.cpu import ops
+from kernels.cpu.build import library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the references run")
 
@@ -21,9 +22,9 @@ def test_rms_norm(shape, scale):
     x, w = randn(*shape, scale=scale), randn(shape[-1], seed=1)
     want = reference.rms_norm(x, w, 1e-5)
     # the same formula; only the fp32 sum of squares runs in another order: 1-2 ulp
-    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), want, rtol=3e-7, atol=0)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=3e-7, atol=0)
     r = randn(*shape, seed=2, scale=scale)
-    got, h = cpu_ops.rms_norm_residual(x, r, w, 1e-5)
+    got, h = ops.rms_norm_residual(x, r, w, 1e-5)
     want, want_h = reference.rms_norm_residual(x, r, w, 1e-5)
     assert torch.equal(h, want_h)
     torch.testing.assert_close(got, want, rtol=3e-7, atol=0)
@@ -41,7 +42,7 @@ def test_rope_in_place_on_a_fused_projection(interleaved, rot, t, rows):
     v_before = qkv[..., (hq + hk) * d :].clone()
     cos, sin = randn(rows, t, rot // 2, seed=3), randn(rows, t, rot // 2, seed=4)
     want_q, want_k = reference.apply_rope(q.clone(), k.clone(), cos, sin, interleaved)
-    got_q, got_k = cpu_ops.apply_rope(q, k, cos, sin, interleaved)
+    got_q, got_k = ops.apply_rope(q, k, cos, sin, interleaved)
     # the reference's own products and sums, in its order: bit for bit
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(qkv[..., (hq + hk) * d :], v_before)  # v untouched
@@ -50,9 +51,9 @@ def test_rope_in_place_on_a_fused_projection(interleaved, rot, t, rows):
 def test_other_inputs_take_the_reference():
     """bf16 tensors, and any call inside a torch.compile trace, run the references."""
     x, w = randn(2, 64).bfloat16(), randn(64, seed=1).bfloat16()
-    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
     x, w = randn(2, 64), randn(64, seed=1)
-    compiled = torch.compile(cpu_ops.rms_norm, fullgraph=True)  # a ctypes call would break it
+    compiled = torch.compile(ops.rms_norm, fullgraph=True)  # a ctypes call would break it
     torch.testing.assert_close(compiled(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
 
 
@@ -73,7 +74,7 @@ def test_decode_attention(window, softcap, sinks, per_row):
     sink = randn(hq, seed=3) if sinks else None
     args = (q, k, v, start, d**-0.5, window, softcap, sink)
     want = reference.attention(*args)
-    got = cpu_ops.attention(*args)
+    got = ops.attention(*args)
     # the same softmax, its sums in another order (docs/kernels.md's attention row)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
@@ -82,13 +83,13 @@ def test_decode_attention_inside_a_compiled_step(monkeypatch):
     """A compiled decode step (per-row positions, a cache bucket longer than any row) reaches
     the C loop through zoo::decode_attention, with the reference's result."""
     calls = []
-    real = cpu_ops._decode
-    monkeypatch.setattr(cpu_ops, "_decode", lambda *a: calls.append(1) or real(*a))
+    real = ops._decode
+    monkeypatch.setattr(ops, "_decode", lambda *a: calls.append(1) or real(*a))
     b, hq, hk, d = 2, 4, 2, 16
     q = randn(b, hq, 1, d)
     k, v = randn(b, hk, 32, d, seed=1), randn(b, hk, 32, d, seed=2)  # a bucket of 32 slots
     start = torch.tensor([5, 12])
-    step = torch.compile(lambda *a: cpu_ops.attention(*a, d**-0.5), fullgraph=True)
+    step = torch.compile(lambda *a: ops.attention(*a, d**-0.5), fullgraph=True)
     got = step(q, k, v, start)
     torch.testing.assert_close(
         got, reference.attention(q, k, v, start, d**-0.5), atol=2e-6, rtol=1e-5

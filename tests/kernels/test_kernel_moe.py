@@ -18,7 +18,7 @@ from kernel_harness import (
 
 from kernels import KernelError, reference
 from kernels.dispatch import kernel_module
-from plugins.safetensors_mxfp4 import keep
+from plugins.formats.safetensors_mxfp4 import keep
 
 TOL = {
     # fp32 GEMMs with another summation order (exact fp32 products, no TF32)

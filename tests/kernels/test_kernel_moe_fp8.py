@@ -19,7 +19,7 @@ from kernel_harness import (
 
 from kernels import KernelError, reference
 from kernels.qweight import FP8, QuantExperts, QuantWeight, fp8_format
-from plugins.safetensors_fp8 import BlockFP8
+from plugins.formats.safetensors_fp8 import BlockFP8
 
 pytestmark = pytest.mark.skipif(
     CUDA and torch.cuda.get_device_capability() < (8, 9),

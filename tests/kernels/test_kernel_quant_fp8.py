@@ -5,7 +5,7 @@ dequantizing reference, itself checked against DeepSeek's weight_dequant written
 Shapes: in_features not a multiple of the 128-column block (partial edge groups, and one
 narrower than a block), out_features not a multiple of the kernels' tiles; edge values: +-448
 (e4m3's largest), subnormals, +-0, zero scales. Bytes 0x7F / 0xFF (e4m3's NaN) are never drawn:
-a checkpoint holding them is refused at load (plugins/safetensors_fp8.py, tests/plugins).
+a checkpoint holding them is refused at load (plugins/formats/safetensors_fp8.py, tests/plugins).
 """
 
 from __future__ import annotations

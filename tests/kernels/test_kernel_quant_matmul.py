@@ -13,7 +13,7 @@ from test_qweight import random_blocks
 import kernels
 from kernels import KernelError, dispatch, reference
 from kernels.qweight import FORMATS, QFormat, QuantWeight, quantize
-from plugins.gguf_quant import KEPT, repack
+from plugins.formats.gguf_quant import KEPT, repack
 
 # (atol, rtol); atol is relative to the largest |output| (outputs are divided by a power of two
 # near it: the weights' random fp16 scales span many magnitudes). Both sides dequantize to the
@@ -106,7 +106,7 @@ def test_bad_shapes_raise():
 )  # fmt: skip
 def test_linear_dispatch_on_cpu(monkeypatch, policy, module):
     """ZOO_KERNELS=triton runs the kernel in the interpreter; auto and torch the dequantizing
-    reference (on CPUs weights kept quantized are block weights: kernels/qdot.c)."""
+    reference (on CPUs weights kept quantized are block weights: kernels/cpu/qdot.c)."""
     monkeypatch.setattr(dispatch, "_chosen", {})
     monkeypatch.setenv("ZOO_KERNELS", policy)
     calls = []

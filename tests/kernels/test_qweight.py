@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from kernels.qweight import cat_rows
 from kernels.qweight import quantize as quantize_weight
-from plugins.gguf_quant import KEPT, repack
+from plugins.formats.gguf_quant import KEPT, repack
 
 T = gguf.GGMLQuantizationType
 # where each block type keeps its fp16 fields (d, then dmin or m)
@@ -143,7 +143,7 @@ def test_mxfp4_from_safetensors_layout():
     """gpt-oss's `_blocks` (values 2j, 2j + 1 in byte j) + `_scales` kept (`keep`): the floats
     of the same bytes as GGML blocks (`to_ggml`, what llama.cpp's converter writes) bit for bit,
     and transformers' dequantization in value (its code 8 is -0.0); stacked experts too."""
-    from plugins import safetensors_mxfp4 as st
+    from plugins.formats import safetensors_mxfp4 as st
 
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (3, 5, 4, 16), generator=g, dtype=torch.uint8)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from test_deepseek import V3, V3_HUB, VOCAB, hub_config, hub_tensors, set_correction_bias
 
 from core import CheckpointError, ConfigError, load_model
-from plugins.safetensors import SafetensorsCheckpoint
+from plugins.formats.safetensors import SafetensorsCheckpoint
 
 SPEC = dict(V3, hidden_size=136, intermediate_size=160)
 FP8 = dict(

@@ -19,10 +19,10 @@ from test_qwen2 import QWEN25, QWEN25_YARN
 
 from core import CheckpointError, load_model
 from core.plugins import registry
-from plugins.gguf import GGUFCheckpoint
-from plugins.gguf_quant import repack
-from plugins.gguf_reader import GGUFFile, can_dequantize
-from plugins.gguf_rope import llama3_rope_scaling
+from plugins.formats.gguf import GGUFCheckpoint
+from plugins.formats.gguf_quant import repack
+from plugins.formats.gguf_reader import GGUFFile, can_dequantize
+from plugins.formats.gguf_rope import llama3_rope_scaling
 
 T = gguf.GGMLQuantizationType
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -268,7 +268,8 @@ Q6K_SCALES = [1, -1, 2, -3, 5, 8, -13, 21, 34, -55, 89, -128, 127, 0, 3, -7]
 
 def decoded(tmp_path: Path, blocks: np.ndarray, kind, cols: int = 512) -> list[torch.Tensor]:
     """Blocks (in row order) as one (rows, cols) tensor, as the plugin reads it from a file
-    (gguf.quants) and as the blocks kept quantized decode (plugins/gguf_quant.py's repacking)."""
+    (gguf.quants) and as the blocks kept quantized decode (plugins/formats/gguf_quant.py's
+    repacking)."""
     raw = np.ascontiguousarray(blocks.reshape(-1, cols // 256 * blocks.shape[1]))
     ckpt = GGUFCheckpoint(write(tmp_path / "k.gguf", {"output.weight": (raw, kind)}))
     got = [
@@ -615,7 +616,7 @@ def test_sentencepiece_gguf_without_the_key_starts_with_bos(tmp_path):
 # --- registration and bad files -------------------------------------------------------------
 def test_registered_as_a_format_plugin(tmp_path):
     fmt = registry().formats["gguf"]
-    assert fmt.plugin == "plugins.gguf"
+    assert fmt.plugin == "plugins.formats.gguf"
     path = write(tmp_path / "m.gguf", {"output_norm.weight": (DATA[0], T.F32)})
     assert registry().format_for(path) is fmt
     assert registry().format_for(tmp_path) is not fmt  # folders stay safetensors

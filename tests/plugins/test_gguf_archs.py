@@ -52,7 +52,7 @@ from core.layers.moe import StackedLinear
 from core.quantize import weight_formats
 from kernels.blocks import BlockExperts
 from kernels.qweight import QuantExperts
-from plugins.gguf import ARCHITECTURES, GGUFCheckpoint
+from plugins.formats.gguf import ARCHITECTURES, GGUFCheckpoint
 
 VOCAB = 320  # the tokenizers' ids (300 BPE or 305 sentencepiece pieces + specials) fit;
 # Gemma's vocabulary is larger (512)

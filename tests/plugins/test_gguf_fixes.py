@@ -1,8 +1,8 @@
-"""plugins/gguf_fixes.py, beside the whole files of test_gguf_archs.py: a hybrid's file without
-multi-token-prediction blocks (as converters before them, or `--no-mtp`, write it), Qwen3-Next
-as older converters wrote it (in_proj_qkvz whole), a split in_proj missing its half, columns
-that move within blocks read as floats, and Qwen3.5's pre-tokenizer, which keeps combining
-marks in words."""
+"""plugins/formats/gguf_fixes.py, beside the whole files of test_gguf_archs.py: a hybrid's file
+without multi-token-prediction blocks (as converters before them, or `--no-mtp`, write it),
+Qwen3-Next as older converters wrote it (in_proj_qkvz whole), a split in_proj missing its half,
+columns that move within blocks read as floats, and Qwen3.5's pre-tokenizer, which keeps
+combining marks in words."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from test_gguf_archs import (  # noqa: F401  (case: a fixture)
 )
 
 from core import CheckpointError, load_model
-from plugins.gguf_fixes import Fix, grouped
+from plugins.formats.gguf_fixes import Fix, grouped
 
 T = gguf.GGMLQuantizationType
 

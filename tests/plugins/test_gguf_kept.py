@@ -21,7 +21,7 @@ from core import CheckpointError, load_model
 from core.quantize import weight_formats
 from kernels.blocks import BlockWeight
 from kernels.qweight import QuantStack
-from plugins.gguf_reader import GGUFFile
+from plugins.formats.gguf_reader import GGUFFile
 
 T = gguf.GGMLQuantizationType
 # rows of 256 columns, so that the K-quants (super-blocks of 256) apply to every matrix

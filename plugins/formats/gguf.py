@@ -3,15 +3,15 @@
 The file is presented to the core as if it were a hub folder: `config()` is a config.json built
 from the `{arch}.*` metadata, tensor names are the hub's (`blk.0.attn_q.weight` ->
 `model.layers.0.self_attn.q_proj.weight`), tensors come back as floats or, for linear weights,
-as their blocks repacked (`read_quantized`, plugins/gguf_quant.py), and the tokenizer is
-rebuilt from the vocabulary (see plugins/gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
+as their blocks repacked (`read_quantized`, gguf_quant.py), and the tokenizer is
+rebuilt from the vocabulary (see gguf_tokenizer.py). llama.cpp stores Llama's q/k rows
 permuted for its rope kernel, and Gemma's (1 + w) norm weights as 1 + w; `read()` undoes both (the
 permutation exactly as transformers' GGUF loader does). A hub tensor llama.cpp splits (DeepSeek's
 MLA `kv_b_proj`) is joined back on read (`Join`); where it split one hub tensor's rows in two
 (gpt-oss's interleaved gate_up), both file tensors carry the hub's name and `read()` interleaves
 their rows again. Whatever else the converter did to a tensor (Qwen3-Next's and Qwen3.5's
 DeltaNet tensors: values transformed, rows or columns reordered, one hub tensor's rows split in
-two) its `Fix` undoes (plugins/gguf_fixes.py); multi-token-prediction blocks are skipped.
+two) its `Fix` undoes (gguf_fixes.py); multi-token-prediction blocks are skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from core.errors import CheckpointError, ConfigError
 from core.hookspecs import hookimpl
-from plugins.gguf_archs import (
+from plugins.formats.gguf_archs import (
     ARCHITECTURES,
     CONFIG_KEYS,
     FILE_DTYPES,
@@ -35,9 +35,9 @@ from plugins.gguf_archs import (
     TENSOR_NAMES,
     Join,
 )
-from plugins.gguf_fixes import Fix
-from plugins.gguf_reader import GGUFFile
-from plugins.gguf_rope import llama3_rope_scaling, rotary_factor, unpermute
+from plugins.formats.gguf_fixes import Fix
+from plugins.formats.gguf_reader import GGUFFile
+from plugins.formats.gguf_rope import llama3_rope_scaling, rotary_factor, unpermute
 
 if TYPE_CHECKING:  # torch loads only when a model is built: listing plugins stays light
     import torch
@@ -335,12 +335,12 @@ class GGUFCheckpoint:
             self.file.release(n)
 
     def read_quantized(self, name: str) -> QuantWeight | QuantExperts:
-        """The tensor's blocks as a `QuantWeight` (lossless; see plugins/gguf_quant.py); experts
+        """The tensor's blocks as a `QuantWeight` (lossless; see gguf_quant.py); experts
         stored stacked ((E, rows, bytes): MXFP4's, which GPUs keep) as a `QuantExperts`."""
         import torch
 
         from kernels.qweight import QuantExperts
-        from plugins.gguf_quant import repack
+        from plugins.formats.gguf_quant import repack
 
         raw = torch.from_numpy(np.array(self._raw(name)))  # ([E,] rows, bytes per row)
         raw = self._unpermuted(name, raw).numpy()
@@ -390,7 +390,7 @@ class GGUFCheckpoint:
         return w
 
     def tokenizer(self):
-        from plugins.gguf_tokenizer import build_tokenizer
+        from plugins.formats.gguf_tokenizer import build_tokenizer
 
         return build_tokenizer(self.file.metadata, self.path)
 

@@ -1,5 +1,5 @@
 // Few-row products on CPUs, y (M, N) = x (M, K) @ W.T, for the two kinds of weight a fused
-// decode step reads (cpu_decode.c): plain fp32 rows, and GGML blocks (qdot.c). x is prepared
+// decode step reads (decode.c): plain fp32 rows, and GGML blocks (qdot.c). x is prepared
 // once per product (zoo_qx_prepare: for blocks, each row quantized to 8-bit blocks), then any
 // thread computes any range of W's rows from it (zoo_qgemv_rows).
 #include <stdint.h>

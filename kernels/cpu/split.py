@@ -49,7 +49,7 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def _split(x2: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor:
+def split_linear(x2: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor:
     """x2 (rows, in) @ weight.T, weight's output rows as `blocks` batched blocks -> (rows, out)."""
     out_features, in_features = weight.shape
     rows = x2.shape[0]
@@ -102,7 +102,9 @@ def split_pays(dtype: torch.dtype) -> bool:
             verdicts = set()
             with torch.inference_mode():
                 for _ in range(2):
-                    plain, split = _medians_s(lambda: F.linear(x, w), lambda: _split(x, w, blocks))
+                    plain, split = _medians_s(
+                        lambda: F.linear(x, w), lambda: split_linear(x, w, blocks)
+                    )
                     verdicts.add(True if split < PROBE_MARGIN * plain else
                                  False if split > plain else None)  # fmt: skip
             _split_pays[key] = verdicts == {True}
@@ -179,7 +181,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     split = x.shape[-1] == in_features and rows <= MAX_ROWS and weight.is_contiguous()
     if blocks < 2 or out_features % blocks or not split or not _pays(weight.dtype):
         return F.linear(x, weight, bias)  # F.linear also reports bad shapes
-    y = _split(x.reshape(rows, in_features), weight, blocks)
+    y = split_linear(x.reshape(rows, in_features), weight, blocks)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], out_features)

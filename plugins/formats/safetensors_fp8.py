@@ -11,7 +11,7 @@ edge blocks partial. The real weight is DeepSeek's `weight_dequant` (inference/k
 
     w[i, j] = float32(fp8[i, j]) * scale_inv[i // 128, j // 128]
 
-The format reader (plugins/safetensors.py) checks every pair from the header when it opens the
+The format reader (safetensors.py) checks every pair from the header when it opens the
 checkpoint and hides the `weight_scale_inv` tensors. On a GPU that computes in fp8 (CUDA
 compute capability 8.9+: core/quantize.py decides) the loader keeps each linear weight as it is
 stored: `keep` makes a `QuantWeight` of the fp8 bytes and the scales, and the quantized linear

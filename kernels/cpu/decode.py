@@ -1,13 +1,13 @@
-"""A decode step's decoder blocks as one C call on CPUs (kernels/cpu_decode.c, and for the blocks'
-MoE MLPs, gated DeltaNet layers and MLA cpu_moe.c, cpu_delta.c, cpu_mla.c through the views of
-kernels/cpu_moe.py, cpu_delta.py, cpu_mla.py).
+"""A decode step's decoder blocks as one C call on CPUs (kernels/cpu/decode.c, and for the
+blocks' MoE MLPs, gated DeltaNet layers and MLA moe.c, delta.c, mla.c through the views of
+moe.py, delta.py, mla.py here).
 
 For a few rows (one token per sequence) of a small model, an eager step spends more time
 dispatching its ~20 ops per block and forking and joining threads for each product than in
 the products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C
 function runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static
 cache with rope, optional q/k norms and output gate, DeepSeek's MLA over its latent cache
-(cpu_mla.c) or a gated DeltaNet layer (cpu_delta.c); a gated SiLU / GELU MLP or a MoE (cpu_moe.c:
+(mla.c) or a gated DeltaNet layer (delta.c); a gated SiLU / GELU MLP or a MoE (moe.c:
 any routing of core.layers.moe.route, SiLU-gated or gpt-oss's clamped experts, biases, shared
 experts); Gemma's post-norms; quantized or fp32 weights) inside one OpenMP region, with the
 arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors (built once:
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_delta import Delta, delta_scratch, delta_view
-from kernels.cpu_mla import Latent, mla_view
-from kernels.cpu_moe import Experts, moe_view
-from kernels.cpu_quant import MAX_ROWS, library
-from kernels.cpu_views import (
+from kernels.cpu.build import MAX_ROWS, library
+from kernels.cpu.delta import Delta, delta_scratch, delta_view
+from kernels.cpu.mla import Latent, mla_view
+from kernels.cpu.moe import Experts, moe_view
+from kernels.cpu.views import (
     ACTS,
     F32,
     I64,

@@ -1,5 +1,5 @@
 """What llama.cpp's converter (`convert_hf_to_gguf.py`) changes in a tensor beyond its name,
-undone on read by plugins/gguf.py: a `Fix` per file tensor (`Arch.fixes`). Here: the Fix and
+undone on read by gguf.py: a `Fix` per file tensor (`Arch.fixes`). Here: the Fix and
 the tables of Qwen's hybrids, Qwen3-Next and Qwen3.5 (dense and MoE), with their config.
 
 What the converter does to those (conversion/qwen.py: `Qwen3NextModel`,

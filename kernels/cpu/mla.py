@@ -1,5 +1,5 @@
-"""The C view of DeepSeek's multi-head latent attention for the fused CPU step (kernels/cpu_mla.c,
-cpu_step.h's zmla_t): its projections, norms and absorbed kv_b, and its latent and k_pe caches."""
+"""The C view of DeepSeek's multi-head latent attention for the fused CPU step (kernels/cpu/mla.c,
+step.h's zmla_t): its projections, norms and absorbed kv_b, and its latent and k_pe caches."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_views import F32, I64, PTR, CLinear, cache_ok, is_fp32, linear_view, norm_ok
+from kernels.cpu.views import F32, I64, PTR, CLinear, cache_ok, is_fp32, linear_view, norm_ok
 
 
-class CMla(ctypes.Structure):  # cpu_step.h's zmla_t
+class CMla(ctypes.Structure):  # step.h's zmla_t
     _fields_ = [
         *((name, I64) for name in ("heads", "rank", "dn", "dr", "dv", "q_rank")),
         ("q", CLinear), ("q_a", CLinear), ("kv_a", CLinear), ("q_norm", PTR), ("kv_norm", PTR),
@@ -24,7 +24,7 @@ class CMla(ctypes.Structure):  # cpu_step.h's zmla_t
 
 @dataclass
 class Latent:
-    """An MLA attention the C step takes (cpu_step.h's zmla_t): q = q(x), or q(rms_norm(q_a(x)))
+    """An MLA attention the C step takes (step.h's zmla_t): q = q(x), or q(rms_norm(q_a(x)))
     where `q_a` is given; kv_a(x) = [latent (rank) | k_pe (rope)]; kv_b (heads (nope + v), rank)
     fp32, absorbed; caches latent (B, S, rank) and k_pe (B, S, rope), fp32 or fp16. Weights fp32
     or `BlockWeight`; norms: (weight, eps)."""
@@ -48,7 +48,7 @@ class Latent:
 
 
 def mla_view(m: Latent, rope: tuple[int, bool], hidden: int, keep: list) -> CMla | None:
-    """cpu_step.h's zmla_t of m, kept alive in `keep`; None where the C step cannot take it.
+    """step.h's zmla_t of m, kept alive in `keep`; None where the C step cannot take it.
     rope: (half of the rope dims of the step's table, interleaved)."""
     if m.q_a is not None and m.q_norm is None:
         return None

@@ -1,5 +1,5 @@
-"""What the fused CPU step's Python views share (kernels/cpu_decode.py, cpu_moe.py, cpu_delta.py,
-cpu_mla.py): cpu_step.h's zlinear_t of a weight of up to MAX_PARTS parts (fp32, `BlockWeight`,
+"""What the fused CPU step's Python views share (kernels/cpu/decode.py, moe.py, delta.py,
+mla.py): step.h's zlinear_t of a weight of up to MAX_PARTS parts (fp32, `BlockWeight`,
 or a `QuantStack` of them), and the checks of the tensors the C code reads."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import ctypes
 import torch
 
 from kernels.blocks import BlockWeight
-from kernels.cpu_quant import QWeightView
+from kernels.cpu.build import QWeightView
 from kernels.qweight import QuantStack
 
-MAX_PARTS = 4  # as cpu_step.h
+MAX_PARTS = 4  # as step.h
 ACTS = {"silu": 0, "gelu_tanh": 1}
 I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -39,7 +39,7 @@ def weight_parts(weight) -> list[QWeightView] | None:
 
 
 def linear_view(weight, bias: torch.Tensor | None, keep: list) -> CLinear | None:
-    """cpu_step.h's zlinear_t of a weight (and bias), kept alive in `keep`; None where the C
+    """step.h's zlinear_t of a weight (and bias), kept alive in `keep`; None where the C
     step cannot take it."""
     parts = weight_parts(weight)
     if parts is None or len(parts) > MAX_PARTS or not is_fp32(bias):

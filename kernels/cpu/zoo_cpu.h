@@ -1,4 +1,4 @@
-// What the CPU kernels (qgemv.c, qdot.c, cpu_ops.c, cpu_decode.c: one library) share.
+// What the CPU kernels (qgemv.c, qdot.c, ops.c, decode.c: one library) share.
 #pragma once
 #include <stdint.h>
 
@@ -23,7 +23,7 @@ typedef struct {
     const float *ds16;   // the same per half block (16 codes)
 } q8row_t;
 
-#define MAX_ROWS 8  // rows of x a decode step takes (kernels/cpu_quant.py's MAX_ROWS)
+#define MAX_ROWS 8  // rows of x a decode step takes (kernels/cpu/build.py's MAX_ROWS)
 
 // x (M, K) prepared once for a weight's row products (zoo_qx_prepare).
 typedef struct {

@@ -1,4 +1,4 @@
-"""Rope and row-order helpers of the GGUF reader (plugins/gguf.py): llama.cpp's q/k row order
+"""Rope and row-order helpers of the GGUF reader (gguf.py): llama.cpp's q/k row order
 undone, the roped share of a head, and Llama 3's rope scaling recovered from `rope_freqs`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.errors import ConfigError
-from plugins.gguf_archs import ROPE_FREQS
+from plugins.formats.gguf_archs import ROPE_FREQS
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""llama.cpp's GGUF architectures, as plugins/gguf.py maps them onto hub checkpoints.
+"""llama.cpp's GGUF architectures, as gguf.py maps them onto hub checkpoints.
 
 Per `general.architecture` (`ARCHITECTURES`): the hub's model_type, the file's tensor names ->
 the hub's, `{arch}.*` metadata keys -> config.json keys, and what llama.cpp implies without
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.errors import ConfigError
-from plugins.gguf_fixes import (
+from plugins.formats.gguf_fixes import (
     HYBRID_KEYS,
     QWEN3_5_FIXES,
     QWEN3_5_TENSORS,
@@ -309,7 +309,7 @@ ARCHITECTURES = {
         rope_scaling={"truncate": False},
     ),
     # Qwen3-Next, Qwen3.5 (dense, MoE): gated DeltaNet beside gated attention layers, norms
-    # (1 + w) (plugins/gguf_fixes.py). llama.cpp's qwen3next graph renormalizes the chosen
+    # (1 + w) (gguf_fixes.py). llama.cpp's qwen3next graph renormalizes the chosen
     # experts' weights; its converter writes no dense layer in a qwen3next.
     "qwen3next": Arch(
         "qwen3_next",

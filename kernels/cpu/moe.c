@@ -1,4 +1,4 @@
-// A MoE MLP of the fused decode step (cpu_step.h's zmoe_t), as core.layers.moe.MoE: the
+// A MoE MLP of the fused decode step (step.h's zmoe_t), as core.layers.moe.MoE: the
 // router's logits, each row's chosen experts (`route` below: core.layers.moe.route's scorings
 // and top-k methods), only those experts' rows of their stacked weights read, and the shared
 // experts (an always-on gated MLP, optionally behind a sigmoid gate) in the same passes.
@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "cpu_step.h"
+#include "step.h"
 
 static inline int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
 
@@ -128,7 +128,7 @@ static void expert_up(const zmoe_t *m, int64_t e, const qx_t *one, float *gu, fl
 
 // The MoE MLP on the normed rows xn (M, H): h[:, h0:h1] += sum_k w_k expert_k(xn) (+ the
 // shared experts) for each row, the experts' gate|up rows i0..i1 (and the down rows h0..h1) on
-// this thread. logit (M, E + 1), gu, act, y: shared (cpu_step.h); px, buf, ebuf: this thread's.
+// this thread. logit (M, E + 1), gu, act, y: shared (step.h); px, buf, ebuf: this thread's.
 void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, int64_t t,
              int64_t T, float *logit, float *gu, float *act, float *y, qx_t *px, char *buf,
              char *ebuf, spin_barrier_t *bar) {

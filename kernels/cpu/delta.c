@@ -14,7 +14,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "cpu_step.h"
+#include "step.h"
 
 int64_t zoo_delta_arena(const zdelta_t *d, int64_t M) {
     return max64(zoo_linear_bytes(&d->in, M), zoo_linear_bytes(&d->out, M));

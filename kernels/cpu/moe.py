@@ -1,4 +1,4 @@
-"""The C view of a MoE MLP for the fused CPU step (kernels/cpu_moe.c, cpu_step.h's zmoe_t): its
+"""The C view of a MoE MLP for the fused CPU step (kernels/cpu/moe.c, step.h's zmoe_t): its
 routing as core.layers.moe.route computes it, its stacked experts (fp32 or `BlockExperts`), their
 biases and gpt-oss's clamped SwiGLU, and shared experts."""
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_quant import QWeightView, library
-from kernels.cpu_views import (
+from kernels.cpu.build import QWeightView, library
+from kernels.cpu.views import (
     ACTS,
     F32,
     I64,
@@ -23,7 +23,7 @@ from kernels.cpu_views import (
 )
 
 
-class CMoe(ctypes.Structure):  # cpu_step.h's zmoe_t
+class CMoe(ctypes.Structure):  # step.h's zmoe_t
     _fields_ = [
         ("experts", I64), ("topk", I64), ("renorm", I64), ("inter", I64),
         ("router", CLinear), ("gate_up", PTR), ("down", PTR), ("scoring", I64),
@@ -40,7 +40,7 @@ SCORINGS = {"softmax": 0, "sigmoid": 1}
 TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
-MAX_EXPERTS = 1024  # as cpu_step.h
+MAX_EXPERTS = 1024  # as step.h
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _shared(c: CMoe, s: SharedExperts, hidden: int, keep: list) -> bool:
 
 
 def moe_view(m: Experts, hidden: int, keep: list) -> CMoe | None:
-    """cpu_step.h's zmoe_t of m, kept alive in `keep`; None where the C step cannot take it."""
+    """step.h's zmoe_t of m, kept alive in `keep`; None where the C step cannot take it."""
     i = m.intermediate
     e = _routing(m, keep)
     gate_up, down = _experts(m.gate_up, 2 * i, hidden), _experts(m.down, hidden, i)

@@ -1,5 +1,5 @@
-// Multi-head latent attention (DeepSeek V2 / V3) in the fused decode step (cpu_decode.c),
-// the absorbed form core/layers/mla.py's decode computes (cpu_step.h's zmla_t):
+// Multi-head latent attention (DeepSeek V2 / V3) in the fused decode step (decode.c),
+// the absorbed form core/layers/mla.py's decode computes (step.h's zmla_t):
 //     q_lat = W_uk^T q_nope,  p = softmax(scale (q_lat . latent_s + q_pe . k_pe_s)),
 //     o = W_uv (sum_s p_s latent_s)
 // over the cache of normed latents (R wide, shared by all heads) and roped k_pe.
@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_step.h"
+#include "step.h"
 
 #define TILE 32  // slots scored and summed together: 32 x (512 + 64) floats, 72 KiB
 

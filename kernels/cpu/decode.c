@@ -6,12 +6,12 @@
 //     h += o(attention(rope(q), rope(k) -> cache, v -> cache)),  q|k|v = qkv(rms_norm(h))
 //     h += down(act(gate) * up),                                  gate|up = gate_up(rms_norm(h))
 // (Gemma 2 / 3 norm each sum's o(...) and down(...) first; DeepSeek's MLA attends over its
-// latent cache in cpu_mla.c instead.)
+// latent cache in mla.c instead.)
 // Every thread normalises the few rows of h itself (a few hundred numbers: cheaper than
 // waiting for one thread to do it), then takes its share of each product's output rows (the
 // same rows every block, so a thread adds to the h columns it computed), of the kv heads
 // (rope, cache write) and of the query heads (attention), with a barrier where one part
-// reads what another wrote. A block may hold a gated DeltaNet layer (cpu_delta.c) in
+// reads what another wrote. A block may hold a gated DeltaNet layer (delta.c) in
 // attention's place. The arithmetic is the separate ops' (zoo_qgemv_rows,
 // zoo_rms_norm, zoo_rope, zoo_attend_group), so the result equals the eager step's to rounding.
 #define _GNU_SOURCE
@@ -34,7 +34,7 @@
 #define WAKE(p) (void)0
 #endif
 
-#include "cpu_step.h"
+#include "step.h"
 
 typedef struct {
     const float *norm1, *norm2;  // (H,): before attention, before the MLP
@@ -299,10 +299,10 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             const zblock_t *b = &blocks[l];
             const int64_t I = b->inter;
             zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
-            if (b->delta) {  // a gated DeltaNet layer (cpu_delta.c): h += its output
+            if (b->delta) {  // a gated DeltaNet layer (delta.c): h += its output
                 zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar);
             } else {
-                if (b->mla)  // cpu_mla.c: its own products, cache and heads
+                if (b->mla)  // mla.c: its own products, cache and heads
                     zoo_mla(b->mla, xn, att, M, pos, rows, cos[b->rope], sin[b->rope],
                             cstride[b->rope], t, T, mla, mlocal_t, px, buf, &bar);
                 else

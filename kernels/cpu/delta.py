@@ -1,4 +1,4 @@
-"""The C view of a gated DeltaNet layer for the fused CPU step (kernels/cpu_delta.c, cpu_step.h's
+"""The C view of a gated DeltaNet layer for the fused CPU step (kernels/cpu/delta.c, step.h's
 zdelta_t): its projections, conv filters, decay parameters and norm, and its cache (the conv
 window and the state)."""
 
@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_quant import MAX_ROWS
-from kernels.cpu_views import F32, I64, PTR, CLinear, is_fp32, linear_view
+from kernels.cpu.build import MAX_ROWS
+from kernels.cpu.views import F32, I64, PTR, CLinear, is_fp32, linear_view
 
 
-class CDelta(ctypes.Structure):  # cpu_step.h's zdelta_t
+class CDelta(ctypes.Structure):  # step.h's zdelta_t
     _fields_ = [
         ("in_proj", CLinear), ("out_proj", CLinear),
         *((name, I64) for name in ("hk", "hv", "dk", "dv", "kernel", "grouped")),
@@ -25,7 +25,7 @@ class CDelta(ctypes.Structure):  # cpu_step.h's zdelta_t
 
 @dataclass
 class Delta:
-    """A gated DeltaNet layer the C step takes in place of attention (cpu_delta.c): in_proj
+    """A gated DeltaNet layer the C step takes in place of attention (delta.c): in_proj
     (its rows q|k|v|z|b|a, or `grouped` per key head as Qwen3-Next stores them) and out_proj,
     fp32 or `BlockWeight` / `QuantStack`; the conv's filters (conv_dim, K), -exp(A_log) and
     dt_bias (Hv,), the gated RMSNorm's weight (Dv,) and eps, all fp32; its cache: the conv
@@ -47,7 +47,7 @@ class Delta:
     v_dim: int
 
 
-DELTA_MAX_DIM = 512  # as cpu_step.h
+DELTA_MAX_DIM = 512  # as step.h
 
 
 def _delta_rows(d: Delta) -> tuple[int, int, int]:
@@ -57,13 +57,13 @@ def _delta_rows(d: Delta) -> tuple[int, int, int]:
 
 
 def delta_scratch(layers: list[Delta]) -> torch.Tensor:
-    """cpu_step.h's zdelta_t.scratch: MAX_ROWS rows of in_proj's output, the conv's and o."""
+    """step.h's zdelta_t.scratch: MAX_ROWS rows of in_proj's output, the conv's and o."""
     n = max((sum(_delta_rows(d)) for d in layers), default=0)
     return torch.zeros(MAX_ROWS * n)
 
 
 def delta_view(d: Delta, hidden: int, scratch: torch.Tensor, keep: list) -> CDelta | None:
-    """cpu_step.h's zdelta_t of d, kept alive in `keep`; None where the C step cannot take
+    """step.h's zdelta_t of d, kept alive in `keep`; None where the C step cannot take
     it. scratch: `delta_scratch`'s, shared by the layers (they run one by one)."""
     n_in, conv_dim, vd = _delta_rows(d)
     k = d.conv.shape[-1]

@@ -1,5 +1,5 @@
-// What the fused decode step's files share (cpu_decode.c: the blocks and the driver,
-// cpu_moe.c: the MoE MLP, cpu_delta.c: gated DeltaNet layers, cpu_mla.c: latent attention):
+// What the fused decode step's files share (decode.c: the blocks and the driver,
+// moe.c: the MoE MLP, delta.c: gated DeltaNet layers, mla.c: latent attention):
 // linear layers of stacked parts, the threads' meeting point and their shares of a product's
 // rows.
 #pragma once
@@ -26,7 +26,7 @@ int64_t zoo_linear_bytes(const zlinear_t *l, int64_t M);
 // out[i] = act(gate[i]) * up[i], act 0: SiLU, 1: GELU (tanh form).
 void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int64_t act);
 
-// The threads meet between the parts of a block (cpu_decode.c: why not an OpenMP barrier).
+// The threads meet between the parts of a block (decode.c: why not an OpenMP barrier).
 typedef struct {
     atomic_int arrived, round, sleepers;
 } spin_barrier_t;
@@ -49,7 +49,7 @@ static inline void *slot_at(void *cache, int64_t at, int64_t half) {
     return half ? (void *)((uint16_t *)cache + at) : (void *)((float *)cache + at);
 }
 
-// cpu_ops.c's RMSNorm of `rows` rows (optionally h_out = x + res first) and rope, as the
+// ops.c's RMSNorm of `rows` rows (optionally h_out = x + res first) and rope, as the
 // separate ops run them.
 void zoo_rms_norm(const float *x, const float *res, float *h_out, const float *w, float *out,
                   int64_t rows, int64_t dim, float eps);
@@ -62,7 +62,7 @@ static inline int64_t share(int64_t N, int64_t t, int64_t T) {
     return t == T ? N : N / 16 * t / T * 16;
 }
 
-// A MoE MLP (cpu_moe.c), as core.layers.moe.MoE: scores (softmax or sigmoid of the router's
+// A MoE MLP (moe.c), as core.layers.moe.MoE: scores (softmax or sigmoid of the router's
 // logits), the top `topk` experts (greedy, or within the best groups), their weights
 // (renormalised where `renorm`, times `scale`), each expert a SiLU-gated MLP of `inter` rows
 // (gpt-oss: biases, a clamped SwiGLU over interleaved rows), plus always-on shared experts.
@@ -95,7 +95,7 @@ void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, i
 // The routing alone (as zoo_moe routes): rows' logits (M, E) -> ids (M, K), weights (M, K).
 void zoo_moe_route(const zmoe_t *m, const float *logits, int64_t M, int64_t *ids, float *w);
 
-// A gated DeltaNet layer (cpu_delta.c) in place of a block's attention: in_proj of the normed
+// A gated DeltaNet layer (delta.c) in place of a block's attention: in_proj of the normed
 // rows, the causal depthwise conv of q|k|v over the conv window in the cache and SiLU, l2-normed
 // q and k, the gated delta rule on each value head's state in the cache, the gated RMSNorm of
 // its output with silu(z), and out_proj added to h.
@@ -122,7 +122,7 @@ void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t 
                const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
                qx_t *px, char *buf, spin_barrier_t *bar);
 
-// Multi-head latent attention (cpu_mla.c; DeepSeek V2 / V3), decoded in the absorbed form:
+// Multi-head latent attention (mla.c; DeepSeek V2 / V3), decoded in the absorbed form:
 // q = q_proj(x) or q_b(rms_norm(q_a(x))), per head [q_nope (dn) | q_pe (dr)]; kv_a(x) =
 // [latent (R) | k_pe (dr)], the latent RMS-normed, k_pe and q_pe roped; both cached. Per head
 // q_lat = W_uk^T q_nope (R), scores = scale (q_lat . latent_s + q_pe . k_pe_s), o = W_uv

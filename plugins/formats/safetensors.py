@@ -2,7 +2,7 @@
 `model.safetensors` or shards listed in `model.safetensors.index.json`. Memory-mapped; never
 unpickles anything. Block-scaled fp8 weights (DeepSeek-V3/R1) are offered kept
 (`quant_format` / `read_quantized`, taken on CUDA sm89+: core/quantize.py) or dequantized as
-they are read (plugins/safetensors_fp8.py)."""
+they are read (safetensors_fp8.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 from core.checkpoint import read_json
 from core.errors import CheckpointError
 from core.hookspecs import hookimpl
-from plugins import safetensors_mxfp4 as mxfp4
-from plugins.safetensors_fp8 import SCALE_SUFFIX, BlockFP8
+from plugins.formats import safetensors_mxfp4 as mxfp4
+from plugins.formats.safetensors_fp8 import SCALE_SUFFIX, BlockFP8
 
 INDEX = "model.safetensors.index.json"
 ITEMSIZE = {
@@ -114,7 +114,7 @@ class SafetensorsCheckpoint:
                 f"{', '.join(absent[:5])}; the index and the shards do not match, re-download them"
             )
         self._handles: dict[Path, Any] = {}  # the last file read_slice opened
-        self._mxfp4 = False  # MXFP4 blocks + scales (gpt-oss): see plugins/safetensors_mxfp4.py
+        self._mxfp4 = False  # MXFP4 blocks + scales (gpt-oss): see safetensors_mxfp4.py
         self._fp8 = self._fp8_scheme()
 
     def _fp8_scheme(self) -> BlockFP8 | None:

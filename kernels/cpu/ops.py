@@ -1,4 +1,4 @@
-"""Decode's small ops on CPUs, one C call each (kernels/cpu_ops.c, built with kernels/qgemv.c).
+"""Decode's small ops on CPUs, one C call each (kernels/cpu/ops.c, in build.py's library).
 
 A decode step normalises and rotates a few hundred numbers per layer; the references do it in
 chains of 6-20 torch ops of 2-6 microseconds each, most of an eager SmolLM2 step's time outside
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.cpu_quant import built, library
+from kernels.cpu.build import built, library
 
 OPS = (
     "rms_norm",
