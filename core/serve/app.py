@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from core.chat.reasoning import Reasoner
 from core.errors import RequestError, ZooError
 from core.model import Model
+from core.serve import responses
 from core.serve.metrics import CONTENT_TYPE, ServerMetrics
 from core.serve.requests import (
     Served,
@@ -103,7 +104,9 @@ def create_app(
         app.add_middleware(_Auth, key=api_key)
     for kind, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(kind, handler)
+    app.state.responses = responses.Kept()  # for previous_response_id
     app.include_router(router)
+    app.include_router(responses.router)  # GET / DELETE /v1/responses/{id}
     return app
 
 
@@ -267,6 +270,12 @@ async def completions(req: CompletionRequest, request: Request):
     if req.echo:  # the prompt's own text (ids: decoded as they are, special tokens kept)
         echo = prompt if isinstance(prompt, str) else tok.decode(ids, False) if tok else ""
     return await _respond(s, jobs, req, request, Reply("completion", s.name), fmt, echo)
+
+
+@router.post("/v1/responses")
+async def create_response(req: responses.ResponsesRequest, request: Request):
+    """OpenAI's Responses API, run as a chat completion (core/serve/responses.py)."""
+    return await responses.create(req, request, chat)
 
 
 def listen(host: str, port: int) -> socket.socket:
