@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from core.chat.tool_formats.call_stream import CallStream, Grammar, listed, named
+from core.chat.tool_schema import calls_schema, parameters
 from core.plugins import BUILTIN_PLUGINS, ToolFormat, registry
 
 Call = dict[str, Any]  # {"name": str, "arguments": dict}
@@ -90,21 +91,11 @@ def template_arguments(text: str) -> Any:
 def forced_schema(tools: list[dict], choice: str | None, parallel: bool = True) -> dict:
     """The JSON schema an answer must match when a call is forced (as vLLM forces it): a named
     function's arguments alone, or ("required") a list of at least one {name, parameters} (of
-    exactly one when not `parallel`)."""
-    params = {t["name"]: t.get("parameters") or {"type": "object"} for t in tools}
+    exactly one when not `parallel`); arguments closed as OpenAI's strict mode closes them
+    (core/chat/tool_schema.py)."""
     if choice is not None:
-        return params[choice]
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for name, schema in params.items()
-    ]
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
-    return calls if parallel else {**calls, "maxItems": 1}
+        return parameters(next(t for t in tools if t["name"] == choice))
+    return calls_schema(tools, parallel)
 
 
 class ToolUse:
@@ -128,4 +119,5 @@ class ToolUse:
         return listed if self.forced else tool_format(self.fam).grammar
 
     def stream(self) -> CallStream:
-        return CallStream(self.grammar())
+        """A reader of one answer (one call at most when calls are not parallel)."""
+        return CallStream(self.grammar(), most=None if self.parallel else 1)
