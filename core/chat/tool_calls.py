@@ -11,6 +11,7 @@ import json
 import uuid
 from typing import Any
 
+from core.chat.tool_formats import generic
 from core.chat.tool_formats.call_stream import CallStream, Grammar, listed, named
 from core.chat.tool_schema import calls_schema, parameters
 from core.plugins import BUILTIN_PLUGINS, ToolFormat, registry
@@ -32,8 +33,13 @@ def tool_format(name: str) -> ToolFormat:
 
 def family(chat_template: str | None) -> str:
     """The tool-call format a chat template teaches its model (Hermes when it names none)."""
+    return detected(chat_template) or FALLBACK
+
+
+def detected(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template names, or None."""
     t = chat_template or ""
-    return next((f.name for f in formats() if f.detect(t)), FALLBACK)
+    return next((f.name for f in formats() if f.detect(t)), None)
 
 
 def call_id(fam: str | None = None) -> str:
@@ -110,13 +116,18 @@ class ToolUse:
     def structure(self) -> dict:
         """SamplingParams fields: the schema forcing a call; for `auto`, special tokens kept
         in the text (some families' markers are special tokens)."""
-        schema = forced_schema(self.tools, self.named, self.parallel)
+        if self.fam == generic.NAME and not self.named:  # the form its prompt asks for
+            schema = generic.forced(self.tools, self.parallel)
+        else:
+            schema = forced_schema(self.tools, self.named, self.parallel)
         return {"json_schema": schema} if self.forced else {"skip_special_tokens": False}
 
     def grammar(self) -> Grammar:
         if self.named:
             return named(self.named)
-        return listed if self.forced else tool_format(self.fam).grammar
+        if self.forced and self.fam != generic.NAME:
+            return listed
+        return tool_format(self.fam).grammar
 
     def stream(self) -> CallStream:
         """A reader of one answer (one call at most when calls are not parallel)."""
