@@ -32,7 +32,7 @@ def _close(s: Any) -> Any:
     for key in ONE:
         if isinstance(s.get(key), dict):
             s[key] = _close(s[key])
-    for key in MANY:
+    for key in (*MANY, "items"):  # ("items" as a list: draft 4's tuples)
         if isinstance(s.get(key), list):
             s[key] = [_close(x) for x in s[key]]
     for key in MAP:

@@ -67,6 +67,8 @@ def test_objects_are_closed_at_every_depth_and_keep_their_word():
             jsonschema.validate(doc, s)
     with pytest.raises(jsonschema.ValidationError):  # required ones stay required
         jsonschema.validate({"home": {"street": "x"}}, s)
+    pair = closed({"type": "array", "items": [PERSON, {"type": ["object", "null"]}]})
+    assert [x["additionalProperties"] for x in pair["items"]] == [False, False]
     # an allOf's members are not closed against each other; the whole still validates
     assert "additionalProperties" not in s["properties"]["both"]["allOf"][0]
 
