@@ -11,7 +11,9 @@ import json
 import uuid
 from typing import Any
 
+from core.chat.tool_formats import generic
 from core.chat.tool_formats.call_stream import CallStream, Grammar, listed, named
+from core.chat.tool_schema import calls_schema, parameters
 from core.plugins import BUILTIN_PLUGINS, ToolFormat, registry
 
 Call = dict[str, Any]  # {"name": str, "arguments": dict}
@@ -31,8 +33,13 @@ def tool_format(name: str) -> ToolFormat:
 
 def family(chat_template: str | None) -> str:
     """The tool-call format a chat template teaches its model (Hermes when it names none)."""
+    return detected(chat_template) or FALLBACK
+
+
+def detected(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template names, or None."""
     t = chat_template or ""
-    return next((f.name for f in formats() if f.detect(t)), FALLBACK)
+    return next((f.name for f in formats() if f.detect(t)), None)
 
 
 def call_id(fam: str | None = None) -> str:
@@ -90,21 +97,11 @@ def template_arguments(text: str) -> Any:
 def forced_schema(tools: list[dict], choice: str | None, parallel: bool = True) -> dict:
     """The JSON schema an answer must match when a call is forced (as vLLM forces it): a named
     function's arguments alone, or ("required") a list of at least one {name, parameters} (of
-    exactly one when not `parallel`)."""
-    params = {t["name"]: t.get("parameters") or {"type": "object"} for t in tools}
+    exactly one when not `parallel`); arguments closed as OpenAI's strict mode closes them
+    (core/chat/tool_schema.py)."""
     if choice is not None:
-        return params[choice]
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for name, schema in params.items()
-    ]
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
-    return calls if parallel else {**calls, "maxItems": 1}
+        return parameters(next(t for t in tools if t["name"] == choice))
+    return calls_schema(tools, parallel)
 
 
 class ToolUse:
@@ -119,13 +116,19 @@ class ToolUse:
     def structure(self) -> dict:
         """SamplingParams fields: the schema forcing a call; for `auto`, special tokens kept
         in the text (some families' markers are special tokens)."""
-        schema = forced_schema(self.tools, self.named, self.parallel)
+        if self.fam == generic.NAME and not self.named:  # the form its prompt asks for
+            schema = generic.forced(self.tools, self.parallel)
+        else:
+            schema = forced_schema(self.tools, self.named, self.parallel)
         return {"json_schema": schema} if self.forced else {"skip_special_tokens": False}
 
     def grammar(self) -> Grammar:
         if self.named:
             return named(self.named)
-        return listed if self.forced else tool_format(self.fam).grammar
+        if self.forced and self.fam != generic.NAME:
+            return listed
+        return tool_format(self.fam).grammar
 
     def stream(self) -> CallStream:
-        return CallStream(self.grammar())
+        """A reader of one answer (one call at most when calls are not parallel)."""
+        return CallStream(self.grammar(), most=None if self.parallel else 1)

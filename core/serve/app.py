@@ -32,6 +32,7 @@ from core.serve.requests import (
     check_name,
     encoded,
     prepare_jobs,
+    shown_tools,
     template_messages,
     tool_use,
 )
@@ -229,7 +230,8 @@ async def chat(req: ChatRequest, request: Request):
     if taken:
         message = f"chat_template_kwargs cannot set {taken}: they are the request's own"
         raise ApiError(400, message, param="chat_template_kwargs")
-    if tools:  # as transformers and vLLM hand them to templates
+    if tools:  # as transformers and vLLM hand them to templates (or in the generic form)
+        messages = shown_tools(s, messages, tools, extra)
         extra["tools"] = [{"type": "function", "function": t} for t in tools.tools]
     # the template writes the special tokens; encode_prompt checks the ids against the vocab
     render = lambda: tok.apply_chat_template(messages, **extra)  # noqa: E731

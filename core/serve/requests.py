@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from core.chat.tool_calls import ToolUse, family, template_arguments
+from core.chat.harmony import is_harmony
+from core.chat.tool_calls import ToolUse, detected, family, template_arguments
+from core.chat.tool_formats import generic
 from core.errors import RequestError
 from core.model import Model
 from core.sampling import SamplingParams
@@ -65,6 +67,25 @@ def tool_use(req: ChatRequest, model: Model) -> ToolUse | None:
         raise ApiError(400, message, param="response_format")
     fam, parallel = family(model.tokenizer.chat_template), req.parallel_tool_calls is not False
     return ToolUse(tools, choice, fam, parallel)
+
+
+def shown_tools(s: Served, messages: list[dict], tools: ToolUse, extra: dict) -> list[dict]:
+    """The messages to render with `tools`: as given when the chat template writes the tools
+    (or teaches a call format of its own: DeepSeek-V3's writes none, gpt-oss's harmony is read
+    by its own reader); else, when rendering with
+    and without them gives the same prompt, in the generic form (core/chat/tool_formats/
+    generic.py: the tools described in a system message, answers read by its grammar), never
+    silently without them."""
+    tok = s.tok
+    if detected(tok.chat_template) is not None or is_harmony(tok):
+        return messages
+    shown = [{"type": "function", "function": t} for t in tools.tools]
+    probe = [{**m, "content": m.get("content") or ""} for m in messages]  # (a null: empty)
+    with_tools = encoded(lambda: tok.render_chat(probe, **extra, tools=shown), "messages")
+    if with_tools != encoded(lambda: tok.render_chat(probe, **extra), "messages"):
+        return messages
+    tools.fam = generic.NAME
+    return generic.conversation(messages, tools.tools)
 
 
 def _msg(e: dict) -> str:

@@ -8,8 +8,8 @@ The built-in families are registered by plugins/tool_formats.py through the
 registry which format a chat template teaches and reads answers by it.
 """
 
-from core.chat.tool_formats import deepseek, hermes, llama3, mistral
+from core.chat.tool_formats import deepseek, generic, hermes, llama3, mistral
 
 # the built-in families, in the order chat templates are matched against them (after plugins')
-BUILTIN = (deepseek, mistral, hermes, llama3)
+BUILTIN = (deepseek, mistral, hermes, llama3, generic)  # (generic: never detected)
 GRAMMARS = {family.NAME: family.grammar for family in BUILTIN}  # the built-ins' grammars, by name

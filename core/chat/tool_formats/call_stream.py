@@ -36,8 +36,9 @@ class CallStream:
     """Reads one answer as it streams (`feed`, then `finish`) into deltas, by a family's
     grammar: a generator over this reader's helpers that yields whenever it needs more text."""
 
-    def __init__(self, grammar: Grammar):
+    def __init__(self, grammar: Grammar, most: int | None = None):
         self.text, self.i, self.sent = "", 0, 0  # all text fed; the grammar's cursor; content out
+        self.most = most  # calls read at most (parallel_tool_calls false: 1); the rest dropped
         self.eof = False
         self.calls: list[list[str]] = []  # [name, arguments' text so far] per call
         self.out: list[Delta] = []
@@ -133,8 +134,9 @@ class CallStream:
         return True
 
     def head(self, name: str) -> None:
-        """A call begins: its name goes out."""
-        if not NAME.fullmatch(name):
+        """A call begins: its name goes out (a call past `most`: the reading ends, the text
+        from there on dropped as any text after the calls is)."""
+        if not NAME.fullmatch(name) or (self.most is not None and len(self.calls) >= self.most):
             raise NoCall
         self.sent = len(self.text)  # (what lay between the content and the call is no content)
         self.out.append(("call", name, len(self.calls)))
