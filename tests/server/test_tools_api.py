@@ -264,3 +264,18 @@ def test_bad_tools_are_400_naming_the_field(served, kw, param, words):
         chat(served[0], **kw)
     assert err.value.param == param and words in err.value.message
     assert chat(served[0]).choices  # still serving
+
+
+def test_a_template_failure_is_a_400_naming_the_message(served):
+    two = [
+        {"id": f"call_{k}", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+        for k in (1, 2)
+    ]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": two}]
+    with pytest.raises(openai.BadRequestError) as err:  # Llama 3.1's template: one call a turn
+        served[0].chat.completions.create(
+            model="tiny", messages=messages, tools=[TIME], max_tokens=1
+        )
+    assert err.value.param == "messages.1"
+    assert "supports single tool-calls" in err.value.message
+    assert chat(served[0]).choices  # still serving
