@@ -80,7 +80,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with special tokens, it starts with exactly one BOS if the model
         uses one (the tokenizer's post-processor may add it, the text may already hold it)."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the tokenizers library takes no lone surrogate ("\ud800" in JSON)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(
+                    f"the text holds {text[err.start : err.end]!r} at character {err.start}, "
+                    "half of a UTF-16 surrogate pair, which is no character; send valid Unicode"
+                ) from None
+            raise
         bos = self.bos_token_id
         if add_special_tokens and bos is not None:
             if self.add_bos and ids[:1] != [bos]:
@@ -98,9 +108,9 @@ class Tokenizer:
 
         A message whose content is null (an assistant turn that only calls tools, as the openai
         SDK and LangChain send it) goes in as None, which templates such as DeepSeek's test
-        (`content is none`); a template that fails on it (SmolLM2's joins it to strings) gets
-        "" instead. Any other failure, of whatever type, is a ChatTemplateError naming the
-        message at fault where a shorter conversation tells it."""
+        (`content is none`); a template that fails on it, or on an absent content (SmolLM2's
+        joins it to strings), gets "" instead. Any other failure, of whatever type, is a
+        ChatTemplateError naming the message at fault where a shorter conversation tells it."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; send raw text instead")
         from jinja2.exceptions import SecurityError, TemplateError
@@ -116,7 +126,7 @@ class Tokenizer:
             return template.render({**variables, "messages": msgs, "add_generation_prompt": prompt})
 
         tries = [messages]
-        if any(isinstance(m, dict) and m.get("content", "") is None for m in messages):
+        if any(isinstance(m, dict) and m.get("content") is None for m in messages):
             tries.append([_empty_content(m) for m in messages])
         for msgs in tries:
             try:
@@ -138,8 +148,8 @@ class Tokenizer:
 
 
 def _empty_content(message: Any) -> Any:
-    """A message whose null content is "" (others as they are)."""
-    if isinstance(message, dict) and "content" in message and message["content"] is None:
+    """A message whose null or absent content is "" (others as they are)."""
+    if isinstance(message, dict) and message.get("content") is None:
         return {**message, "content": ""}
     return message
 

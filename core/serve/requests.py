@@ -153,9 +153,8 @@ def template_messages(s: Served, given) -> list[dict]:
     messages = []
     for i, m in enumerate(given):
         msg = m.model_dump(exclude_none=True)
-        # null or absent content is None (DeepSeek's templates test `content is none`; for
-        # those that join it to strings the tokenizer renders it as "")
-        msg.setdefault("content", None)
+        if msg.get("tool_calls") and "content" not in msg:
+            msg["content"] = None  # (DeepSeek's templates test `content is none`)
         if isinstance(m.content, list):
             if any(part.type != "text" for part in m.content):
                 raise ApiError(400, "only text content parts are supported", param="messages")

@@ -376,6 +376,7 @@ def test_null_content_renders_as_the_template_expects(folders):
     assert tok.render_chat(messages) == (
         "<|im_start|>user\nhi<|im_end|><|im_start|>assistant\n<|im_end|><|im_start|>tool\n21<|im_end|>"
     )
+    assert tok.render_chat([{"role": "tool"}]) == "<|im_start|>tool\n<|im_end|>"  # absent: ""
     tok.chat_template = TESTS_NONE  # DeepSeek's kind: gets None
     assert tok.render_chat(messages) == "[hi][none][21]"
     assert messages[1]["content"] is None  # (the caller's messages unchanged)

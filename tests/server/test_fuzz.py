@@ -33,7 +33,8 @@ NUMBERS = st.one_of(
     st.sampled_from([-(2**63), 2**31, 2**64, 10**30, -1.5, 0.5, 1e308, -1e308]),
     st.floats(allow_nan=True, allow_infinity=True),  # NaN/Infinity: not JSON at all
 )
-TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["", "tiny", "<|eot_id|>", "{", "\x00"]))
+ODD_TEXT = ["", "tiny", "<|eot_id|>", "{", "\x00", "\ud800"]  # a lone surrogate: no character
+TEXT = st.one_of(st.text(max_size=12), st.sampled_from(ODD_TEXT))
 LEAF = st.one_of(st.none(), st.booleans(), NUMBERS, TEXT)
 JUNK = st.recursive(
     LEAF, lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3), max_leaves=6
@@ -58,6 +59,12 @@ def bodies(draw, required: dict, optional: dict):
     return body
 
 
+RECURSIVE = {  # compiles, but no answer ends: llguidance gives out while it is written
+    "type": "object",
+    "properties": {"a": {"$ref": "#"}},
+    "required": ["a"],
+}
+
 # --- the chat request's parts -----------------------------------------------------------------
 SCHEMA = st.one_of(
     st.just({"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}}),
@@ -66,6 +73,7 @@ SCHEMA = st.one_of(
     st.just({"$ref": "#/nowhere"}),
     st.just({"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 2}),
     st.just({"enum": []}),
+    st.just(RECURSIVE),
     st.dictionaries(st.sampled_from(["type", "properties", "required", "items", "enum"]), JUNK),
     JUNK,
 )
@@ -231,3 +239,22 @@ def test_conversations_are_never_a_500(server, body):
 @given(body=COMPLETION)
 def test_completion_bodies_are_never_a_500(server, body):
     check(*post(server, "/v1/completions", body), body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_gives_out_is_a_400_of_its_row(server, stream):
+    schema = {"type": "json_schema", "json_schema": {"name": "loop", "schema": RECURSIVE}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    body.update(response_format=schema, temperature=0, stream=stream)
+    status, text = post(server, "/v1/chat/completions", body)
+    if stream:  # the 200 went out first: the error comes in the stream
+        assert status == 200
+        text = next(line for line in text.splitlines() if '"error"' in line).removeprefix("data: ")
+    else:
+        assert status == 400
+    assert "grammar gave out" in json.loads(text)["error"]["message"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi \ud800"}]}
+    status, text = post(server, "/v1/chat/completions", body)
+    assert status == 400 and "surrogate" in json.loads(text)["error"]["message"]
+    del body["messages"][0]["content"]
+    assert post(server, "/v1/chat/completions", body)[0] == 200  # still serving
