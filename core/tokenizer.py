@@ -166,7 +166,7 @@ def _complaint(err: Exception) -> str:
 def _failure(err: Exception, messages: list, render) -> ChatTemplateError:
     """The error of a conversation that failed to render with `err`, naming the first message
     at fault: the shortest leading part of the conversation that fails the same way (found by
-    bisection; none when even the first message alone renders, or the failure is elsewhere)."""
+    bisection); none when no messages fail the same way too (a variable's fault, say)."""
     said = _complaint(err)
 
     def fails(k: int) -> bool:  # the first k messages fail as the whole did
@@ -178,7 +178,8 @@ def _failure(err: Exception, messages: list, render) -> ChatTemplateError:
 
     lo, hi = 1, len(messages)  # the smallest k in [1, n] such that fails(k), if any
     index = None
-    if messages and fails(hi):
+    # (failing with no message at all, or not with these: the fault lies elsewhere)
+    if messages and fails(hi) and not fails(0):
         while lo < hi:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fails(mid) else (mid + 1, hi)

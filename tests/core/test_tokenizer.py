@@ -408,3 +408,11 @@ def test_any_template_failure_names_the_message(folders, template, index, words)
         tok.render_chat(messages)
     assert err.value.index == index and words in str(err.value)
     assert str(err.value).startswith(f"messages.{index} (role ")
+
+
+def test_a_failure_no_message_causes_names_none(folders):
+    tok = Tokenizer.from_folder(folders["qwen2"])
+    tok.chat_template = "{{ bos_token + 'x' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="TypeError") as err:
+        tok.render_chat([{"role": "user", "content": "hi"}], bos_token=5)
+    assert err.value.index is None and str(err.value).startswith("the chat template failed")
