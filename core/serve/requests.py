@@ -164,7 +164,9 @@ def template_messages(s: Served, given) -> list[dict]:
             isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
         ):
             where = f"messages.{i}.tool_calls"
-            message = f"{where}: a list of calls ({{id, type, function: {{name, arguments}}}})"
+            message = (
+                f"{where} must be a list of calls, each {{id, type, function: {{name, arguments}}}}"
+            )
             raise ApiError(400, message, param=where)
         for call in calls or []:
             f = call.get("function")
