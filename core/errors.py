@@ -27,3 +27,12 @@ class HubError(ZooError):
 
 class DistributedError(ZooError):
     """A tensor-parallel rank that died or stopped answering, seen by the others."""
+
+
+class ChatTemplateError(RequestError):
+    """A conversation the model's chat template refuses or fails on; `index` is the message at
+    fault where it can be told (None otherwise)."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.errors import RequestError
 from core.sampling import SamplingParams
 from core.structured import make_constraint
 from core.tokenizer import StreamDecoder, Tokenizer
@@ -106,6 +107,7 @@ class Seq:
         self.stops = StopStrings(p.stop)
         self.logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
         self.finish: str | None = None
+        self.error: RequestError | None = None  # why it ended early, if it failed alone
         self.row = -1  # set by the engine on admission: the cache row it holds ...
         self.cached = 0  # ... how many prompt tokens that row already held ...
         self.pos = 0  # ... and how many positions of it hold this sequence's tokens
@@ -154,7 +156,10 @@ class Seq:
             piece = self.decoder.flush() if self.decoder else ""
         else:
             piece = self.decoder.push(token) if self.decoder else ""
-            done = self.constraint is not None and self.constraint.accept(token)
+            try:
+                done = self.constraint is not None and self.constraint.accept(token)
+            except RequestError as err:  # its grammar gave out: this row ends, with the error
+                self.error, done = err, True
             if done or len(self.out) >= self.params.max_new_tokens:
                 self.finish = "stop" if done else "length"  # (complete grammar: only EOS follows)
                 piece += self.decoder.flush() if self.decoder else ""
@@ -167,7 +172,10 @@ class Seq:
         return out
 
     def result(self, timings: dict[str, float] | None = None) -> GenerationResult:
-        """What it generated; `timings` by default its own (first token, decode rate)."""
+        """What it generated; `timings` by default its own (first token, decode rate).
+        Raises the row's own error if it failed alone."""
+        if self.error is not None:
+            raise self.error
         if timings is None:
             now = time.perf_counter()
             first = self.t_first or now

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.errors import RequestError
 from core.tokenizer import Tokenizer
 
 ANY_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
@@ -85,8 +86,13 @@ class Constraint:
 
     def accept(self, token: int) -> bool:
         """Take the row's token; True when the grammar is complete (only EOS may follow)."""
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} broke the grammar: {self.matcher.get_error()}")
+        if not self.matcher.consume_token(token):  # only a limit of llguidance's: the schema's
+            raise RequestError(
+                f"the JSON schema's grammar gave out while the answer was written (token "
+                f"{token}): {self.matcher.get_error().partition(chr(10))[0]}; simplify the "
+                "schema (a recursion "
+                "with no way out, say)"
+            )
         return self.matcher.is_stopped()
 
 

@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from core.errors import ConfigError, RequestError
+from core.errors import ChatTemplateError, ConfigError, RequestError
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -80,7 +80,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with special tokens, it starts with exactly one BOS if the model
         uses one (the tokenizer's post-processor may add it, the text may already hold it)."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the tokenizers library takes no lone surrogate ("\ud800" in JSON)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(
+                    f"the text holds {text[err.start : err.end]!r} at character {err.start}, "
+                    "half of a UTF-16 surrogate pair, which is no character; send valid Unicode"
+                ) from None
+            raise
         bos = self.bos_token_id
         if add_special_tokens and bos is not None:
             if self.add_bos and ids[:1] != [bos]:
@@ -94,23 +104,40 @@ class Tokenizer:
 
     # --- chat ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
-        """The chat template rendered to text, in jinja2's sandbox, as transformers renders it."""
+        """The chat template rendered to text, in jinja2's sandbox, as transformers renders it.
+
+        A message whose content is null (an assistant turn that only calls tools, as the openai
+        SDK and LangChain send it) goes in as None, which templates such as DeepSeek's test
+        (`content is none`); a template that fails on it, or on an absent content (SmolLM2's
+        joins it to strings), gets "" instead. Any other failure, of whatever type, is a
+        ChatTemplateError naming the message at fault where a shorter conversation tells it."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; send raw text instead")
         from jinja2.exceptions import SecurityError, TemplateError
 
         try:
             template = _environment().from_string(self.chat_template)
-            # request variables override the special tokens, as in transformers
-            variables = {**self.special, **kw}
-            variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
-            return template.render(**variables)
-        except SecurityError as err:
-            raise ConfigError(
-                f"chat template refused: it tried an unsafe operation ({err})"
-            ) from None
         except TemplateError as err:
-            raise RequestError(f"chat template failed to render: {err}") from None
+            raise ConfigError(f"the model's chat template does not compile: {err}") from None
+        # request variables override the special tokens, as in transformers
+        variables = {**self.special, **kw}
+
+        def render(msgs: list[dict], prompt: bool) -> str:
+            return template.render({**variables, "messages": msgs, "add_generation_prompt": prompt})
+
+        tries = [messages]
+        if any(isinstance(m, dict) and m.get("content") is None for m in messages):
+            tries.append([_empty_content(m) for m in messages])
+        for msgs in tries:
+            try:
+                return render(msgs, add_generation_prompt)
+            except SecurityError as err:
+                raise ConfigError(
+                    f"chat template refused: it tried an unsafe operation ({err})"
+                ) from None
+            except Exception as err:  # a template can fail in any way
+                failure = err
+        raise _failure(failure, tries[-1], render) from None
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kw
@@ -118,6 +145,52 @@ class Tokenizer:
         """Token ids of the rendered chat (the template writes the special tokens itself)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kw)
         return self.encode(text, add_special_tokens=False)
+
+
+def _empty_content(message: Any) -> Any:
+    """A message whose null or absent content is "" (others as they are)."""
+    if isinstance(message, dict) and message.get("content") is None:
+        return {**message, "content": ""}
+    return message
+
+
+def _complaint(err: Exception) -> str:
+    """What a template's failure says: raise_exception's own words; the type otherwise."""
+    from jinja2.exceptions import TemplateError
+
+    if isinstance(err, TemplateError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+def _failure(err: Exception, messages: list, render) -> ChatTemplateError:
+    """The error of a conversation that failed to render with `err`, naming the first message
+    at fault: the shortest leading part of the conversation that fails the same way (found by
+    bisection); none when no messages fail the same way too (a variable's fault, say)."""
+    said = _complaint(err)
+
+    def fails(k: int) -> bool:  # the first k messages fail as the whole did
+        try:
+            render(messages[:k], False)
+        except Exception as e:  # any failure, compared by what it says
+            return _complaint(e) == said
+        return False
+
+    lo, hi = 1, len(messages)  # the smallest k in [1, n] such that fails(k), if any
+    index = None
+    # (failing with no message at all, or not with these: the fault lies elsewhere)
+    if messages and fails(hi) and not fails(0):
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fails(mid) else (mid + 1, hi)
+        index = lo - 1
+    if index is None:
+        return ChatTemplateError(f"the chat template failed to render the messages: {said}")
+    role = messages[index].get("role") if isinstance(messages[index], dict) else None
+    return ChatTemplateError(
+        f"messages.{index} (role {role!r}): the chat template failed to render it: {said}",
+        index,
+    )
 
 
 def _read_optional(path: Path) -> dict:

@@ -8,6 +8,7 @@ with `<think>\\n`; so does Qwen3's when thinking is on): the answer then starts 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -139,12 +140,24 @@ def reader(reasoner: Reasoner | None, tools: Any = None) -> Any:
     return Reader(think, tools and tools.stream())
 
 
-def read_whole(rd: Any, text: str) -> tuple[str, list[tuple[str, str]], str]:
+def read_whole(rd: Any, text: str, cut: bool = False) -> tuple[str, list[tuple[str, str]], str]:
     """(content, calls as (name, arguments' text), reasoning) of a whole answer, as the deltas
-    of its stream join; calls that are not whole (cut short) leave their text as content."""
+    of its stream join. Calls that are not whole leave their text as content; but in an answer
+    `cut` short (by max_tokens) the calls written whole before the cut are kept, and the one
+    being written is dropped (its pieces were streamed; finish_reason "length" says so)."""
     deltas = rd.feed(text) + rd.finish()
     content = "".join(t for kind, t, _ in deltas if kind == "content")
     calls = [(name, args) for name, args in rd.calls]
-    if calls and not rd.complete():
+    if cut:
+        calls = [(name, args) for name, args in calls if _is_object(args)]
+    elif calls and not rd.complete():
         content, calls = rd.reader.text, []  # (all the text the call reader was fed)
     return content, calls, "".join(t for kind, t, _ in deltas if kind == "reasoning").strip()
+
+
+def _is_object(text: str) -> bool:
+    """Whether a call's arguments are whole: a JSON object."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from core.chat.harmony import is_harmony
 from core.chat.tool_calls import ToolUse, detected, family, template_arguments
 from core.chat.tool_formats import generic
-from core.errors import RequestError
+from core.errors import ChatTemplateError, RequestError
 from core.model import Model
 from core.sampling import SamplingParams
 from core.serve.metrics import ServerMetrics
@@ -97,6 +97,9 @@ def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
     """Prompt ids, or a 400 naming the request field whose text or ids are at fault."""
     try:
         return encode()
+    except ChatTemplateError as err:
+        at = param if err.index is None else f"{param}.{err.index}"
+        raise ApiError(400, str(err), param=at) from None
     except RequestError as err:
         raise ApiError(400, str(err), param=param) from None
 
@@ -177,9 +180,18 @@ def template_messages(s: Served, given) -> list[dict]:
             if any(part.type != "text" for part in m.content):
                 raise ApiError(400, "only text content parts are supported", param="messages")
             msg["content"] = "".join(part.text or "" for part in m.content)
-        for call in msg.get("tool_calls") or []:
-            f = call.get("function", {}) if isinstance(call, dict) else {}
-            if isinstance(f.get("arguments"), str):
+        calls = msg.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+        ):
+            where = f"messages.{i}.tool_calls"
+            message = (
+                f"{where} must be a list of calls, each {{id, type, function: {{name, arguments}}}}"
+            )
+            raise ApiError(400, message, param=where)
+        for call in calls or []:
+            f = call.get("function")
+            if isinstance(f, dict) and isinstance(f.get("arguments"), str):
                 try:
                     f["arguments"] = template_arguments(f["arguments"])
                 except json.JSONDecodeError:

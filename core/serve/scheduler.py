@@ -160,6 +160,10 @@ class Scheduler:
             self.metrics.prefix(len(job.ids), seq.cached)
 
     def _end(self, seq: ServedSeq) -> None:
+        if seq.error is not None:  # it failed alone (its grammar gave out): the others go on
+            self.metrics.finished(seq.job.clock, None)
+            seq.job.emit("error", seq.error)
+            return
         result = seq.result()
         log.debug(
             "zoo: row %d: %d prompt tokens (%d cached), %d new, %s",

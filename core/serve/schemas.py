@@ -331,7 +331,8 @@ class Reply:
         choices = []
         for i, (r, lp) in enumerate(zip(results, logprobs, strict=True)):
             text, calls, reasoning = answers[i] if answers else (echo + r.text, None, None)
-            finish = "tool_calls" if calls else r.finish_reason
+            cut = r.finish_reason == "length"  # (then the calls are those written whole)
+            finish = "tool_calls" if calls and not cut else r.finish_reason
             choice = self._choice(text, lp, finish, False, i, calls, reasoning)
             choices.append(choice)
         return {**self._head(obj), "choices": choices, "usage": usage(results)}

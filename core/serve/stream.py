@@ -103,7 +103,8 @@ class Reading:
 
     def whole(self, result: GenerationResult) -> tuple[str | None, list[dict] | None, str | None]:
         """(content, tool_calls, reasoning) of a finished answer: what its stream would say."""
-        content, calls, thought = read_whole(self.reader(), result.text)
+        cut = result.finish_reason == "length"
+        content, calls, thought = read_whole(self.reader(), result.text, cut)
         tool_calls = [
             {"id": self.call_id(), "type": "function", "function": {"name": n, "arguments": a}}
             for n, a in calls
@@ -182,7 +183,8 @@ async def events(
                     for chunk in _chunks(reply, readers[i].finish(), i, lps, ids[i], reading):
                         lps = None
                         yield chunk
-                    if readers[i].calls and readers[i].complete():
+                    # max_tokens' cut is "length", even after whole calls (as OpenAI)
+                    if readers[i].calls and readers[i].complete() and finish != "length":
                         finish = "tool_calls"
                 text = None if reply.kind == "chat" else ""
                 yield sse(reply.chunk(text, lps, finish=finish, index=i))

@@ -111,3 +111,11 @@ def test_bad_logit_bias_is_named(model, bias, message):
     with pytest.raises(RequestError, match="logit_bias") as err:
         model.generate("Hi", max_new_tokens=2, logit_bias=bias)
     assert message in str(err.value)
+
+
+def test_a_grammar_that_gives_out_fails_its_row_alone(model, question):
+    """A schema that compiles but whose answers never end (a required recursion): llguidance
+    gives out while the answer is written; that row's error, not a crash of the batch."""
+    loop = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    with pytest.raises(RequestError, match="grammar gave out"):
+        model.generate(question, max_new_tokens=8, json_schema=loop, temperature=0.0)

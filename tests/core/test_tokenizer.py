@@ -7,6 +7,7 @@ import pytest
 from fixtures.chat_tokenizers import FAMILIES, build_tokenizer_folder
 
 from core import ZooError
+from core.errors import ChatTemplateError
 from core.tokenizer import StreamDecoder, Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one line."}
@@ -356,3 +357,62 @@ def test_template_errors_are_zoo_errors(folders):
     tok.chat_template = None
     with pytest.raises(ZooError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+JOINS = (  # SmolLM2's template: content joined to strings
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}"
+    "{% endfor %}"
+)
+TESTS_NONE = (  # DeepSeek's templates test `content is none`
+    "{% for m in messages %}[{{ 'none' if m['content'] is none else m['content'] }}]{% endfor %}"
+)
+CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
+
+
+def test_null_content_renders_as_the_template_expects(folders):
+    tok = Tokenizer.from_folder(folders["qwen2"])
+    messages = [{"role": "user", "content": "hi"}, CALL, {"role": "tool", "content": "21"}]
+    tok.chat_template = JOINS  # fails on None: gets ""
+    assert tok.render_chat(messages) == (
+        "<|im_start|>user\nhi<|im_end|><|im_start|>assistant\n<|im_end|><|im_start|>tool\n21<|im_end|>"
+    )
+    assert tok.render_chat([{"role": "tool"}]) == "<|im_start|>tool\n<|im_end|>"  # absent: ""
+    tok.chat_template = TESTS_NONE  # DeepSeek's kind: gets None
+    assert tok.render_chat(messages) == "[hi][none][21]"
+    assert messages[1]["content"] is None  # (the caller's messages unchanged)
+
+
+@pytest.mark.parametrize(
+    ("template", "index", "words"),
+    [
+        (JOINS, 2, "TypeError: can only concatenate str"),  # content 5: any exception type
+        (
+            "{% for m in messages %}{% if m.role == 'bogus' %}"
+            "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{% endfor %}",
+            1,
+            "unknown role bogus",
+        ),
+        ("{% for m in messages %}{{ m.content | int // 0 }}{% endfor %}", 0, "ZeroDivisionError"),
+    ],
+)
+def test_any_template_failure_names_the_message(folders, template, index, words):
+    tok = Tokenizer.from_folder(folders["qwen2"])
+    tok.chat_template = template
+    messages = [
+        {"role": "user", "content": "1"},
+        {"role": "bogus", "content": "2"},
+        {"role": "user", "content": 5},
+        {"role": "user", "content": "3"},
+    ]
+    with pytest.raises(ChatTemplateError) as err:
+        tok.render_chat(messages)
+    assert err.value.index == index and words in str(err.value)
+    assert str(err.value).startswith(f"messages.{index} (role ")
+
+
+def test_a_failure_no_message_causes_names_none(folders):
+    tok = Tokenizer.from_folder(folders["qwen2"])
+    tok.chat_template = "{{ bos_token + 'x' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="TypeError") as err:
+        tok.render_chat([{"role": "user", "content": "hi"}], bos_token=5)
+    assert err.value.index is None and str(err.value).startswith("the chat template failed")

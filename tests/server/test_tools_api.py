@@ -264,3 +264,69 @@ def test_bad_tools_are_400_naming_the_field(served, kw, param, words):
         chat(served[0], **kw)
     assert err.value.param == param and words in err.value.message
     assert chat(served[0]).choices  # still serving
+
+
+def test_a_template_failure_is_a_400_naming_the_message(served):
+    two = [
+        {"id": f"call_{k}", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+        for k in (1, 2)
+    ]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": two}]
+    with pytest.raises(openai.BadRequestError) as err:  # Llama 3.1's template: one call a turn
+        served[0].chat.completions.create(
+            model="tiny", messages=messages, tools=[TIME], max_tokens=1
+        )
+    assert err.value.param == "messages.1"
+    assert "supports single tool-calls" in err.value.message
+    assert chat(served[0]).choices  # still serving
+
+
+TWO_CALLS = (
+    '{"name": "get_time", "parameters": {}}; '
+    '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "kelvin"}}'
+)
+
+
+@pytest.mark.parametrize(
+    ("upto", "whole"),
+    [
+        ('{"city"', ["get_time"]),  # cut in the second call's arguments
+        ('"kelvin"}', ["get_time", "get_weather"]),  # its arguments whole, its object not
+        ('{"name": "get_ti', []),  # cut in the first call's name
+    ],
+)
+def test_max_tokens_cutting_calls_is_length(served, upto, whole):
+    client, model, script = served
+    ids = model.tokenizer.encode(TWO_CALLS, add_special_tokens=False)
+    # the fewest tokens that write TWO_CALLS up to the end of `upto`
+    end = TWO_CALLS.index(upto) + len(upto)
+    cut = next(k for k in range(len(ids)) if len(model.tokenizer.decode(ids[:k])) >= end)
+    try:
+        script_answer(model, script, TWO_CALLS, [WEATHER, TIME])
+        r = chat(client, tools=[WEATHER, TIME], max_tokens=cut)
+        content, calls, finish = streamed(client, tools=[WEATHER, TIME], max_tokens=cut)
+        script_answer(model, script, TWO_CALLS, [WEATHER, TIME])
+        done = chat(client, tools=[WEATHER, TIME], max_tokens=len(ids) + 1)  # not cut
+    finally:
+        script.ids = None
+    choice = r.choices[0]
+    assert r.usage.completion_tokens == cut and choice.finish_reason == "length"
+    assert [c.function.name for c in choice.message.tool_calls or []] == whole
+    assert all(
+        isinstance(json.loads(c.function.arguments), dict) for c in choice.message.tool_calls or []
+    )
+    assert finish == "length" and content == (choice.message.content or "")
+    # streamed, the calls begun went out as they were written; the whole ones as above
+    assert [c["name"] for c in calls][: len(whole)] == whole
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in done.choices[0].message.tool_calls] == [
+        "get_time",
+        "get_weather",
+    ]
+
+
+def test_a_forced_call_cut_by_max_tokens_is_length(served):
+    for kw in ({"tool_choice": "required"}, {"tool_choice": PICK_WEATHER}):
+        r = chat(served[0], tools=[WEATHER, TIME], max_tokens=4, **kw)
+        assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+        assert streamed(served[0], tools=[WEATHER, TIME], max_tokens=4, **kw)[2] == "length"
