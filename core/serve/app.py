@@ -47,6 +47,7 @@ from core.serve.schemas import (
     completion_logprobs,
     error,
     error_body,
+    model_card,
     model_list,
     validation_error,
 )
@@ -183,6 +184,16 @@ async def prometheus(request: Request):
 async def models(request: Request):
     s = _served(request)
     return model_list(s.name, s.model.max_seq_len, s.created)
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    """The served model's object (as /v1/models lists it); another id: 404 model_not_found."""
+    s = _served(request)
+    if model_id != s.name:
+        message = f"the model '{model_id}' does not exist; this server has '{s.name}'"
+        raise ApiError(404, message, param="model", code="model_not_found")
+    return model_card(s.name, s.model.max_seq_len, s.created)
 
 
 @router.post("/tokenize")

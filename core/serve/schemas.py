@@ -238,10 +238,15 @@ def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def model_list(name: str, max_seq_len: int, created: int) -> dict:
-    """The body of GET /v1/models: the one served model (max_model_len as vLLM's)."""
+def model_card(name: str, max_seq_len: int, created: int) -> dict:
+    """The served model's object, as GET /v1/models/{id} answers (max_model_len as vLLM's)."""
     card = {"id": name, "object": "model", "created": created, "owned_by": "zoo"}
-    return {"object": "list", "data": [{**card, "max_model_len": max_seq_len}]}
+    return {**card, "max_model_len": max_seq_len}
+
+
+def model_list(name: str, max_seq_len: int, created: int) -> dict:
+    """The body of GET /v1/models: the one served model."""
+    return {"object": "list", "data": [model_card(name, max_seq_len, created)]}
 
 
 def _token(tok: Tokenizer | None, token_id: int) -> str:
