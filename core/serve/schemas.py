@@ -170,6 +170,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's /v1/embeddings body: a text, token ids, or a list of either."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own (no truncation: a 400 otherwise)
+    user: str | None = None  # harmless (HARMLESS)
+
+
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # top-n alternatives per token

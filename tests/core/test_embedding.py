@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conftest import LLAMA32, chat_llama_folder
+from fixtures.embeddings import reference, rel, write_sentence_transformers
 
 from core import load_model
 from core.embedding import Pooling, read_pooling
@@ -38,38 +39,6 @@ QWEN3 = dict(
 )
 SPECS = {"llama": LLAMA32, "qwen3": QWEN3}
 LENGTHS = [7, 1, 13, 4, 9]  # unequal; 5 texts in batches of 3: a second, partial batch
-
-
-def write_sentence_transformers(root, mode: str, normalize: bool) -> None:
-    """modules.json, 1_Pooling/config.json (and 2_Normalize) as sentence-transformers saves."""
-    st = "sentence_transformers.models."
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
-    ]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"})
-        (root / "2_Normalize").mkdir(exist_ok=True)
-    (root / "modules.json").write_text(json.dumps(modules))
-    (root / "1_Pooling").mkdir(exist_ok=True)
-    keys = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
-            "weightedmean_tokens", "lasttoken"]  # fmt: skip
-    cfg = {f"pooling_mode_{k}": k == mode for k in keys}
-    (root / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 48, **cfg})
-    )
-
-
-def reference(base, ids: list[int], mode: str, normalize: bool) -> torch.Tensor:
-    """transformers' last_hidden_state of `ids` alone (no padding at all), pooled by hand."""
-    with torch.no_grad():
-        h = base(torch.tensor([ids])).last_hidden_state[0]  # (T, hidden)
-    out = h.mean(dim=0) if mode == "mean" else h[-1]
-    return torch.nn.functional.normalize(out, dim=-1) if normalize else out
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
