@@ -38,13 +38,19 @@ class Pooling:
 
     modes: tuple[str, ...] = ("mean",)
     normalize: bool = False
-    source: str = "default (mean of the tokens)"
+    source: str = "no sentence-transformers files"
 
     def __post_init__(self):
         bad = [m for m in self.modes if m not in MODES.values()]
         if bad or not self.modes:
             known = ", ".join(MODES.values())
             raise RequestError(f"unknown pooling {bad or '(none)'}; use one of {known}")
+
+    def describe(self) -> str:
+        """E.g. "last-token pooling, L2-normalized (1_Pooling/config.json + Normalize)"."""
+        modes = "+".join("last-token" if m == "last" else m for m in self.modes)
+        norm = ", L2-normalized" if self.normalize else ""
+        return f"{modes} pooling{norm} ({self.source})"
 
     def apply(self, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """hidden (B, T, H) of right-padded rows holding lengths (B,) real tokens ->
@@ -87,7 +93,7 @@ def read_pooling(path: Path) -> Pooling:
     if has_sentence_transformers(path):
         return _from_modules(path)
     if "embedding" in path.name.lower():  # e.g. Qwen3-Embedding-0.6B without its ST files
-        return Pooling(("last",), True, f"{path.name}: an embedding repo (last token, L2)")
+        return Pooling(("last",), True, f"an embedding repo's name: {path.name}")
     return Pooling()
 
 
@@ -116,4 +122,4 @@ def _from_modules(path: Path) -> Pooling:
     if not modes:
         raise CheckpointError(f"{where}: no pooling_mode_* is true; set one")
     normalize = NORMALIZE in kinds
-    return Pooling(modes, normalize, str(where.relative_to(path)) + (" + Normalize" * normalize))
+    return Pooling(modes, normalize, str(where.relative_to(path)) + " + Normalize" * normalize)

@@ -316,7 +316,7 @@ def serve(
 
     app = create_app(model, name, api_key=api_key, max_queue=max_queue, task=task)
     host, port = sock.getsockname()[:2]
-    what = f"embeddings pooled by {model.pooling.source}, " if app.state.zoo.task == "embed" else ""
+    what = f"embeddings: {model.pooling.describe()}; " if app.state.zoo.task == "embed" else ""
     print(
         f"zoo: serving {name} at http://{host}:{port}/v1 ({what}batches of up to "
         f"{model.max_batch_size}, context {model.max_seq_len} tokens)",

@@ -37,6 +37,11 @@ def resolve_task(task: str | None, model) -> str:
     if task not in TASKS:
         raise RequestError(f"unknown task '{task}'; use one of {', '.join(TASKS)}")
     if task == "embed":
+        if getattr(model.net, "lead", None) is not None:  # CausalLM.hidden runs on one rank
+            raise RequestError(
+                "embeddings are not available with tensor parallelism (--tp); serve "
+                "with --task generate, or without --tp"
+            )
         model.pooling  # noqa: B018  (read and checked now)
     return task
 

@@ -162,3 +162,17 @@ def test_embeddings_refused_by_a_generation_server(folder, served, client):
             other.embeddings.create(model="tiny", input="Hi")
     finally:
         server.close()
+
+
+def test_embed_task_checked_at_start(folder):
+    """An unknown task, or embeddings under tensor parallelism (which CausalLM.hidden does not
+    run), stop the server before it listens."""
+    from core.errors import RequestError
+
+    model = load_model(folder)
+    with pytest.raises(RequestError, match="unknown task 'rerank'"):
+        create_app(model, "tiny", task="rerank")
+    model.net.lead = object()  # as tensor parallelism's rank 0 holds it
+    with pytest.raises(RequestError, match="tensor parallelism"):
+        create_app(model, "tiny")  # sentence-transformers files: the embed task
+    assert create_app(model, "tiny", task="generate").state.zoo.task == "generate"
