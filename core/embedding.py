@@ -92,9 +92,18 @@ def read_pooling(path: Path) -> Pooling:
     path = Path(path)
     if has_sentence_transformers(path):
         return _from_modules(path)
-    if "embedding" in path.name.lower():  # e.g. Qwen3-Embedding-0.6B without its ST files
-        return Pooling(("last",), True, f"an embedding repo's name: {path.name}")
+    name = _repo_name(path)
+    if "embedding" in name.lower():  # e.g. Qwen3-Embedding-0.6B without its ST files
+        return Pooling(("last",), True, f"an embedding repo's name: {name}")
     return Pooling()
+
+
+def _repo_name(path: Path) -> str:
+    """The folder's (or file's) name; in the hub cache (models--Org--Name/snapshots/<hash>),
+    the repo's."""
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
 
 
 def _from_modules(path: Path) -> Pooling:

@@ -95,12 +95,16 @@ def test_embed_text_through_tokenizer(tmp_path):
 
 
 def test_pooling_by_kind(tmp_path):
-    """No sentence-transformers files: a Qwen3-Embedding-style repo pools the last token,
+    """No sentence-transformers files: a Qwen3-Embedding-style repo (by its name, in a folder
+    or in the hub cache) pools the last token,
     L2-normalized (as its model card does); anything else the mean."""
     (tmp_path / "Qwen3-Embedding-0.6B").mkdir()
     got = read_pooling(tmp_path / "Qwen3-Embedding-0.6B")
     assert (got.modes, got.normalize) == (("last",), True)
     assert read_pooling(tmp_path) == Pooling()
+    cached = tmp_path / "models--Qwen--Qwen3-Embedding-0.6B" / "snapshots" / "c54f2e6e"
+    cached.mkdir(parents=True)  # the hub cache's layout: the repo's name, not the hash
+    assert read_pooling(cached).source == "an embedding repo's name: Qwen/Qwen3-Embedding-0.6B"
 
 
 @pytest.mark.parametrize(
