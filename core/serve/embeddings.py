@@ -25,6 +25,7 @@ from core.serve.seq import EmbedJob
 from core.serve.stream import results
 
 TASKS = ("generate", "embed")
+MAX_INPUTS = 2048  # inputs a request (OpenAI's bound)
 router = APIRouter()
 
 
@@ -53,6 +54,9 @@ def _inputs(req: EmbeddingRequest) -> list:
         return [given]
     if not given:
         raise ApiError(400, "input is an empty list; pass a text or a list of them", param="input")
+    if len(given) > MAX_INPUTS:
+        message = f"input holds {len(given)} items; at most {MAX_INPUTS} a request"
+        raise ApiError(400, message, param="input")
     return list(given)
 
 

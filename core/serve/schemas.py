@@ -13,7 +13,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from core.errors import ZooError
 from core.generation import GenerationResult, TokenLogprob
@@ -174,7 +174,7 @@ class EmbeddingRequest(_Strict):
     """OpenAI's /v1/embeddings body: a text, token ids, or a list of either."""
 
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is no token id
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # only the model's own (no truncation: a 400 otherwise)
     user: str | None = None  # harmless (HARMLESS)

@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import chat_llama_folder
 from fixtures.embeddings import reference, rel, write_sentence_transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_server import KEY, Server
 
 from core import load_model
@@ -139,6 +141,8 @@ def test_embeddings_beside_a_running_chat(client, folder, want):
         ({"input": "Hi", "encoding_format": "int8"}, "encoding_format", None),
         ({"input": {"text": "Hi"}}, "input", None),
         ({"input": "Hi", "extra": 1}, "extra", None),
+        ({"input": ["a"] * 2049}, "input", None),
+        ({"input": [True]}, "input", None),
     ],
 )
 def test_embeddings_errors(served, body, param, code):
@@ -176,3 +180,28 @@ def test_embed_task_checked_at_start(folder):
     with pytest.raises(RequestError, match="tensor parallelism"):
         create_app(model, "tiny")  # sentence-transformers files: the embed task
     assert create_app(model, "tiny", task="generate").state.zoo.task == "generate"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+IDS = st.lists(st.integers(-5, 400), max_size=6)  # near the vocabulary's bounds (320)
+INPUT = JSON | st.text(max_size=12) | IDS | st.lists(IDS | st.text(max_size=6), max_size=3)
+FIELDS = {"input": INPUT, "encoding_format": st.sampled_from(["float", "base64"]) | JSON,
+          "dimensions": st.sampled_from([48, 0, -1]) | JSON}  # fmt: skip
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=st.fixed_dictionaries({"model": st.just("tiny") | JSON}, optional=FIELDS) | JSON)
+def test_no_body_is_a_server_error(served, body):
+    """Any JSON at all: a 200 or a 4xx with OpenAI's error object, never a 500."""
+    import json
+
+    status, got = served.raw("POST", "/v1/embeddings", json.dumps(body))
+    assert status == 200 or (400 <= status < 500 and "error" in got), (status, got)
