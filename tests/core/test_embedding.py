@@ -58,7 +58,7 @@ def folder(request, tmp_path_factory):
 def test_embed_equals_transformers(folder, mode, normalize):
     root, base = folder
     write_sentence_transformers(root, mode, normalize)
-    model = load_model(root, max_batch_size=3, max_seq_len=32)
+    model = load_model(root, max_batch_size=3, max_seq_len=32, dtype="float32")
     want_mode = "mean" if mode == "mean_tokens" else "last"
     assert model.pooling.modes == (want_mode,) and model.pooling.normalize == normalize
     g = torch.Generator().manual_seed(3)
@@ -84,7 +84,7 @@ def test_embed_text_through_tokenizer(tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
     root = chat_llama_folder(tmp_path / "chat")
-    model = load_model(root, max_batch_size=2)
+    model = load_model(root, max_batch_size=2, dtype="float32")
     assert model.pooling == Pooling()
     texts = ["Why is the sky blue?", "Hi", "天空 😀 hello"]
     got = model.embed(texts)

@@ -41,7 +41,9 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(folder):
-    server = Server(create_app(load_model(folder, max_batch_size=2, max_seq_len=MAX), "tiny"))
+    server = Server(
+        create_app(load_model(folder, max_batch_size=2, max_seq_len=MAX, dtype="float32"), "tiny")
+    )
     yield server
     server.close()
 
@@ -109,7 +111,7 @@ def test_embeddings_inputs(client, want, served):
 def test_embeddings_beside_a_running_chat(client, folder, want):
     """An embeddings request run between a streaming chat's steps (in the other row) changes
     nothing in that chat's answer."""
-    alone = load_model(folder, max_seq_len=MAX)
+    alone = load_model(folder, max_seq_len=MAX, dtype="float32")
     messages = [{"role": "user", "content": "Tell me a story"}]
     prompt = alone.tokenizer.apply_chat_template(messages)
     expect = alone.generate(prompt, max_new_tokens=24, temperature=0, ignore_eos=True).text
