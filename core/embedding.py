@@ -3,8 +3,9 @@
 The pooling comes from the checkpoint's sentence-transformers files where it ships them
 (`modules.json` naming a Pooling module and its `config.json`, e.g. `1_Pooling/config.json`; a
 `Normalize` module: L2-normalized), as `SentenceTransformer(path)` pools; without them,
-last-token and normalized for a Qwen3-Embedding-style repo (a folder named `*embedding*`, as
-Qwen3-Embedding's own usage pools), else the mean of the tokens. `Model.embed` runs it.
+last-token and normalized for a Qwen3-Embedding-style repo (a folder, file or hub repo named
+`*embedding*`, as Qwen3-Embedding's model card pools), else the mean of the tokens.
+`Model.embed` runs it.
 """
 
 from __future__ import annotations

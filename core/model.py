@@ -143,9 +143,11 @@ class Model:
     ) -> torch.Tensor:
         """Encoded texts -> (N, D) float32 embeddings on the CPU. row None: right-padded batches
         in rows [:max_batch_size]; a row: one text at a time in that row (the server's)."""
+        if not ids:
+            raise RequestError("no inputs to embed; pass a text or a list of them")
         empty = [i for i, x in enumerate(ids) if not x]
-        if empty or not ids:
-            raise RequestError(f"input {empty[0] if empty else ''} is empty; pass some text")
+        if empty:
+            raise RequestError(f"input {empty[0]} is empty; pass some text or token ids")
         long = [(i, len(x)) for i, x in enumerate(ids) if len(x) > self.max_seq_len]
         if long:
             i, n = long[0]

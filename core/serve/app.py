@@ -197,7 +197,7 @@ async def models(request: Request):
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, request: Request):
+async def retrieve_model(model_id: str, request: Request):
     """The served model's object (as /v1/models lists it); another id: 404 model_not_found."""
     s = _served(request)
     if model_id != s.name:
