@@ -10,6 +10,7 @@ import torch
 
 from core.config import RuntimeConfig
 from core.decode_step import DecodeStep
+from core.embedding import Pooling, read_pooling
 from core.engine import Engine
 from core.errors import RequestError
 from core.generation import GenerationResult, Seq, TokenLogprob, batch_timings
@@ -54,6 +55,7 @@ class Model:
         extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
         self.eos_token_ids: set[int] = set(self.config.eos_token_ids) | set(extra)
         self.defaults: dict[str, Any] = defaults_from_generation_config(gen)
+        self._pooling: Pooling | None = None
 
     @property
     def device(self) -> torch.device:
@@ -103,6 +105,68 @@ class Model:
     def reset(self) -> None:
         """Clear the KV cache."""
         self.net.kv_cache.reset()
+
+    # --- embeddings ---------------------------------------------------------------------------
+    @property
+    def pooling(self) -> Pooling:
+        """How `embed` pools: the checkpoint's sentence-transformers files, else by its kind
+        (core/embedding.py); read once."""
+        if self._pooling is None:
+            self._pooling = read_pooling(self.path)
+        return self._pooling
+
+    @torch.inference_mode()
+    def embed(
+        self,
+        texts: Prompt | list[Prompt],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> torch.Tensor:
+        """Embeddings: a text (or token ids) -> (hidden,), a list of them -> (N, hidden), float32
+        on the CPU: the final hidden states (after the final norm) pooled as `self.pooling`
+        says, or as given ("mean", "last", "cls", "max", "mean_sqrt_len"; `normalize`: L2).
+        Texts are encoded as prompts (with BOS); runs in cache rows [:max_batch_size]."""
+        one = isinstance(texts, str) or bool(_ids(texts))  # [] is no texts, not empty ids
+        items = [texts] if one else list(texts)
+        if not items:
+            raise RequestError("texts is an empty list; pass a text or a list of them")
+        p = self.pooling
+        modes = p.modes if pooling is None else (pooling,)
+        p = Pooling(modes, p.normalize if normalize is None else normalize, "given")
+        out = self.embed_ids([self.encode_prompt(x) for x in items], p)
+        return out[0] if one else out
+
+    @torch.inference_mode()
+    def embed_ids(
+        self, ids: list[list[int]], pooling: Pooling | None = None, row: int | None = None
+    ) -> torch.Tensor:
+        """Encoded texts -> (N, D) float32 embeddings on the CPU. row None: right-padded batches
+        in rows [:max_batch_size]; a row: one text at a time in that row (the server's)."""
+        if not ids:
+            raise RequestError("no inputs to embed; pass a text or a list of them")
+        empty = [i for i, x in enumerate(ids) if not x]
+        if empty:
+            raise RequestError(f"input {empty[0]} is empty; pass some text or token ids")
+        long = [(i, len(x)) for i, x in enumerate(ids) if len(x) > self.max_seq_len]
+        if long:
+            i, n = long[0]
+            raise RequestError(
+                f"input {i} ({n} tokens) exceeds the context length ({self.max_seq_len} "
+                f"tokens); shorten it or pass load_model(..., max_seq_len={n})"
+            )
+        p, out = pooling or self.pooling, []
+        size = 1 if row is not None else self.max_batch_size
+        with kernel_errors():
+            for k in range(0, len(ids), size):
+                part = ids[k : k + size]
+                lens = torch.tensor([len(x) for x in part], device=self.device)
+                batch = torch.zeros(len(part), int(lens.max()), dtype=torch.long)
+                for i, x in enumerate(part):  # right-padded: causal rows never see padding
+                    batch[i, : len(x)] = torch.tensor(x)
+                hidden = self.net.hidden(batch.to(self.device), lengths=lens, row=row)
+                out.append(p.apply(hidden, lens).cpu())
+        return torch.cat(out)
 
     # --- generation ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:

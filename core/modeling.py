@@ -183,6 +183,22 @@ class CausalLM(nn.Module):
 
     def run(self, input_ids, start_pos=0, end=None, logits_at=None, lengths=None, row=None):
         """`forward` on this rank alone (what a tensor-parallel follower replays)."""
+        x = self.blocks(input_ids, start_pos, end, lengths, row)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
+        return self.head(x)
+
+    def hidden(self, input_ids, lengths=None, row=None) -> torch.Tensor:
+        """input_ids (B, T) from position 0 -> the final hidden states (B, T, hidden): the
+        blocks and the final norm, no LM head (transformers' `last_hidden_state`), for
+        embeddings. Fills the cache rows it runs on, as a prefill does (`row`, `lengths`: as
+        `forward`'s). One rank only: tensor-parallel followers replay `forward`, not this."""
+        if self.lead is not None:
+            raise ZooError("hidden states (embeddings) are not available with tensor parallelism")
+        return self.model.norm(self.blocks(input_ids, 0, None, lengths, row))
+
+    def blocks(self, input_ids, start_pos=0, end=None, lengths=None, row=None) -> torch.Tensor:
+        """The embedding and every decoder block (as `forward`) -> (B, T, hidden), unnormed."""
         t = input_ids.shape[1]
         if isinstance(start_pos, torch.Tensor):
             start_pos = start_pos.to(input_ids.device)
@@ -197,9 +213,7 @@ class CausalLM(nn.Module):
             j = self.rope_of_layer[i]
             cos, sin = (None, None) if j is None else tables[j]
             x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths)
-        if logits_at is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
-        return self.head(x)
+        return x
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:
         """Row dst of the cache takes row src's first n positions (on every rank)."""

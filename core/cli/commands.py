@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     sock = listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     model = load(args, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
-    serve(model, args.model, sock, api_key=args.api_key, max_queue=args.max_queue)
+    serve(model, args.model, sock, api_key=args.api_key, max_queue=args.max_queue, task=args.task)
 
 
 def _download(args: argparse.Namespace) -> None:
@@ -234,6 +234,13 @@ def _add_serve(sub) -> None:
         type=int,
         default=None,
         help="requests that may wait for a row; more get 503 with Retry-After (default: no bound)",
+    )
+    serve.add_argument(
+        "--task",
+        choices=("generate", "embed"),
+        default=None,
+        help="embed: serve /v1/embeddings too (default: embed when the checkpoint has "
+        "sentence-transformers files, modules.json; else generate)",
     )
     serve.add_argument(
         "--api-key",

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException
 from core.chat.reasoning import Reasoner
 from core.errors import RequestError, ZooError
 from core.model import Model
-from core.serve import responses
+from core.serve import embeddings, responses
+from core.serve.embeddings import resolve_task
 from core.serve.metrics import CONTENT_TYPE, ServerMetrics
 from core.serve.requests import (
     Served,
@@ -49,6 +50,7 @@ from core.serve.schemas import (
     completion_logprobs,
     error,
     error_body,
+    model_card,
     model_list,
     validation_error,
 )
@@ -85,10 +87,17 @@ router = APIRouter()
 
 
 def create_app(
-    model: Model, name: str, *, api_key: str | None = None, max_queue: int | None = None
+    model: Model,
+    name: str,
+    *,
+    api_key: str | None = None,
+    max_queue: int | None = None,
+    task: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model` as `name`; batches hold up to model.max_batch_size, and
-    at most `max_queue` requests wait (more: 503 with Retry-After)."""
+    at most `max_queue` requests wait (more: 503 with Retry-After). `task`: "embed" serves
+    /v1/embeddings too; None: "embed" for a checkpoint with sentence-transformers files."""
+    task = resolve_task(task, model)
     metrics = ServerMetrics(name)
     scheduler = Scheduler(model, metrics, max_queue)
 
@@ -99,7 +108,7 @@ def create_app(
         scheduler.stop()
 
     app = FastAPI(title="zoo", lifespan=lifespan)
-    app.state.zoo = Served(model, name, scheduler, metrics, int(time.time()))
+    app.state.zoo = Served(model, name, scheduler, metrics, int(time.time()), task)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     if api_key:
         app.add_middleware(_Auth, key=api_key)
@@ -108,6 +117,7 @@ def create_app(
     app.state.responses = responses.Kept()  # for previous_response_id
     app.include_router(router)
     app.include_router(responses.router)  # GET / DELETE /v1/responses/{id}
+    app.include_router(embeddings.router)
     return app
 
 
@@ -187,6 +197,16 @@ async def prometheus(request: Request):
 async def models(request: Request):
     s = _served(request)
     return model_list(s.name, s.model.max_seq_len, s.created)
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request):
+    """The served model's object (as /v1/models lists it); another id: 404 model_not_found."""
+    s = _served(request)
+    if model_id != s.name:
+        message = f"the model '{model_id}' does not exist; this server has '{s.name}'"
+        raise ApiError(404, message, param="model", code="model_not_found")
+    return model_card(s.name, s.model.max_seq_len, s.created)
 
 
 @router.post("/tokenize")
@@ -299,16 +319,18 @@ def serve(
     *,
     api_key: str | None = None,
     max_queue: int | None = None,
+    task: str | None = None,
 ) -> None:
     """Serve `model` as `name` on a socket from `listen` until Ctrl-C."""
     import uvicorn
 
+    app = create_app(model, name, api_key=api_key, max_queue=max_queue, task=task)
     host, port = sock.getsockname()[:2]
+    what = f"embeddings: {model.pooling.describe()}; " if app.state.zoo.task == "embed" else ""
     print(
-        f"zoo: serving {name} at http://{host}:{port}/v1 (batches of up to "
+        f"zoo: serving {name} at http://{host}:{port}/v1 ({what}batches of up to "
         f"{model.max_batch_size}, context {model.max_seq_len} tokens)",
         flush=True,
     )
-    app = create_app(model, name, api_key=api_key, max_queue=max_queue)
     with suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after a clean stop
         uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])

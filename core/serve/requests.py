@@ -33,6 +33,7 @@ class Served:
     scheduler: Scheduler
     metrics: ServerMetrics
     created: int
+    task: str = "generate"  # "embed": /v1/embeddings is served too (zoo serve --task)
 
     @property
     def tok(self):

@@ -24,7 +24,7 @@ from core.engine import Engine
 from core.model import Model
 from core.modeling import kernel_errors
 from core.serve.metrics import ServerMetrics
-from core.serve.seq import Job, ServedSeq
+from core.serve.seq import EmbedJob, Job, ServedSeq
 
 log = logging.getLogger("zoo.server")
 CHUNK = 512  # prompt tokens prefilled per step, decoding rows included (vLLM's
@@ -53,8 +53,10 @@ class Scheduler:
         self.metrics = metrics or ServerMetrics("")
         self.max_queue = max_queue  # None: unbounded
         self.engine = Engine(model, model.max_batch_size, chunk=CHUNK, reuse=True)
-        self.waiting: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.pending: deque[Job] = deque()  # taken off `waiting`, not yet in a row (FIFO)
+        self.waiting: queue.SimpleQueue[Job | EmbedJob | None] = queue.SimpleQueue()
+        self.pending: deque[Job | EmbedJob] = (
+            deque()
+        )  # taken off `waiting`, not yet in a row (FIFO)
         self.queued = 0  # jobs submitted and not yet in a row
         self._count = threading.Lock()
         self._stopping = False
@@ -93,7 +95,7 @@ class Scheduler:
         self.waiting.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job | EmbedJob) -> None:
         """Queue `job` (FIFO); QueueFull when max_queue jobs already wait."""
         with self._count:
             if self.max_queue is not None and self.queued >= self.max_queue:
@@ -135,7 +137,7 @@ class Scheduler:
             self.pending.append(job)
             block = False
 
-    def _dequeue(self, job: Job, running: bool) -> None:
+    def _dequeue(self, job: Job | EmbedJob, running: bool) -> None:
         with self._count:
             self.queued -= 1
         self.metrics.dequeued(job.clock, running=running)
@@ -149,6 +151,9 @@ class Scheduler:
                 job.emit("error", Cancelled("the client went away before its request ran"))
                 continue
             self._dequeue(job, running=True)
+            if isinstance(job, EmbedJob):
+                self._embed(job)
+                continue
             try:
                 seq = ServedSeq(job, self.model, self.metrics)
             except Exception as err:  # e.g. a grammar that cannot be built: this job only
@@ -158,6 +163,21 @@ class Scheduler:
                 continue
             self.engine.add(seq)
             self.metrics.prefix(len(job.ids), seq.cached)
+
+    def _embed(self, job: EmbedJob) -> None:
+        """Run an embeddings request now, between two steps, in a free row taken as a request
+        takes one (holding no prefix afterwards: nothing reuses what it wrote)."""
+        row, _ = self.engine.slots.acquire([], reuse=False)
+        try:
+            out = self.model.embed_ids(job.inputs, job.pooling, row=row)
+        except Exception as err:  # this request only; the rows of the others are untouched
+            log.exception("zoo: an embeddings request failed")
+            job.emit("error", err)
+        else:
+            job.emit("done", out)
+        finally:
+            self.engine.slots.release(row)
+            self.metrics.finished(job.clock, None)  # no tokens generated
 
     def _end(self, seq: ServedSeq) -> None:
         if seq.error is not None:  # it failed alone (its grammar gave out): the others go on

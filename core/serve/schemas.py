@@ -13,7 +13,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from core.errors import ZooError
 from core.generation import GenerationResult, TokenLogprob
@@ -170,6 +170,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's /v1/embeddings body: a text, token ids, or a list of either."""
+
+    model: str
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is no token id
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own (no truncation: a 400 otherwise)
+    user: str | None = None  # harmless (HARMLESS)
+
+
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # top-n alternatives per token
@@ -238,10 +248,15 @@ def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def model_list(name: str, max_seq_len: int, created: int) -> dict:
-    """The body of GET /v1/models: the one served model (max_model_len as vLLM's)."""
+def model_card(name: str, max_seq_len: int, created: int) -> dict:
+    """The served model's object, as GET /v1/models/{id} answers (max_model_len as vLLM's)."""
     card = {"id": name, "object": "model", "created": created, "owned_by": "zoo"}
-    return {"object": "list", "data": [{**card, "max_model_len": max_seq_len}]}
+    return {**card, "max_model_len": max_seq_len}
+
+
+def model_list(name: str, max_seq_len: int, created: int) -> dict:
+    """The body of GET /v1/models: the one served model."""
+    return {"object": "list", "data": [model_card(name, max_seq_len, created)]}
 
 
 def _token(tok: Tokenizer | None, token_id: int) -> str:

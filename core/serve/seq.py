@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from core.embedding import Pooling
 from core.generation import GenerationResult, Seq, TokenLogprob
 from core.sampling import SamplingParams
 
@@ -35,6 +36,20 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self.cancelled = True
+
+
+@dataclass(eq=False)
+class EmbedJob:
+    """A queued embeddings request: its encoded inputs, pooled by `pooling`. The scheduler
+    runs it whole in one free row between two steps and emits ("done", (N, D) tensor)."""
+
+    inputs: list[list[int]]
+    pooling: Pooling
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    clock: RequestClock | None = None
+    emit = Job.emit
 
 
 class ServedSeq(Seq):

@@ -160,3 +160,17 @@ def test_unknown_model_offline_is_one_line():
 def test_bad_sampling_value_is_one_line():
     out = zoo("run", "--prompt", "hi", "--temperature", "-1")
     assert out.returncode == 1 and "temperature" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_embed_with_a_bad_pooling_config_is_one_line(checkpoint):
+    """`zoo serve --task embed` reads the pooling before it listens: a sentence-transformers
+    config Zoo cannot pool by stops it with one line naming the file."""
+    from fixtures.embeddings import write_sentence_transformers
+
+    root, _ = checkpoint(LLAMA32)
+    write_sentence_transformers(root, "weightedmean_tokens", False)
+    out = zoo("serve", str(root), "--task", "embed", "--port", "0")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("zoo: error:") and "1_Pooling/config.json" in last, out.stderr
+    assert "weightedmean" in last

@@ -18,8 +18,10 @@ import torch
 from conftest import LLAMA32, make_checkpoint
 
 from core import load_model
+from core.embedding import Pooling
 from core.sampling import SamplingParams
 from core.serve.scheduler import Job, Scheduler
+from core.serve.seq import EmbedJob
 
 QWEN3_SLIDING = dict(  # tests/plugins/test_qwen3.py's: layers 1 and 2 slide over 5 positions
     model_type="qwen3",
@@ -108,7 +110,10 @@ async def submit_all(sched, requests, after=None):
     """Submit (ids, params) requests in order; the first alone, the others once `after(sched)`
     holds (polled). Returns the results in order, and the order in which they ended."""
     loop, ended = asyncio.get_running_loop(), []
-    jobs = [Job(ids, p, stream=True, loop=loop) for ids, p in requests]
+    jobs = [  # ("embed", inputs): an embeddings request (mean pooling)
+        EmbedJob(p, Pooling(), loop) if ids == "embed" else Job(ids, p, stream=True, loop=loop)
+        for ids, p in requests
+    ]
 
     async def one(i, job):
         out = await _collect(job)
@@ -187,6 +192,30 @@ def test_requests_join_a_busy_batch_and_answer_as_alone(sched, alone):
     # the 40-token row was joined, not waited for: the short rows beside it end first (the
     # fifth request, which waits for a row and then behind two prompts' chunks, may not)
     assert ended.index(0) > max(ended.index(1), ended.index(3))
+    assert not sched.running and sched.queued == 0 and all(not b for b in sched.slots.busy)
+
+
+def test_embeddings_between_steps_leave_running_rows_alone(folder, alone):
+    """An embeddings request that arrives while a row decodes runs between two steps in the
+    free row: its vectors equal Model.embed alone, the decoding row's answer equals generate's,
+    and a prompt that row held before the embedding overwrote it is not reused from it."""
+    sched = Scheduler(load_model(folder, max_seq_len=96, max_batch_size=2))
+    sched.chunk = 4
+    sched.start()
+    try:
+        held = (prompt(14, 5), params(max_new_tokens=3))
+        run(sched, [held])  # row 0 now holds `held`'s tokens; row 1 nothing
+        first = (prompt(20, 0), params(max_new_tokens=30))  # takes row 1: row 0 is left free
+        texts = [prompt(n, 20 + n) for n in (9, 3, 17)]
+        (got, vectors, again), ended = run(sched, [first, ("embed", texts), held], decoding(2))
+    finally:
+        sched.stop()
+    same_as_alone(alone, *first, got)
+    assert ended.index(1) < ended.index(0)  # ran while the first row was still decoding
+    want = alone.embed(texts, pooling="mean", normalize=False)
+    assert torch.allclose(vectors, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    same_as_alone(alone, *held, again)
+    assert again.cached_tokens == 0  # row 0's keys and values are the embedding's now
     assert not sched.running and sched.queued == 0 and all(not b for b in sched.slots.busy)
 
 

@@ -172,6 +172,18 @@ def test_models_and_health(served, client):
     assert served[0].raw("GET", "/health", key=None) == (200, IDLE)
 
 
+def test_model_retrieve(served, client):
+    """GET /v1/models/{id}: the object /v1/models lists; another id is a 404 model_not_found."""
+    got = client.models.retrieve("tiny")
+    assert got.model_dump() == client.models.list().data[0].model_dump()
+    assert got.id == "tiny" and got.object == "model" and got.model_extra["max_model_len"] == 256
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found" and "'tiny'" in err.value.body["message"]
+    status, body = served[0].raw("GET", "/v1/models/org/some-model")  # an id with a slash
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_answer_equals_generate(client, alone, kind):
     kw = dict(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
