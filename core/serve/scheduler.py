@@ -54,9 +54,8 @@ class Scheduler:
         self.max_queue = max_queue  # None: unbounded
         self.engine = Engine(model, model.max_batch_size, chunk=CHUNK, reuse=True)
         self.waiting: queue.SimpleQueue[Job | EmbedJob | None] = queue.SimpleQueue()
-        self.pending: deque[Job | EmbedJob] = (
-            deque()
-        )  # taken off `waiting`, not yet in a row (FIFO)
+        # taken off `waiting`, not yet in a row (FIFO)
+        self.pending: deque[Job | EmbedJob] = deque()
         self.queued = 0  # jobs submitted and not yet in a row
         self._count = threading.Lock()
         self._stopping = False
