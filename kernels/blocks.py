@@ -1,14 +1,14 @@
 """GGML block weights on CPUs: a GGUF file's blocks (or int8 / int4 weights quantized at load),
-repacked losslessly for kernels/cpu/qdot.c.
+repacked losslessly (kernels/cpu/qformats.c) for kernels/cpu/qdot.c's products.
 
 `BlockWeight` holds an (out, in) weight as the file's blocks reordered in groups of 16 rows:
 per group, the rows' block headers side by side, then their codes interleaved 4 bytes per row,
 so that one 64-byte vector holds 4 codes of each row and meets 4 codes of x broadcast to every
-lane in one multiply-add (qdot.c explains the layout). The bytes are the file's, the same
-number of them (plus at most 63 per group of 16 rows, and zero rows completing the last
-group); `dequantize` gives the `gguf` package's floats bit for bit. Products quantize x to
-8-bit blocks of 32 (one fp32 scale each), and their results are the same for a row of x
-whatever else is in the batch.
+lane in one multiply-add (qdot.c explains why, qformats.h details the layout). The bytes are
+the file's, the same number of them (plus at most 63 per group of 16 rows, and zero rows
+completing the last group); `dequantize` gives the `gguf` package's floats bit for bit.
+Products quantize x to 8-bit blocks of 32 (one fp32 scale each), and their results are the
+same for a row of x whatever else is in the batch.
 
 On GPUs the same tensors become `kernels.qweight.QuantWeight`s (Triton's layout) instead.
 """

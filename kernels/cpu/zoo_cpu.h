@@ -1,4 +1,4 @@
-// What the CPU kernels (qgemv.c, qdot.c, ops.c, decode.c: one library) share.
+// What the CPU kernels (qgemv.c, qdot.c, qformats.c, ops.c, decode.c: one library) share.
 #pragma once
 #include <stdint.h>
 
@@ -7,13 +7,13 @@ enum { ZOO_Q4_0 = 2, ZOO_Q4_1 = 3, ZOO_Q5_0 = 6, ZOO_Q5_1 = 7, ZOO_Q8_0 = 8, ZOO
        ZOO_Q5_K = 13, ZOO_Q6_K = 14, ZOO_MXFP4 = 39 };
 
 // A (N, K) weight as the CPU kernels read it: plain fp32 rows (type 0), or GGML blocks
-// repacked in groups of 16 rows by qdot.c's zoo_repack (type: ZOO_Q4_0 ...).
+// repacked in groups of 16 rows by qformats.c's zoo_repack (type: ZOO_Q4_0 ...).
 typedef struct {
     const void *data;
     int64_t N, K, type;
 } qweight_t;
 
-// A row of x in 8-bit blocks of 32, quantized twice (qdot.c's zoo_q8_quantize_row): x =
+// A row of x in 8-bit blocks of 32, quantized twice (qformats.c's zoo_q8_quantize_row): x =
 // d * (256 q + q2) per block.
 typedef struct {
     const int8_t *q;     // codes, K padded to a multiple of 64 with zeros

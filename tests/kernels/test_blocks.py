@@ -1,6 +1,6 @@
-"""GGML block weights on CPUs (kernels/blocks.py, kernels/cpu/qdot.c), on every instruction set the
-library is built for (this machine's, x86-64-v3 = AVX2, x86-64 = plain C, and where the CPU has
-AVX-512, skylake-avx512 = AVX-512 without VNNI):
+"""GGML block weights on CPUs (kernels/blocks.py, kernels/cpu/qformats.c and qdot.c), on every
+instruction set the library is built for (this machine's, x86-64-v3 = AVX2, x86-64 = plain C,
+and where the CPU has AVX-512, skylake-avx512 = AVX-512 without VNNI):
 
 - repacking is lossless: the blocks dequantize to the `gguf` package's floats bit for bit, in
   any row order, stacked from several tensors, for row counts that are not whole groups;
@@ -107,7 +107,7 @@ def test_repacking_is_lossless(lib, kind):
 
 
 def q8_reference(x: torch.Tensor):
-    """x (M, K) in 8-bit blocks of 32, twice, as kernels/cpu/qdot.c's zoo_q8_quantize_row: codes
+    """x (M, K) in 8-bit blocks of 32, twice, as kernels/cpu/qformats.c's zoo_q8_quantize_row: codes
     q1 = rint(x / d), d = max|x| / 127; the remainder's q2 = rint((x - d q1) / (d / 256))
     clamped to +-127; per block d / 256 and (d / 256) * sum(256 q1 + q2), per half block too."""
     m, k = x.shape
