@@ -1,7 +1,8 @@
 """An agent's round trip through real clients against a SmolLM2 server: a forced call, the
 assistant turn sent back as clients send it (`content: null`, or the openai SDK's own message
 object), the tool's result, and the model's answer; the same loop through LangChain. SmolLM2's
-template joins `content` to strings, so a null content once escaped as a 500."""
+template joins `content` to strings, so a null content once escaped as a 500; it shows no
+tools either, so they reach it in the generic form."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from langchain_openai import ChatOpenAI
 from test_server import KEY, Server
 
 from core import load_model
+from core.chat.tool_formats import generic
 from core.serve.app import create_app
 
 WEATHER = {
@@ -78,11 +80,14 @@ def test_tool_result_round_trip(smol, sent):
     result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}
     history = [*ASK, turn, result]
     got = answer(client, history)
-    # the prompt was the template's, with an empty assistant content
-    empty = [*ASK, {"role": "assistant", "content": ""}, result]
-    want = model.tokenizer.render_chat(empty)
-    assert want.count("<|im_start|>assistant\n<|im_end|>") == 1 and "temperature" in want
-    ids = model.tokenizer.apply_chat_template(empty)
+    # SmolLM2's template shows no tools: the prompt was the generic form's (core/chat/
+    # tool_formats/generic.py), the call as the assistant's JSON and the result as JSON
+    plain = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    convo = generic.conversation([*ASK, plain, result], [WEATHER["function"]])
+    want = model.tokenizer.render_chat(convo)
+    assert '{"tool_calls": [{"name": "get_weather"' in want
+    assert '{"tool_response": {"tool_call_id": "' + call.id in want
+    ids = model.tokenizer.apply_chat_template(convo)
     assert model.generate(ids, max_new_tokens=12, temperature=0.0).text == got
 
 
