@@ -104,8 +104,9 @@ def _the_prompt(args: argparse.Namespace) -> str:
             "or with -p"
         )
     prompt = args.text if args.prompt is None else args.prompt
-    if prompt is None:
-        raise RequestError('no prompt: zoo run MODEL "PROMPT", or -p "PROMPT"')
+    if prompt is None:  # `zoo run "What is 2+2?"`: the one argument is the model's
+        read = f" ({args.model!r} was read as the model)" if args.model != DEFAULT_MODEL else ""
+        raise RequestError(f'no prompt: zoo run MODEL "PROMPT", or -p "PROMPT"{read}')
     return prompt
 
 
@@ -336,8 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, read by `build_parser`. `zoo run MODEL --flag ... "PROMPT"`: argparse
+    fills the optional positionals from one run of words only, so a prompt after the flags
+    comes back unrecognized; it is the prompt."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "text", "") is None and len(rest) == 1 and not rest[0].startswith("-"):
+        args.text, rest = rest[0], []
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     level = logging.DEBUG if args.debug else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
     tp = getattr(args, "tp", None) or 1

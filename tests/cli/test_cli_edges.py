@@ -64,8 +64,18 @@ def test_the_prompt_is_an_argument_or_p_never_both():
     assert "Paris" in out.stdout and " 24 new tokens" not in out.stderr  # (ends before 24)
     both = zoo("run", "smollm2", QUESTION, "-p", "hi")
     assert both.returncode == 1 and both.stderr.startswith("zoo: error: two prompts")
-    none = zoo("run", "smollm2")
+    none = zoo("run", QUESTION)  # the one argument: the model's
     assert none.returncode == 1 and none.stderr.startswith("zoo: error: no prompt")
+    assert f"({QUESTION!r} was read as the model)" in none.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["smollm2", "hi"], ["smollm2", "--seed", "1", "hi"], ["--seed", "1", "smollm2", "hi"]],
+)
+def test_the_prompt_may_follow_the_flags(argv):
+    args = commands.parse(["run", *argv])
+    assert (args.model, args.text, args.prompt) == ("smollm2", "hi", None)
 
 
 @pytest.mark.parametrize("command", ["run", "chat"])
