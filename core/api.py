@@ -36,13 +36,60 @@ def _resolve_path(
     return resolve(name_or_path, revision=revision, offline=offline)
 
 
+def _available_devices() -> list[str]:
+    """The devices this torch can run on here, for error messages: cpu, cuda:0 ..., mps."""
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        found.append("mps")
+    return found
+
+
+def usable_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, refused (RequestError naming it and what is available) where
+    this torch cannot use it: a CUDA device on a CPU-only build or past the GPUs present, an
+    unknown name."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    available = _available_devices()
+    if dev is not None and dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                f"this torch ({torch.__version__}) was built without CUDA"
+                if torch.version.cuda is None
+                else "no CUDA GPU is visible (drivers, CUDA_VISIBLE_DEVICES)"
+            )
+        elif (dev.index or 0) >= torch.cuda.device_count():
+            why = f"only {torch.cuda.device_count()} CUDA device(s) are present"
+        else:
+            return dev
+    elif dev is not None and dev.type == "mps" and not torch.backends.mps.is_available():
+        why = "MPS (Apple GPUs) is not available here"
+    elif dev is not None and dev.type in ("cpu", "cuda", "mps", "meta"):
+        return dev
+    elif dev is not None and getattr(torch, dev.type, None) is not None:
+        backend = getattr(torch, dev.type)  # xpu, hpu ...: usable where the backend says so
+        if getattr(backend, "is_available", lambda: False)():
+            return dev
+        why = f"this torch has no {dev.type} device available"
+    else:
+        why = "it is not a device name torch knows"
+    raise RequestError(
+        f"device {str(device)!r} cannot be used: {why}; available: {', '.join(available)}"
+    )
+
+
 def resolve_device_dtype(
     device, dtype, ckpt_dtype: str, what: str = "dtype"
 ) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) a model runs in: the ones asked (a name or a torch.dtype; `what` names
     the argument in errors), else CUDA when present and the checkpoint's dtype there, fp32 on
     the CPU."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = usable_device(device) if device is not None else None
+    dev = dev or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         # the checkpoint's dtype on accelerators; fp32 on the CPU, where half math is slow
         return dev, (_DTYPES[ckpt_dtype] if dev.type != "cpu" else torch.float32)
@@ -229,6 +276,8 @@ def load_model(
     """
     if quantize is not None:
         check_kind(quantize)  # before any download or read
+    if device is not None:
+        usable_device(device)  # (likewise)
     path = _resolve_path(name_or_path, revision=revision, offline=offline)
     ckpt = registry().format_for(path).open(path)
     try:

@@ -8,10 +8,12 @@ from collections.abc import Callable
 
 from core.errors import RequestError
 
+COMMANDS = "/system TEXT, /system, /reset, /help, /exit"
 HELP = (
     "zoo chat: /system TEXT sets the system prompt (/system alone clears it), /reset clears the "
-    'history, /exit quits; end a line with \\ to go on, or put a message between """ lines; '
-    "Ctrl-C stops an answer."
+    "history, /help shows this, /exit quits (// sends a message that begins with /); end a line "
+    'with \\ to go on, or put a message between """ lines; Ctrl-C stops an answer, and at the '
+    "prompt quits."
 )
 
 
@@ -38,8 +40,12 @@ class Session:
         self.model, self.system, self.max_new = model, system, max_new_tokens
         self.history: list[dict] = []
 
-    def command(self, line: str) -> bool | None:
-        """Run a slash command: True if it was one, None to quit, False for a message."""
+    def command(self, line: str) -> str | None:
+        """A typed line -> the message to send ("" where there is none: a command ran), or None
+        to quit. An unknown /command is answered with the list of them, not sent; a line
+        beginning with // is sent with one / less."""
+        if not line.startswith("/") or line.startswith("//"):
+            return line.removeprefix("/") if line.startswith("//") else line
         word, _, rest = line.partition(" ")
         if word in ("/exit", "/quit"):
             return None
@@ -52,8 +58,20 @@ class Session:
         elif word in ("/help", "/?"):
             print(HELP, file=sys.stderr)
         else:
-            return False
-        return True
+            print(
+                f"(unknown command {word}; the commands: {COMMANDS}; // sends a message that "
+                "begins with /)",
+                file=sys.stderr,
+            )
+        return ""
+
+    def answered(self, text: str) -> None:
+        """The answer to the last user turn: kept even when stopped part-way (the next turn sees
+        what was shown); none at all (stopped at once, or failed) drops the question too."""
+        if text:
+            self.history.append({"role": "assistant", "content": text})
+        elif self.history and self.history[-1]["role"] == "user":
+            self.history.pop()
 
     def messages(self) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []

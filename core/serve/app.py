@@ -57,6 +57,7 @@ from core.serve.schemas import (
 from core.serve.stream import EventStream, Reading, events, results
 
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # GET /
+FAVICON = Path(__file__).parent / "static" / "favicon.svg"  # GET /favicon.ico (browsers ask)
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)
 
 
@@ -179,6 +180,14 @@ async def _respond(
 async def chat_page():
     """The chat page: one static file that talks to this server's own API."""
     return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon():
+    """The page's icon, an SVG (browsers take one by its content type at this address too)."""
+    return Response(
+        FAVICON.read_bytes(), media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"}
+    )
 
 
 @router.get("/health")

@@ -67,8 +67,11 @@ def render(messages):
 
 def test_commands_and_a_history_kept_within_the_context(capsys):
     s = Session(Counting(), "Be brief.", max_new_tokens=40)  # 60 tokens of room
-    assert s.command("/system Be terse.") is True and s.system == "Be terse."
-    assert s.command("/exit") is None and s.command("/nope") is False
+    # a command ran: "" (nothing to send); None: quit; else the message to send
+    assert s.command("/system Be terse.") == "" and s.system == "Be terse."
+    assert s.command("/exit") is None and s.command("hi /x") == "hi /x"
+    assert s.command("/nope") == "" and "unknown command /nope" in capsys.readouterr().err
+    assert s.command("//etc is a folder") == "/etc is a folder"
     for i in range(3):
         s.history += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]
     s.history.append({"role": "user", "content": "last question"})
@@ -76,8 +79,8 @@ def test_commands_and_a_history_kept_within_the_context(capsys):
     assert len(prompt) <= 60 and prompt == render(s.messages())
     assert s.history[0]["content"] != "q0" and s.history[-1]["content"] == "last question"
     assert "dropped the" in capsys.readouterr().err
-    assert s.command("/reset") is True and s.history == []
+    assert s.command("/reset") == "" and s.history == []
     s.history.append({"role": "user", "content": "x" * 80})  # alone past the room
     with pytest.raises(RequestError, match="leaves no room"):
         s.prompt(render)
-    assert s.command("/system") is True and s.system is None
+    assert s.command("/system") == "" and s.system is None

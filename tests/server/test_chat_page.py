@@ -184,3 +184,119 @@ def test_reasoning_is_shown_folded(browser, folder, tmp_path_factory):  # noqa: 
         assert "Paris is the capital." in details.text
     finally:
         server.close()
+
+
+def get(server, path: str):
+    """(status, content type, body) of GET path."""
+    import http.client
+
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    out = resp.status, resp.getheader("content-type"), resp.read()
+    conn.close()
+    return out
+
+
+def opened(driver, server) -> None:
+    """The page of `server`, fresh, once it shows the model from /v1/models."""
+    from selenium.webdriver.common.by import By
+
+    driver.get(server.url + "/")
+    shown = lambda: driver.find_element(By.ID, "model").text  # noqa: E731
+    assert wait_for(lambda: shown() != "…" and shown()) == "smollm2"
+    driver.find_element(By.ID, "temperature").clear()
+    driver.find_element(By.ID, "temperature").send_keys("0")
+
+
+def test_the_favicon_is_an_image(page):
+    """GET /favicon.ico answers (no 404 in the console) with an image the browser draws."""
+    driver, server = page
+    status, kind, body = get(server, "/favicon.ico")
+    assert status == 200 and kind == "image/svg+xml" and body.startswith(b"<svg")
+    opened(driver, server)
+    width = driver.execute_async_script(
+        """const done = arguments[arguments.length - 1], img = new Image();
+        img.onload = () => done(img.naturalWidth); img.onerror = () => done(-1);
+        img.src = "/favicon.ico";"""
+    )
+    assert width > 0
+
+
+def test_the_api_key_placeholder_fits(page):
+    driver, server = page
+    opened(driver, server)
+    room, text = driver.execute_script(
+        """const box = document.getElementById("key"), style = getComputedStyle(box);
+        const ctx = document.createElement("canvas").getContext("2d");
+        ctx.font = style.font;
+        const pad = parseFloat(style.paddingLeft) + parseFloat(style.paddingRight);
+        return [box.clientWidth - pad, ctx.measureText(box.placeholder).width];"""
+    )
+    assert text <= room, (text, room)
+
+
+def template_tokens(server, *questions: str) -> int:
+    messages = [{"role": "user", "content": q} for q in questions]
+    return len(server.model.tokenizer.apply_chat_template(messages))
+
+
+def test_new_chat_forgets_the_conversation(page):
+    from selenium.webdriver.common.by import By
+
+    driver, server = page
+    opened(driver, server)
+    assert finished(ask(driver, "Capital of Spain?")) == "done"
+    driver.find_element(By.ID, "new").click()
+    assert driver.find_elements(By.CSS_SELECTOR, ".msg") == []
+    before = prompt_tokens(server)
+    assert finished(ask(driver, "Capital of Italy?")) == "done"
+    assert prompt_tokens(server) - before == template_tokens(server, "Capital of Italy?")
+
+
+@pytest.fixture(scope="module")
+def small(browser):
+    """A server of 160 tokens of context: the page asks for answers of 80 at most."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = load_model("smollm2", max_seq_len=160)
+    server = Server(create_app(model, "smollm2"))
+    server.model = model
+    yield browser, server
+    server.close()
+    torch.set_num_threads(n)
+
+
+def test_the_oldest_turns_are_dropped_when_the_context_is_full(small):
+    """A long first answer leaves no room for a second question with its answer: the page
+    drops the first turn, says so, and the second question is answered alone."""
+    from selenium.webdriver.common.by import By
+
+    driver, server = small
+    opened(driver, server)
+    assert finished(ask(driver, "Write a very long story about a dragon.")) == "done"
+    before = prompt_tokens(server)
+    assert finished(ask(driver, "What is the capital of France?")) == "done"
+    note = driver.find_element(By.CSS_SELECTOR, "#log .note").text
+    assert note == "(dropped the 2 oldest messages to fit the context of 160 tokens)"
+    kinds = [d.get_attribute("class") for d in driver.find_elements(By.CSS_SELECTOR, ".msg")]
+    assert kinds == ["msg user dropped", "msg assistant dropped", "msg user", "msg assistant"]
+    sent = prompt_tokens(server) - before  # (the refused request ran nothing)
+    assert sent == template_tokens(server, "What is the capital of France?")
+
+
+def test_a_failed_turn_is_not_sent_again(small):
+    from selenium.webdriver.common.by import By
+
+    driver, server = small
+    opened(driver, server)
+    box = driver.find_element(By.ID, "input")
+    driver.execute_script("arguments[0].value = arguments[1]", box, "dragon " * 300)
+    driver.find_element(By.ID, "send").click()
+    failed = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.error"))[-1]
+    assert finished(failed) == "error" and "exceeds the context length" in failed.text
+    assert "failed" in driver.find_element(By.CSS_SELECTOR, ".msg.user").get_attribute("class")
+    before = prompt_tokens(server)
+    assert finished(ask(driver, "Capital of Italy?")) == "done"
+    assert prompt_tokens(server) - before == template_tokens(server, "Capital of Italy?")
+    assert driver.find_elements(By.CSS_SELECTOR, ".note") == []  # sent alone: nothing dropped
