@@ -31,7 +31,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 
-class _NoGPU:
+class NoGPU:
     """Just enough of triton's driver to compile for `target` without a device."""
 
     def __init__(self, target: GPUTarget):
@@ -142,7 +142,7 @@ def main() -> None:
 
     JITFunction.__getitem__ = _compile_only
     for arch in args.arch:
-        driver.set_active(_NoGPU(GPUTarget("cuda", arch, 32)))
+        driver.set_active(NoGPU(GPUTarget("cuda", arch, 32)))
         for dtype in (getattr(torch, d) for d in args.dtype):
             for op, op_args in cases(dtype):
                 COMPILED.clear()

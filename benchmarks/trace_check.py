@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_check import _NoGPU
+from compile_check import NoGPU
 
 import kernels.dispatch
 from core.cli.bench import random_model
@@ -116,7 +116,7 @@ def trace(shape: dict, batch: int, dtype: torch.dtype) -> tuple[int, dict, Count
 
 
 def main() -> int:
-    driver.set_active(_NoGPU(GPUTarget("cuda", 90, 32)))
+    driver.set_active(NoGPU(GPUTarget("cuda", 90, 32)))
     torch.utils._triton.has_triton = lambda: True  # dynamo's check for a Triton GPU backend
     kernels.dispatch._unsupported = lambda x: None  # the launchers accept these CPU tensors
     ok = True

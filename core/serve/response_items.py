@@ -1,19 +1,73 @@
-"""The Responses API's output (core/serve/responses.py): a Response object and its items
-(messages, function calls, reasoning) built from a chat completion, or streamed as the typed
-events (`response.output_text.delta`...) from a chat completion's chunks."""
+"""The Responses API's objects (core/serve/responses.py routes them): its request, the
+responses kept for `previous_response_id`, and a Response with its items (messages, function
+calls, reasoning) built from a chat completion, or streamed as the typed events
+(`response.output_text.delta`...) from a chat completion's chunks."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
-from core.serve.schemas import request_id
+from pydantic import BaseModel, ConfigDict
 
-if TYPE_CHECKING:
-    from core.serve.responses import Kept, ResponsesRequest
+from core.serve.schemas import ApiError, request_id
+
+MAX_KEPT = 256  # responses kept for previous_response_id / GET, least recent dropped first
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # accepted; a model reasons as its template says
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    service_tier: str | None = None
+
+
+class Kept:
+    """The responses a later request may continue (`previous_response_id`) or fetch: each
+    one's conversation as chat messages (its instructions aside) and its Response object."""
+
+    def __init__(self, limit: int = MAX_KEPT):
+        self.limit, self.items = limit, OrderedDict()
+
+    def put(self, rid: str, messages: list[dict], response: dict) -> None:
+        self.items[rid] = (messages, response)
+        self.items.move_to_end(rid)
+        while len(self.items) > self.limit:
+            self.items.popitem(last=False)
+
+    def get(self, rid: str, param: str | None = None) -> tuple[list[dict], dict]:
+        if rid not in self.items:
+            where = "previous_response_id" if param else "the id"
+            raise ApiError(
+                404 if param is None else 400,
+                f"no response {rid!r} is kept ({where}): this server keeps its last "
+                f"{self.limit} responses in memory, and forgets them when it restarts",
+                param=param,
+                code="response_not_found" if param is None else None,
+            )
+        self.items.move_to_end(rid)
+        return self.items[rid]
 
 
 def _usage(u: dict | None) -> dict | None:

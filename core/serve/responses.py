@@ -4,77 +4,23 @@ chat path: a request's `instructions`, `input` items (messages, `function_call`,
 completions request, run as one (the same validation, template, tool-call formats, grammar and
 scheduler), and its answer becomes a Response object, or its stream of chunks becomes the
 Responses API's typed events. `previous_response_id` continues a conversation kept in memory
-(the last `MAX_KEPT` responses; a restart forgets them).
+(the last 256 responses, `response_items.MAX_KEPT`; a restart forgets them).
 """
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
 
-from core.serve.response_items import Answer, events
+from core.serve.response_items import Answer, Kept, ResponsesRequest, events
 from core.serve.schemas import ApiError, ChatRequest
 from core.serve.stream import EventStream
 
 router = APIRouter()
-MAX_KEPT = 256  # responses kept for previous_response_id / GET, least recent dropped first
-
-
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
-    reasoning: dict[str, Any] | None = None  # accepted; a model reasons as its template says
-    truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
-    service_tier: str | None = None
-
-
-class Kept:
-    """The responses a later request may continue (`previous_response_id`) or fetch: each
-    one's conversation as chat messages (its instructions aside) and its Response object."""
-
-    def __init__(self, limit: int = MAX_KEPT):
-        self.limit, self.items = limit, OrderedDict()
-
-    def put(self, rid: str, messages: list[dict], response: dict) -> None:
-        self.items[rid] = (messages, response)
-        self.items.move_to_end(rid)
-        while len(self.items) > self.limit:
-            self.items.popitem(last=False)
-
-    def get(self, rid: str, param: str | None = None) -> tuple[list[dict], dict]:
-        if rid not in self.items:
-            where = "previous_response_id" if param else "the id"
-            raise ApiError(
-                404 if param is None else 400,
-                f"no response {rid!r} is kept ({where}): this server keeps its last "
-                f"{self.limit} responses in memory, and forgets them when it restarts",
-                param=param,
-                code="response_not_found" if param is None else None,
-            )
-        self.items.move_to_end(rid)
-        return self.items[rid]
 
 
 def _text(content: Any, index: int) -> str:
