@@ -241,45 +241,43 @@ class OpenItem:
         if item["type"] == "message":
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out.append(
-                self.event(
+                self.part_event(
                     "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=i,
-                    content_index=0,
+                    item["id"],
+                    i,
                     part=part,
                 )
             )
+        return out
+
+    def part_event(self, kind: str, item_id: str, i: int, **fields) -> str:
+        """An event about content part 0 of output item i."""
+        return self.event(kind, item_id=item_id, output_index=i, content_index=0, **fields)
+
+    def _append(self, kind: str, make, event: str, text: str, **extra) -> list[str]:
+        """`text` into the open item of `kind` (a new one from `make` if another is open),
+        and its delta event."""
+        same = self.item is not None and self.item["type"] == kind
+        out = [] if same else self._start(make())
+        self.item["content"][0]["text"] += text
+        i = len(self.answer.output) - 1
+        out.append(
+            self.event(
+                event, item_id=self.item["id"], output_index=i, content_index=0, delta=text, **extra
+            )
+        )
         return out
 
     def feed(self, delta: dict) -> list[str]:
         out: list[str] = []
         i = lambda: len(self.answer.output) - 1  # noqa: E731
         if delta.get("reasoning_content"):
-            if self.item is None or self.item["type"] != "reasoning":
-                out += self._start(self.answer.reasoning(""))
-            self.item["content"][0]["text"] += delta["reasoning_content"]
-            out.append(
-                self.event(
-                    "response.reasoning_text.delta",
-                    item_id=self.item["id"],
-                    output_index=i(),
-                    content_index=0,
-                    delta=delta["reasoning_content"],
-                )
-            )
+            text, make = delta["reasoning_content"], lambda: self.answer.reasoning("")
+            out += self._append("reasoning", make, "response.reasoning_text.delta", text)
         if delta.get("content"):
-            if self.item is None or self.item["type"] != "message":
-                out += self._start(self.answer.message("", "in_progress"))
-            self.item["content"][0]["text"] += delta["content"]
-            out.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=self.item["id"],
-                    output_index=i(),
-                    content_index=0,
-                    delta=delta["content"],
-                    logprobs=[],
-                )
+            make = lambda: self.answer.message("", "in_progress")  # noqa: E731
+            out += self._append(
+                "message", make, "response.output_text.delta", delta["content"], logprobs=[]
             )
         for call in delta.get("tool_calls") or []:
             if call.get("id"):
@@ -316,21 +314,19 @@ class OpenItem:
         if item["type"] == "message":
             part = item["content"][0]
             out.append(
-                self.event(
+                self.part_event(
                     "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=i,
-                    content_index=0,
+                    item["id"],
+                    i,
                     text=part["text"],
                     logprobs=[],
                 )
             )
             out.append(
-                self.event(
+                self.part_event(
                     "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=i,
-                    content_index=0,
+                    item["id"],
+                    i,
                     part=part,
                 )
             )
@@ -345,11 +341,10 @@ class OpenItem:
             )
         elif item["type"] == "reasoning":
             out.append(
-                self.event(
+                self.part_event(
                     "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=i,
-                    content_index=0,
+                    item["id"],
+                    i,
                     text=item["content"][0]["text"],
                 )
             )

@@ -14,29 +14,12 @@ import torch
 from langchain_core import messages
 from langchain_openai import ChatOpenAI
 from test_server import KEY, Server
+from test_tools_api import ASK, WEATHER
+from test_tools_api import PICK_WEATHER as PICK
 
 from core import load_model
 from core.chat.tool_formats import generic
 from core.serve.app import create_app
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 4},
-                "unit": {"enum": ["celsius", "kelvin"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-PICK = {"type": "function", "function": {"name": "get_weather"}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
