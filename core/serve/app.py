@@ -34,10 +34,11 @@ from core.serve.requests import (
     encoded,
     prepare_jobs,
     shown_tools,
+    submit,
     template_messages,
     tool_use,
 )
-from core.serve.scheduler import Job, QueueFull, Scheduler
+from core.serve.scheduler import Job, Scheduler
 from core.serve.schemas import (
     ApiError,
     ChatRequest,
@@ -58,7 +59,6 @@ from core.serve.stream import EventStream, Reading, events, results
 
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # GET /
 FAVICON = Path(__file__).parent / "static" / "favicon.svg"  # GET /favicon.ico (browsers ask)
-RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)
 
 
 class _Auth:
@@ -158,14 +158,9 @@ async def _respond(
 ):
     """Queue a request's jobs (one per choice, together) and answer when they are done, or
     stream them."""
-    try:
-        for job in jobs:
-            s.scheduler.submit(job)
-    except QueueFull as err:
-        for job in jobs:
-            job.cancelled = True  # those already queued never run
-        body = error_body(ApiError(503, f"the server is busy: {err}; retry shortly"))
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    busy = submit(s, jobs)
+    if busy is not None:
+        return busy
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         reply.include_usage = usage

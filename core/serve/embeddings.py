@@ -14,13 +14,11 @@ import base64
 
 import torch
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from core.embedding import has_sentence_transformers
 from core.errors import RequestError
-from core.serve.requests import Served, check_name, encoded
-from core.serve.scheduler import QueueFull
-from core.serve.schemas import ApiError, EmbeddingRequest, error_body
+from core.serve.requests import Served, check_name, encoded, submit
+from core.serve.schemas import ApiError, EmbeddingRequest
 from core.serve.seq import EmbedJob
 from core.serve.stream import results
 
@@ -110,11 +108,9 @@ async def embeddings(req: EmbeddingRequest, request: Request):
         message = f"dimensions={req.dimensions}: this model's embeddings have {size} (no other)"
         raise ApiError(400, message, param="dimensions")
     job = EmbedJob(ids, pooling, asyncio.get_running_loop())
-    try:
-        s.scheduler.submit(job)
-    except QueueFull as err:
-        body = error_body(ApiError(503, f"the server is busy: {err}; retry shortly"))
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})  # as app's
+    busy = submit(s, [job])
+    if busy is not None:
+        return busy
     (vectors,) = await results([job], request)
     tokens = sum(len(x) for x in ids)
     return {

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from core.chat.harmony import is_harmony
@@ -18,8 +19,8 @@ from core.errors import ChatTemplateError, RequestError
 from core.model import Model
 from core.sampling import SamplingParams
 from core.serve.metrics import ServerMetrics
-from core.serve.scheduler import Job, Scheduler
-from core.serve.schemas import ApiError, ChatRequest, NamedToolChoice
+from core.serve.scheduler import Job, QueueFull, Scheduler
+from core.serve.schemas import ApiError, ChatRequest, NamedToolChoice, error_body
 from core.structured import schema_text
 
 
@@ -103,6 +104,23 @@ def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
         raise ApiError(400, str(err), param=at) from None
     except RequestError as err:
         raise ApiError(400, str(err), param=param) from None
+
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait (Retry-After)
+
+
+def submit(s: Served, jobs: list) -> JSONResponse | None:
+    """Queue a request's jobs together; when the queue is full, none of them runs and the
+    answer is this 503 (with Retry-After)."""
+    try:
+        for job in jobs:
+            s.scheduler.submit(job)
+    except QueueFull as err:
+        for job in jobs:
+            job.cancelled = True  # those already queued never run
+        body = error_body(ApiError(503, f"the server is busy: {err}; retry shortly"))
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return None
 
 
 def check(s: Served, req) -> None:
