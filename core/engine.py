@@ -151,8 +151,10 @@ class Engine:
         taken = [len(s.out) for s in seqs]
         self._take(last)
         for s, n in zip(seqs, taken, strict=True):  # what the rows hold, where known
-            fed = self.slots.fed[s.row]
-            fed.append(s.out[-1]) if len(s.out) > n else fed.clear()
+            if len(s.out) > n:
+                self.slots.fed[s.row].append(s.out[-1])
+            else:  # (it took no token: what was fed is unknown)
+                self.slots.fed[s.row].clear()
         live = [i for i, s in enumerate(seqs) if not s.finish]
         if live:
             keep = logits if len(live) == len(seqs) else logits[_to_device(live, logits.device)]
@@ -165,10 +167,8 @@ class Engine:
             return [], None
         net, dev = self.model.net, self.model.device
         if self.chunk is None and self._together(seqs):
-            lens = torch.tensor([len(s.ids) for s in seqs], device=dev)
-            ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=dev)
-            for i, s in enumerate(seqs):  # right-padded; `lengths` keeps padding out of rings
-                ids[i, : len(s.ids)] = torch.tensor(s.ids, device=dev)
+            ids, lens = right_padded([s.ids for s in seqs], dev)  # `lengths`: no padding in rings
+            for s in seqs:
                 s.pos, self.slots.fed[s.row] = len(s.ids), list(s.ids)
             return seqs, net(ids, 0, logits_at=lens - 1, lengths=lens)[:, 0]
         budget = self.chunk or math.inf
@@ -223,7 +223,8 @@ class Engine:
     # --- sampling: the one place -----------------------------------------------------------
     def _batch_of(self, seqs: list[Seq]) -> _Batch:
         b = self._batch
-        if b is not None and len(b.seqs) == len(seqs) and all(map(_same, b.seqs, seqs)):
+        same = b is not None and len(b.seqs) == len(seqs)
+        if same and all(a is s for a, s in zip(b.seqs, seqs, strict=True)):
             return b
         dev, ps = self.model.device, [s.params for s in seqs]
         bias = None
@@ -267,8 +268,13 @@ class Engine:
                 self.seen[s.row, t] = True
 
 
-def _same(a: Seq, b: Seq) -> bool:
-    return a is b
+def right_padded(ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists as one right-padded (B, T) batch, and each one's length (B,)."""
+    lens = torch.tensor([len(x) for x in ids], device=device)
+    batch = torch.zeros(len(ids), int(lens.max()), dtype=torch.long)
+    for i, x in enumerate(ids):
+        batch[i, : len(x)] = torch.tensor(x)
+    return batch.to(device), lens
 
 
 def _cat(*parts: torch.Tensor | None) -> torch.Tensor | None:

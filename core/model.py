@@ -11,7 +11,7 @@ import torch
 from core.config import RuntimeConfig
 from core.decode_step import DecodeStep
 from core.embedding import Pooling, read_pooling
-from core.engine import Engine
+from core.engine import Engine, right_padded
 from core.errors import RequestError
 from core.generation import GenerationResult, Seq, TokenLogprob, batch_timings
 from core.modeling import CausalLM, kernel_errors
@@ -159,12 +159,9 @@ class Model:
         size = 1 if row is not None else self.max_batch_size
         with kernel_errors():
             for k in range(0, len(ids), size):
-                part = ids[k : k + size]
-                lens = torch.tensor([len(x) for x in part], device=self.device)
-                batch = torch.zeros(len(part), int(lens.max()), dtype=torch.long)
-                for i, x in enumerate(part):  # right-padded: causal rows never see padding
-                    batch[i, : len(x)] = torch.tensor(x)
-                hidden = self.net.hidden(batch.to(self.device), lengths=lens, row=row)
+                # right-padded: causal rows never see padding
+                batch, lens = right_padded(ids[k : k + size], self.device)
+                hidden = self.net.hidden(batch, lengths=lens, row=row)
                 out.append(p.apply(hidden, lens).cpu())
         return torch.cat(out)
 
