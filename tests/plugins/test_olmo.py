@@ -1,0 +1,141 @@
+"""OLMo 2 and OLMo 3 against transformers on tiny random checkpoints (fp32): norms after each
+sub-block only, q/k norms over all heads (GQA 4/2, so q_norm and k_norm differ in width), and
+for OLMo 3 window layers (window 5, shorter than the test sequences) with plain rope beside
+YaRN full layers, in the hub's key style (rope_theta + rope_scaling, no layer_types) and in
+transformers 5's (layer_types, rope_parameters per layer kind)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_checkpoint
+from parity import ParitySuite, ids, rel_err
+
+from core import load_model
+from core.config import DefaultRope, YarnRope
+from core.cpu_step import why_not
+
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.2079441541679836}  # fmt: skip
+OLMO2 = dict(BASE, model_type="olmo2", num_hidden_layers=2, rope_theta=1000.0)
+# OLMo 3 as the releases spell it: layers 0-2 windowed, 3 full; YaRN (release values, a short
+# original length) on the full layer; the window layers keep transformers' default theta
+OLMO3_HUB = dict(
+    BASE, model_type="olmo3", num_hidden_layers=4, sliding_window=5, rope_theta=1000.0,
+    rope_scaling=YARN,
+)  # fmt: skip
+# transformers 5's keys: one rope block per kind, the window layers at their own theta
+OLMO3_V5 = dict(
+    BASE,
+    model_type="olmo3",
+    num_hidden_layers=4,
+    sliding_window=5,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "full_attention": {**YARN, "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    },
+)
+SPECS = {"olmo2": OLMO2, "olmo3-hub": OLMO3_HUB, "olmo3-v5": OLMO3_V5}
+VOCAB = BASE["vocab_size"]
+
+
+def save(root, spec: dict):
+    """The checkpoint with config.json in the spec's own key style (the shared hub_style
+    rewrite would flatten transformers 5's per-kind rope blocks)."""
+    root, ref = make_checkpoint(root, spec, raw=True)
+    cfg = json.loads((root / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "layer_types"):
+        cfg.pop(key, None)
+    cfg.update({k: spec[k] for k in spec if k.startswith("rope") or k == "layer_types"})
+    (root / "config.json").write_text(json.dumps(cfg))
+    return root, ref
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def olmo(request, tmp_path_factory):
+    root, ref = save(tmp_path_factory.mktemp(request.param), SPECS[request.param])
+    return load_model(root, max_seq_len=64, max_batch_size=2), ref, request.param
+
+
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
+
+    vocab = VOCAB
+
+    @pytest.fixture
+    def model(self, olmo):
+        return olmo
+
+
+def test_layers_and_ropes(olmo):
+    """Post-norms only, q/k norms as wide as all heads; OLMo 3's window layers on plain rope
+    (default theta 500000 in the hub style, their own in transformers 5's), YaRN elsewhere."""
+    m, _, name = olmo
+    cfg = m.net.config
+    assert not cfg.pre_norms and cfg.post_norms
+    attn = m.net.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,)
+    assert "pre-norms" in why_not(m.net)
+    if name == "olmo2":
+        assert all(s.window is None for s in cfg.attention_layers)
+        return
+    windows = [s.window for s in cfg.attention_layers]
+    assert windows == ([5, 5, 5, None] if name == "olmo3-hub" else [5, None, 5, None])
+    assert isinstance(cfg.rope, YarnRope) and cfg.rope.theta == 1000.0
+    local = cfg.layer_rope(0)
+    assert type(local) is DefaultRope
+    assert local.theta == (500000.0 if name == "olmo3-hub" else 100.0)
+
+
+@torch.no_grad()
+def test_windows_and_local_rope_matter(olmo):
+    """The same weights without windows give other logits (the window bites on the test
+    prompts), and so does the model's rope on the window layers: the checks above can fail."""
+    from transformers import AutoModelForCausalLM
+
+    m, ref, name = olmo
+    if name == "olmo2":
+        pytest.skip("OLMo 2 has neither")
+    x = ids(VOCAB, 1, 16)
+    want = ref(x).logits
+    config = type(ref.config).from_dict({**ref.config.to_dict(), "sliding_window": 1000})
+    wide = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    wide.load_state_dict(ref.state_dict())
+    assert rel_err(wide(x).logits, want) > 1e-3
+    keep = list(m.net.rope_of_layer)
+    m.net.rope_of_layer = [keep[-1]] * len(keep)
+    try:
+        m.reset()
+        assert rel_err(m.forward(x), want) > 1e-3
+    finally:
+        m.net.rope_of_layer = keep
+    m.reset()
+    assert rel_err(m.forward(x), want) < 1e-4
+
+
+def test_registry_shape_is_olmo3_7b():
+    """registry.yaml's `olmo3` shape builds (on the meta device) the published 7.3B model."""
+    from core.hub import named_models
+    from core.modeling import CausalLM
+    from plugins.olmo import Olmo3Config
+
+    entry = named_models()["olmo3"]
+    cfg = Olmo3Config.from_dict(entry["shape"]).to_runtime()
+    assert [s.window for s in cfg.attention_layers[:4]] == [4096, 4096, 4096, None]
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "7.3B"
