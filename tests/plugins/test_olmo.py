@@ -139,3 +139,22 @@ def test_registry_shape_is_olmo3_7b():
     with torch.device("meta"):
         net = CausalLM(cfg)
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "7.3B"
+
+
+@pytest.mark.parametrize("name", ["olmo3-hub"])  # one conversion: ~10 s of imports
+def test_gguf_file_of_llama_cpps_converter_equals_the_checkpoint(name, tmp_path):
+    """llama.cpp writes OLMo 2 and 3 as `olmo2` (OLMo 3: with a window and its pattern, the
+    window layers' rope base as freq_base_swa): the F32 file loads as the checkpoint does."""
+    from fixtures.chat_tokenizers import build_tokenizer_folder
+    from fixtures.llama_cpp_convert import convert
+
+    folder = tmp_path / "hf"
+    special = build_tokenizer_folder(folder, "qwen2")
+    save(folder, dict(SPECS[name], vocab_size=320, eos_token_id=special["<|im_end|>"]))
+    path = convert(folder, tmp_path / "f32.gguf")
+    kw = dict(max_seq_len=64, max_batch_size=1, dtype="float32")
+    ours, theirs = load_model(path, **kw), load_model(folder, **kw)
+    assert ours.config.model_type == theirs.config.model_type == name.split("-")[0]
+    assert ours.config.attention_layers == theirs.config.attention_layers
+    x = ids(320, 1, 20)
+    assert rel_err(ours.forward(x), theirs.forward(x)) < 1e-4
