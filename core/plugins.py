@@ -71,6 +71,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen3_moe",
     "plugins.qwen3_next",
     "plugins.olmo",
+    "plugins.ministral",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",
