@@ -247,6 +247,22 @@ def _olmo2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[st
     }
 
 
+def _mistral3(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Ministral 3 (and a Mistral 3's text model), which llama.cpp writes as mistral3: the
+    queries' scale as attention.temperature_scale (llama_4_scaling_beta), YaRN's
+    mscale_all_dim as rope.scaling.yarn_log_multiplier (mscale, which it does not store, is
+    equal in the releases). A file without the scale is a plain Mistral text model (Mistral
+    Small 3.1's), which loads as `mistral`."""
+    beta = meta("attention.temperature_scale")
+    scaling = cfg.get("rope_scaling")
+    if beta is None or not scaling:
+        return {**cfg, "model_type": "mistral"}
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    if log_mul:
+        scaling = {**scaling, "mscale": log_mul, "mscale_all_dim": log_mul}
+    return {**cfg, "rope_scaling": {**scaling, "llama_4_scaling_beta": beta}}
+
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -374,6 +390,8 @@ ARCHITECTURES = {
         config={"attention.sliding_window": "sliding_window"},
         configure=_olmo2,
     ),
+    # Ministral 3 / Mistral 3's text model: Llama's tensors, q and k in llama.cpp's rope order
+    "mistral3": Arch("ministral3", permuted=True, configure=_mistral3),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 # LongRoPE (Phi-3's 128k models): the hub's long_factor and short_factor, as float32 tensors

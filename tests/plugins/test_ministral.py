@@ -42,17 +42,17 @@ VISION = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hi
               num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)  # fmt: skip
 
 
-def save(root, multimodal: bool):
+def save(root, multimodal: bool, text: dict = TEXT):
     """A Ministral3ForCausalLM, or a Mistral3ForConditionalGeneration with a tiny vision tower,
     saved as transformers 5 writes it (rope_parameters, the hub's weight names)."""
     from transformers import AutoConfig, AutoModelForCausalLM, Mistral3ForConditionalGeneration
 
     torch.manual_seed(0)
     if multimodal:
-        config = AutoConfig.for_model("mistral3", text_config=TEXT, vision_config=VISION)
+        config = AutoConfig.for_model("mistral3", text_config=text, vision_config=VISION)
         ref = Mistral3ForConditionalGeneration(config).eval()
     else:
-        ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TEXT)).eval()
+        ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text)).eval()
     randomize(ref)
     ref.save_pretrained(root)
     return root, ref
@@ -135,3 +135,22 @@ def test_registry_shape_is_ministral3_8b():
     with torch.device("meta"):
         net = CausalLM(cfg)
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.2f}B" == entry["params"] == "8.49B"
+
+
+def test_gguf_file_of_llama_cpps_converter_equals_the_checkpoint(tmp_path):
+    """llama.cpp writes Ministral 3 as `mistral3` (the scale as attention.temperature_scale,
+    q and k permuted): the F32 file of the multimodal checkpoint loads as its text model."""
+    from fixtures.chat_tokenizers import build_tokenizer_folder
+    from fixtures.llama_cpp_convert import convert
+
+    folder = tmp_path / "hf"
+    special = build_tokenizer_folder(folder, "qwen2")
+    text = dict(TEXT, vocab_size=320, eos_token_id=special["<|im_end|>"])
+    save(folder, True, text)
+    path = convert(folder, tmp_path / "f32.gguf")
+    kw = dict(max_seq_len=64, max_batch_size=1, dtype="float32")
+    ours, theirs = load_model(path, **kw), load_model(folder, **kw)
+    assert ours.config.model_type == "ministral3"
+    assert ours.config.attention_layers == theirs.config.attention_layers
+    x = ids(320, 1, 20)
+    assert rel_err(ours.forward(x), theirs.forward(x)) < 1e-4
