@@ -72,6 +72,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen3_next",
     "plugins.olmo",
     "plugins.ministral",
+    "plugins.kimi",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",
