@@ -158,3 +158,23 @@ def test_gguf_file_of_llama_cpps_converter_equals_the_checkpoint(name, tmp_path)
     assert ours.config.attention_layers == theirs.config.attention_layers
     x = ids(320, 1, 20)
     assert rel_err(ours.forward(x), theirs.forward(x)) < 1e-4
+
+
+@torch.no_grad()
+def test_norm_rounds_as_olmo_in_bf16():
+    """RMSNormSpec(fp32_scale=True) scales the fp32 normed x by the weight, then casts back, as
+    transformers' OLMo norm: bit-equal in bf16 (Llama's rounding casts first and differs)."""
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
+
+    from core.config import RMSNormSpec
+    from core.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 7, 64, generator=g) * 3).bfloat16()
+    w = (0.5 + torch.rand(64, generator=g)).bfloat16()
+    theirs = Olmo3RMSNorm(64, eps=1e-6).bfloat16()
+    ours, llama = RMSNorm(64, RMSNormSpec(1e-6, fp32_scale=True)), RMSNorm(64, RMSNormSpec(1e-6))
+    for norm in (theirs, ours, llama):
+        norm.to(torch.bfloat16).weight.copy_(w)
+    assert torch.equal(ours(x), theirs(x))
+    assert not torch.equal(llama(x), theirs(x))
