@@ -178,3 +178,15 @@ def test_norm_rounds_as_olmo_in_bf16():
         norm.to(torch.bfloat16).weight.copy_(w)
     assert torch.equal(ours(x), theirs(x))
     assert not torch.equal(llama(x), theirs(x))
+
+
+def test_tensor_parallelism_is_refused():
+    """The q/k norm spans every rank's heads: tp > 1 is refused, naming it; tp=1 runs."""
+    from core import ConfigError
+    from core.parallel.tp import check
+    from plugins.olmo import Olmo3Config
+
+    cfg = Olmo3Config.from_dict(OLMO3_HUB).to_runtime()
+    check(cfg, 1, "config.json")
+    with pytest.raises(ConfigError, match=r"q/k norm over all heads.*tp=1"):
+        check(cfg, 2, "config.json")
