@@ -154,3 +154,15 @@ def test_gguf_file_of_llama_cpps_converter_equals_the_checkpoint(tmp_path):
     assert ours.config.attention_layers == theirs.config.attention_layers
     x = ids(320, 1, 20)
     assert rel_err(ours.forward(x), theirs.forward(x)) < 1e-4
+
+
+def test_gguf_mistral3_without_the_scale_is_mistral():
+    """A mistral3 file without attention.temperature_scale (Mistral Small 3.1's text model)
+    loads as a plain mistral, not as a Ministral 3 with its default YaRN."""
+    from pathlib import Path
+
+    from plugins.formats.gguf_archs import ARCHITECTURES
+
+    configure = ARCHITECTURES["mistral3"].configure
+    cfg = configure({}.get, {"rope_theta": 1e9}, Path("f.gguf"))
+    assert cfg == {"rope_theta": 1e9, "model_type": "mistral"}

@@ -190,3 +190,21 @@ def test_tensor_parallelism_is_refused():
     check(cfg, 1, "config.json")
     with pytest.raises(ConfigError, match=r"q/k norm over all heads.*tp=1"):
         check(cfg, 2, "config.json")
+
+
+def test_gguf_olmo2_metadata_without_a_window_is_olmo2():
+    """An olmo2 file without attention.sliding_window is an OLMo 2: its flat rope keys kept,
+    YaRN's stored attention factor added; with a window but no pattern, OLMo 3's default."""
+    from pathlib import Path
+
+    from plugins.formats.gguf_archs import ARCHITECTURES
+
+    configure = ARCHITECTURES["olmo2"].configure
+    meta = {"rope.scaling.yarn_attn_factor": 1.25}
+    yarn = {"rope_type": "yarn", "factor": 8.0}
+    cfg = configure(meta.get, {"rope_theta": 1000.0, "rope_scaling": yarn}, Path("f.gguf"))
+    assert cfg == {"rope_theta": 1000.0, "rope_scaling": {**yarn, "attention_factor": 1.25}}
+    cfg = configure(meta.get, dict(cfg, num_hidden_layers=4, sliding_window=5), Path("f.gguf"))
+    assert cfg["model_type"] == "olmo3" and "layer_types" not in cfg
+    local = cfg["rope_parameters"]["sliding_attention"]
+    assert local == {"rope_type": "default", "rope_theta": 1000.0}  # no freq_base_swa: freq_base
