@@ -102,14 +102,11 @@ def test_kimi_k25_int4_weights_are_refused():
 
 
 def test_registry_shape_is_kimi_k2():
-    """registry.yaml's `kimi-k2` shape builds (on the meta device) the published 1.03T model."""
+    """registry.yaml's `kimi-k2` shape: 384 experts after one dense layer (its parameter
+    count: tests/core/test_registry_shapes.py)."""
     from core.hub import named_models
-    from core.modeling import CausalLM
     from plugins.kimi import KimiK2Config
 
     entry = named_models()["kimi-k2"]
     cfg = KimiK2Config.from_dict(entry["shape"]).to_runtime()
     assert cfg.moe.num_experts == 384 and cfg.moe.layers == tuple(range(1, 61))
-    with torch.device("meta"):
-        net = CausalLM(cfg)
-    assert f"{sum(p.numel() for p in net.parameters()) / 1e12:.2f}T" == entry["params"] == "1.03T"

@@ -124,17 +124,14 @@ def test_config_defaults_and_errors():
 
 
 def test_registry_shape_is_ministral3_8b():
-    """registry.yaml's `ministral3` shape builds (on the meta device) the 8B text model."""
+    """registry.yaml's `ministral3` shape: YaRN and the query scale from text_config (its
+    parameter count: tests/core/test_registry_shapes.py)."""
     from core.hub import named_models
-    from core.modeling import CausalLM
     from plugins.ministral import Mistral3Config
 
     entry = named_models()["ministral3"]
     cfg = Mistral3Config.from_dict(entry["shape"]).to_runtime()
     assert cfg.attention.query_scale == (0.1, 16384) and cfg.rope.factor == 16.0
-    with torch.device("meta"):
-        net = CausalLM(cfg)
-    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.2f}B" == entry["params"] == "8.49B"
 
 
 def test_gguf_file_of_llama_cpps_converter_equals_the_checkpoint(tmp_path):

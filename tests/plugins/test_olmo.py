@@ -128,17 +128,14 @@ def test_windows_and_local_rope_matter(olmo):
 
 
 def test_registry_shape_is_olmo3_7b():
-    """registry.yaml's `olmo3` shape builds (on the meta device) the published 7.3B model."""
+    """registry.yaml's `olmo3` shape: three window layers to one full (its parameter count:
+    tests/core/test_registry_shapes.py)."""
     from core.hub import named_models
-    from core.modeling import CausalLM
     from plugins.olmo import Olmo3Config
 
     entry = named_models()["olmo3"]
     cfg = Olmo3Config.from_dict(entry["shape"]).to_runtime()
     assert [s.window for s in cfg.attention_layers[:4]] == [4096, 4096, 4096, None]
-    with torch.device("meta"):
-        net = CausalLM(cfg)
-    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "7.3B"
 
 
 @pytest.mark.parametrize("name", ["olmo3-hub"])  # one conversion: ~10 s of imports
