@@ -108,6 +108,13 @@ class RMSNormSpec:
 
 
 @dataclass(frozen=True)
+class L2NormSpec:
+    """x / sqrt(mean(x^2) + eps) in fp32, cast back; no weight (Llama 4's q/k norm)."""
+
+    eps: float
+
+
+@dataclass(frozen=True)
 class GQASpec:
     """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads.
 
@@ -122,7 +129,12 @@ class GQASpec:
       each softmax's denominator and attends to nothing (gpt-oss);
     - `qk_norm`: a norm over head_dim of every q and k head before rope (parameters
       `q_norm`, `k_norm`; built from the norm spec's type, like every norm);
-    - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q.
+    - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q;
+    - `chunk`: attend only within the query's chunk, positions (p // chunk) * chunk .. p
+      (Llama 4); its cache keeps every position, as a full layer's, and attention reads the
+      chunk's slice of it;
+    - `temperature`: (floor_scale, attn_scale): q at position p is multiplied by
+      1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) (Llama 4's NoPE layers).
     """
 
     num_heads: int
@@ -139,12 +151,16 @@ class GQASpec:
     # Qwen3-Next / Qwen3.5: q_proj also yields a gate per head (rows [q_h | gate_h] per head h);
     # the attention output is multiplied by sigmoid(gate) before o_proj
     output_gate: bool = False
+    chunk: int | None = None  # None: no chunking
+    temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale); None: off
 
     def __post_init__(self):
-        for name in ("window", "softcap", "softmax_scale"):
+        for name in ("window", "softcap", "softmax_scale", "chunk"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"GQASpec.{name} must be positive or None, got {value!r}")
+        if self.window is not None and self.chunk is not None:
+            raise ValueError("GQASpec: a layer has a sliding window or chunks, not both")
 
     @property
     def kv_groups(self) -> int:
@@ -308,6 +324,8 @@ class MoESpec:
     # `shared_gate` (parameter shared_expert_gate, (1, hidden))
     shared_intermediate_size: int | None = None
     shared_gate: bool = False
+    # Llama 4: each routed expert runs on its weight times x, expert(w * x), not w * expert(x)
+    scale_input: bool = False
 
     @property
     def shared_width(self) -> int:

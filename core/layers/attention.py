@@ -9,6 +9,9 @@ last `R = min(window, max_seq_len)` positions, position p in slot p % R:
   out in position order and the chunk's keys appended (`_ring_prefill`), attention runs over
   that with the window mask, and only then is the ring rewritten with each row's last R real
   positions (`lengths`: a right-padded row's padding must not evict its real keys).
+
+A chunked layer (`spec.chunk`, Llama 4) caches every position as a full layer does; a query at
+p reads only its chunk's slice, positions (p // chunk) * chunk .. p (`_chunked`).
 """
 
 import torch
@@ -62,8 +65,12 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
+        if s.temperature is not None:
+            q = self._temper(q, start_pos)
         extra = dict(softcap=s.softcap, sinks=self.sinks if s.sinks else None)
-        if s.window is None:
+        if s.chunk is not None:
+            o = self._chunked(q, k, v, k_cache, v_cache, start_pos, end, extra)
+        elif s.window is None:
             keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
             values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
             o = kernels.attention(q, keys, values, start_pos, s.scale, **extra)
@@ -114,3 +121,45 @@ class GQAAttention(nn.Module):
             cache[:b].copy_(both.gather(2, idx))
         rel_pos = rel.view(b) if per_row else int(rel[0, 0])
         return kernels.attention(q, *outs, rel_pos, self.spec.scale, window=w, **extra)
+
+    def _temper(self, q: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, T, D) times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) at each
+        query's position p, in fp32 and cast back (Llama 4's NoPE layers)."""
+        floor_scale, attn_scale = self.spec.temperature
+        t = q.shape[2]
+        pos = torch.arange(t, device=q.device)[None]  # (1, T)
+        pos = pos + (start_pos.to(q.device)[:, None] if torch.is_tensor(start_pos) else start_pos)
+        f = torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return (q * f[:, None, :, None]).to(q.dtype)
+
+    def _chunked(self, q, k, v, k_cache, v_cache, start_pos, end, extra):
+        """Chunked attention over the full cache: each query sees its own chunk only."""
+        c = self.spec.chunk
+        keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
+        values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
+        if not torch.is_tensor(start_pos):
+            return self._chunk_pieces(q, keys, values, start_pos, extra)
+        if q.shape[2] > 1:  # several tokens at per-row positions: row by row
+            rows = zip(q.split(1), keys.split(1), values.split(1), start_pos.tolist(), strict=True)
+            return torch.cat([self._chunk_pieces(*row, extra) for row in rows])
+        # one token per row at per-row positions: gather each row's chunk, in position order
+        first = start_pos - start_pos % c  # (B,)
+        n = min(c, end)
+        idx = (first[:, None] + torch.arange(n, device=q.device)).clamp(max=end - 1)  # (B, n)
+        idx = idx[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        kv = keys.gather(2, idx), values.gather(2, idx)  # past each row's position: masked
+        return kernels.attention(q, *kv, start_pos - first, self.spec.scale, **extra)
+
+    def _chunk_pieces(self, q, keys, values, start: int, extra):
+        """Queries at start.. (one int for the batch), cut at chunk boundaries: each piece
+        attends over its chunk's keys up to its last query."""
+        c, t = self.spec.chunk, q.shape[2]
+        outs, a = [], start
+        while a < start + t:
+            first = a - a % c
+            e = min(first + c, start + t)
+            piece = q[:, :, a - start : e - start]
+            kv = keys[:, :, first:e], values[:, :, first:e]
+            outs.append(kernels.attention(piece, *kv, a - first, self.spec.scale, **extra))
+            a = e
+        return torch.cat(outs, dim=2)
