@@ -193,8 +193,6 @@ def test_bad_configs_are_refused():
             dict(SCOUT, layer_types=kinds, attention_chunk_size=None)
         ).to_runtime()
     with pytest.raises(ConfigError, match=r"'layer_types' must give one of"):
-        Llama4TextConfig.from_dict(
-            dict(SCOUT, layer_types=["sliding_attention"] * 4)
-        ).to_runtime()
+        Llama4TextConfig.from_dict(dict(SCOUT, layer_types=["sliding_attention"] * 4)).to_runtime()
     with pytest.raises(ConfigError, match=r"text_config"):
         Llama4Config.from_dict({"model_type": "llama4"})
