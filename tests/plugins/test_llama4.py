@@ -196,3 +196,23 @@ def test_bad_configs_are_refused():
         Llama4TextConfig.from_dict(dict(SCOUT, layer_types=["sliding_attention"] * 4)).to_runtime()
     with pytest.raises(ConfigError, match=r"text_config"):
         Llama4Config.from_dict({"model_type": "llama4"})
+
+
+@pytest.mark.parametrize(
+    ("name", "experts", "moe"),
+    [("llama4-scout", 16, tuple(range(48))), ("llama4-maverick", 128, tuple(range(1, 48, 2)))],
+)
+def test_registry_shapes_are_scout_and_maverick(name, experts, moe):
+    """registry.yaml's shapes build (on the meta device) the released text models: the
+    parameter count is the entry's; every 4th layer NoPE and unchunked, the others chunked."""
+    from core.hub import named_models
+    from core.modeling import CausalLM
+
+    entry = named_models()[name]
+    cfg = Llama4Config.from_dict(entry["shape"]).to_runtime()
+    assert (cfg.moe.num_experts, cfg.moe.layers, cfg.moe.top_k) == (experts, moe, 1)
+    chunks = [a.chunk for a in cfg.attention_layers]
+    assert chunks == [None if (i + 1) % 4 == 0 else 8192 for i in range(48)]
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"]
