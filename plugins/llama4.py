@@ -166,6 +166,10 @@ WEIGHT_MAP = {
     f"{_F}.shared_expert.gate_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "gate"),
     f"{_F}.shared_expert.up_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "up"),
     f"{_F}.shared_expert.down_proj": f"{_L}.mlp.shared_experts.down_proj",
+    # one tensor per expert (what GGUF files hold, read by their hub names)
+    f"{_F}.experts.{{}}.gate_proj": (f"{_L}.mlp.experts.gate_up_proj", "{}.gate"),
+    f"{_F}.experts.{{}}.up_proj": (f"{_L}.mlp.experts.gate_up_proj", "{}.up"),
+    f"{_F}.experts.{{}}.down_proj": (f"{_L}.mlp.experts.down_proj", "{}"),
     f"{_F}.experts.gate_up_proj": (f"{_L}.mlp.experts.gate_up_proj.weight", "T"),
     f"{_F}.experts.down_proj": (f"{_L}.mlp.experts.down_proj.weight", "T"),
 }

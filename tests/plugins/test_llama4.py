@@ -216,3 +216,28 @@ def test_registry_shapes_are_scout_and_maverick(name, experts, moe):
     with torch.device("meta"):
         net = CausalLM(cfg)
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"]
+
+
+@torch.no_grad()
+def test_gguf_file_of_llama_cpps_converter_matches_the_checkpoint(tmp_path):
+    """llama.cpp's converter writes a llama4 file (q/k as the hub's, experts split per kind);
+    it stores no chunk, NoPE or temperature settings, so the checkpoint has what llama.cpp
+    implies (chunks of 8192, every 4th layer NoPE, floor 8192, scale 0.1, q/k norms with 4
+    experts); experts on every other layer test the dense layers' names too."""
+    from fixtures.chat_tokenizers import build_tokenizer_folder
+    from fixtures.llama_cpp_convert import convert
+
+    folder = tmp_path / "hf"
+    special = build_tokenizer_folder(folder, "qwen2")
+    implied = dict(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
+    spec = dict(SCOUT, **implied, interleave_moe_layer_step=2, vocab_size=320,
+                bos_token_id=None, eos_token_id=special["<|im_end|>"])  # fmt: skip
+    make_checkpoint(folder, spec, seed=3)
+    path = convert(folder, tmp_path / "f32.gguf")
+    kw = dict(max_seq_len=64, max_batch_size=1, dtype="float32")
+    ours, theirs = load_model(path, **kw), load_model(folder, **kw)
+    # the same layers; llama3 rope fitted back from the file's factors: the same frequencies
+    assert ours.config.attention_layers == theirs.config.attention_layers
+    assert ours.config.moe == theirs.config.moe and ours.config.mlp == theirs.config.mlp
+    x = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(0))
+    assert rel_err(ours.forward(x), theirs.forward(x)) <= 1e-4
