@@ -156,30 +156,40 @@ def test_routing_weights_scale_the_expert_input(llama4):
             e.scale_input = True
 
 
-@torch.no_grad()
-def test_multimodal_repo_loads_its_text_model(tmp_path):
-    """A `llama4` repo: text_config read, language_model.* mapped, the vision model and the
-    projector skipped; logits equal the reference's text model's."""
+def write_multimodal(folder, text: dict, released: bool = True):
+    """A tiny Llama4ForConditionalGeneration (a one-layer vision model) around `text`, saved
+    in the hub's style; returns its text model (the reference). `released`: with the released
+    configs' `attn_temperature_tuning: 4`, which transformers 5.24's strict config refuses
+    (llama.cpp's converter reads the config through it)."""
     from transformers import Llama4Config as HFConfig
     from transformers import Llama4ForConditionalGeneration
 
-    text = {k: v for k, v in SCOUT.items() if k != "model_type"}
+    text = {k: v for k, v in text.items() if k != "model_type"}
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, image_size=28, patch_size=14, vision_output_dim=16,
                   projector_input_dim=16, projector_output_dim=16)  # fmt: skip
     torch.manual_seed(0)
     ref = Llama4ForConditionalGeneration(HFConfig(text_config=text, vision_config=vision)).eval()
     randomize(ref)
-    ref.save_pretrained(tmp_path)
-    path = tmp_path / "config.json"
+    ref.save_pretrained(folder)
+    path = folder / "config.json"
     cfg = json.loads(path.read_text())
     cfg["text_config"] = hub_style(cfg["text_config"])
-    cfg["text_config"]["attn_temperature_tuning"] = 4  # as Scout's config.json spells it
+    if released:
+        cfg["text_config"]["attn_temperature_tuning"] = 4  # as Scout's config.json spells it
     path.write_text(json.dumps(cfg))
+    return ref.language_model
+
+
+@torch.no_grad()
+def test_multimodal_repo_loads_its_text_model(tmp_path):
+    """A `llama4` repo: text_config read, language_model.* mapped, the vision model and the
+    projector skipped; logits equal the reference's text model's."""
+    ref = write_multimodal(tmp_path, SCOUT)
     m = load_model(tmp_path, max_seq_len=64, max_batch_size=1)
     assert m.config.model_type == "llama4"
-    check_prefill(m, ref.language_model, ids(VOCAB, 1, 12))
-    check_decode(m, ref.language_model, ids(VOCAB, 1, 12), prefill=5)
+    check_prefill(m, ref, ids(VOCAB, 1, 12))
+    check_decode(m, ref, ids(VOCAB, 1, 12), prefill=5)
 
 
 def test_bad_configs_are_refused():
@@ -220,10 +230,11 @@ def test_registry_shapes_are_scout_and_maverick(name, experts, moe):
 
 @torch.no_grad()
 def test_gguf_file_of_llama_cpps_converter_matches_the_checkpoint(tmp_path):
-    """llama.cpp's converter writes a llama4 file (q/k as the hub's, experts split per kind);
-    it stores no chunk, NoPE or temperature settings, so the checkpoint has what llama.cpp
-    implies (chunks of 8192, every 4th layer NoPE, floor 8192, scale 0.1, q/k norms with 4
-    experts); experts on every other layer test the dense layers' names too."""
+    """llama.cpp's converter writes a released-style `llama4` repo's text model as a llama4
+    file (q/k as the hub's, experts split per kind). It stores no chunk, NoPE or temperature
+    settings, so the checkpoint has what llama.cpp implies (chunks of 8192, every 4th layer
+    NoPE, floor 8192, scale 0.1, q/k norms with 4 experts); experts on every other layer test
+    the dense layers' names too."""
     from fixtures.chat_tokenizers import build_tokenizer_folder
     from fixtures.llama_cpp_convert import convert
 
@@ -232,10 +243,11 @@ def test_gguf_file_of_llama_cpps_converter_matches_the_checkpoint(tmp_path):
     implied = dict(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
     spec = dict(SCOUT, **implied, interleave_moe_layer_step=2, vocab_size=320,
                 bos_token_id=None, eos_token_id=special["<|im_end|>"])  # fmt: skip
-    make_checkpoint(folder, spec, seed=3)
+    write_multimodal(folder, spec, released=False)
     path = convert(folder, tmp_path / "f32.gguf")
     kw = dict(max_seq_len=64, max_batch_size=1, dtype="float32")
     ours, theirs = load_model(path, **kw), load_model(folder, **kw)
+    assert ours.config.model_type == "llama4_text"
     # the same layers; llama3 rope fitted back from the file's factors: the same frequencies
     assert ours.config.attention_layers == theirs.config.attention_layers
     assert ours.config.moe == theirs.config.moe and ours.config.mlp == theirs.config.mlp
