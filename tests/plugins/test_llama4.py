@@ -84,12 +84,26 @@ class TestParity(ParitySuite):
     """The parity checks of tests/plugins/parity.py on this module's models."""
 
     vocab = VOCAB
-    decode = (16, 6)
-    ragged: dict = {"lengths": (3, 9), "steps": 3, "new": 4}  # noqa: RUF012
 
     @pytest.fixture
     def model(self, llama4):
         return llama4
+
+
+@torch.no_grad()
+def test_several_tokens_at_per_row_positions(llama4):
+    """Three tokens per row after a ragged prefill (a verify step's shape): each row's chunks
+    are its own (rows at 3 and 6 cross a chunk boundary at different tokens)."""
+    m, ref = llama4
+    rows = ids(VOCAB, 2, 9, seed=5)
+    lengths = torch.tensor([3, 6])
+    m.reset()
+    m.forward(rows[:, :6], lengths=lengths)
+    nxt = torch.stack([rows[r, n : n + 3] for r, n in enumerate(lengths.tolist())])
+    got = m.forward(nxt, lengths)
+    for r, n in enumerate(lengths.tolist()):
+        want = ref(rows[r : r + 1, : n + 3]).logits[0, n:]
+        assert rel_err(got[r], want) < 1e-4
 
 
 def test_layers_follow_the_config(llama4):
