@@ -240,14 +240,16 @@ LLAMA4 = {  # the MLP is `feed_forward`: dense, or a router, experts and one sha
 def _llama4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """What llama.cpp's llama4 graph implies and the converter does not store: chunks of 8192
     tokens on 3 layers of 4, the 4th without rope and its queries' temperature tuned (floor
-    8192, scale 0.1); a file whose sliding_window is 0 attends in full and ropes every layer.
-    q and k are L2-normed unless the file has 128 experts (Maverick)."""
-    full = meta("attention.sliding_window") == 0
-    n = cfg.get("num_hidden_layers") or 0
+    8192, scale 0.1); q and k L2-normed unless the file has 128 experts (Maverick). Files
+    without experts or chunks (sliding_window 0: MobileLLM) run otherwise there: refused."""
+    if meta("attention.sliding_window") == 0 or not meta("expert_count"):
+        raise ConfigError(
+            f"{path}: a llama4 file without experts or with llama4.attention.sliding_window 0 "
+            "(MobileLLM) is not supported; Llama 4 Scout and Maverick files are"
+        )
     return {
         **cfg,
-        "attention_chunk_size": None if full else 8192,
-        "no_rope_layers": [1] * n if full else None,
+        "attention_chunk_size": 8192,
         "no_rope_layer_interval": 4,
         "attn_temperature_tuning": True,
         "floor_scale": 8192,

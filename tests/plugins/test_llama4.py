@@ -267,3 +267,17 @@ def test_gguf_file_of_llama_cpps_converter_matches_the_checkpoint(tmp_path):
     assert ours.config.moe == theirs.config.moe and ours.config.mlp == theirs.config.mlp
     x = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(0))
     assert rel_err(ours.forward(x), theirs.forward(x)) <= 1e-4
+
+
+def test_gguf_files_llama_cpp_runs_otherwise_are_refused():
+    """A llama4 file without experts, or with sliding_window 0 (MobileLLM), is refused."""
+    from pathlib import Path
+
+    from plugins.formats.gguf_archs import ARCHITECTURES
+
+    configure = ARCHITECTURES["llama4"].configure
+    for meta in ({"attention.sliding_window": 0, "expert_count": 16}, {}):
+        with pytest.raises(ConfigError, match=r"MobileLLM\) is not supported"):
+            configure(lambda key, default=None, m=meta: m.get(key, default), {}, Path("x.gguf"))
+    cfg = configure(lambda key, default=None: {"expert_count": 128}.get(key), {}, Path("x"))
+    assert cfg["attention_chunk_size"] == 8192 and cfg["use_qk_norm"] is False
