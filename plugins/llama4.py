@@ -34,6 +34,10 @@ class Llama4TextConfig(DecoderConfig):
     """Defaults are transformers' Llama4TextConfig's (Scout's shape)."""
 
     model_type: Literal["llama4_text"] = "llama4_text"
+    vocab_size: PositiveInt = 202048
+    hidden_size: PositiveInt = 5120
+    num_hidden_layers: PositiveInt = 48
+    num_attention_heads: PositiveInt = 40
     num_key_value_heads: PositiveInt | None = 8
     head_dim: PositiveInt | None = 128
     intermediate_size: PositiveInt = 8192  # per routed expert, and the shared expert's
