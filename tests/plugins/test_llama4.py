@@ -120,6 +120,20 @@ def test_layers_follow_the_config(llama4):
         assert (spec.qk_norm is not None) == (roped and want.use_qk_norm)
         assert hasattr(layer.mlp, "gate") == (i in want.moe_layers)
     assert "chunked attention" in why_not(m.net)
+    # past the chunks: the weightless q/k norm (scout), else the temperature, then the experts
+    attns = [layer.self_attn for layer in m.net.model.layers]
+    keep = [a.spec for a in attns]
+    norm = want.use_qk_norm
+    try:
+        for a in attns:
+            a.spec = replace(a.spec, chunk=None)
+        assert ("L2Norm" if norm else "temperature") in why_not(m.net)
+        for a in attns:
+            a.spec = replace(a.spec, temperature=None)
+        assert ("L2Norm" if norm else "MoE weights its experts' inputs") in why_not(m.net)
+    finally:
+        for a, spec in zip(attns, keep, strict=True):
+            a.spec = spec
 
 
 @pytest.mark.parametrize(
