@@ -111,6 +111,26 @@ class RMSNormSpec:
 
 
 @dataclass(frozen=True)
+class L2NormSpec:
+    """x / sqrt(mean(x^2) + eps) in fp32, cast back; no weight (Llama 4's q/k norm)."""
+
+    eps: float
+
+
+@dataclass(frozen=True)
+class QueryScale:
+    """After rope, q at position p times f = 1 + beta * log(1 + floor((p + offset) / period)),
+    computed in fp32. Ministral 3 (`llama_4_scaling_beta`, period the original context, offset
+    0) rounds f to q's dtype before the product; Llama 4's NoPE layers (`attn_scale`,
+    `floor_scale`, offset 1) round the fp32 product (`round_factor` False)."""
+
+    beta: float
+    period: float
+    offset: int = 0
+    round_factor: bool = True
+
+
+@dataclass(frozen=True)
 class GQASpec:
     """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads.
 
@@ -128,8 +148,11 @@ class GQASpec:
     - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q;
     - `qk_norm_all_heads`: `qk_norm` runs over the whole q and k projections (all heads
       together: num_heads * head_dim and num_kv_heads * head_dim) instead of per head (OLMo 2/3);
-    - `query_scale`: (beta, period): after rope, q at position p is multiplied by
-      1 + beta * log(1 + floor(p / period)) (Ministral 3's llama_4_scaling_beta).
+    - `query_scale`: a `QueryScale`, q times a factor that grows with its position
+      (Ministral 3's llama_4_scaling_beta, Llama 4's NoPE temperature tuning);
+    - `chunk`: attend only within the query's chunk, positions (p // chunk) * chunk .. p
+      (Llama 4); its cache keeps every position, as a full layer's, and attention reads the
+      chunk's slice of it.
     """
 
     num_heads: int
@@ -147,13 +170,16 @@ class GQASpec:
     # the attention output is multiplied by sigmoid(gate) before o_proj
     output_gate: bool = False
     qk_norm_all_heads: bool = False
-    query_scale: tuple[float, int] | None = None  # (beta, period); None: q is not scaled
+    query_scale: QueryScale | None = None  # None: q is not scaled
+    chunk: int | None = None  # None: no chunking
 
     def __post_init__(self):
-        for name in ("window", "softcap", "softmax_scale"):
+        for name in ("window", "softcap", "softmax_scale", "chunk"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"GQASpec.{name} must be positive or None, got {value!r}")
+        if self.window is not None and self.chunk is not None:
+            raise ValueError("GQASpec: a layer has a sliding window or chunks, not both")
 
     @property
     def kv_groups(self) -> int:
@@ -317,6 +343,8 @@ class MoESpec:
     # `shared_gate` (parameter shared_expert_gate, (1, hidden))
     shared_intermediate_size: int | None = None
     shared_gate: bool = False
+    # Llama 4: each routed expert runs on its weight times x, expert(w * x), not w * expert(x)
+    scale_input: bool = False
 
     @property
     def shared_width(self) -> int:

@@ -64,6 +64,9 @@ def why_not(net: CausalLM) -> str | None:
         for part, kind in kinds:
             if type(part) is not kind:  # a subclass may compute more
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
+        why = _gqa_why_not(attn.spec) if attn_kind is GQAAttention else None
+        if why:
+            return f"block {i} {why}"
         if attn_kind is MLAAttention:
             for name in ("q_a_layernorm", "kv_a_layernorm"):  # (no q_a: a plain q_proj)
                 norm = getattr(attn, name, None)
@@ -103,6 +106,13 @@ def kinds(net: CausalLM) -> str:
     return ", ".join(f"{n} x {kind}" for kind, n in counts.items())
 
 
+def _gqa_why_not(s) -> str | None:
+    """Why the C step cannot run this GQA spec (None: it can): Llama 4's attention features."""
+    if s.chunk is not None:
+        return f"has chunked attention ({s.chunk}) (the fused step: full or sliding)"
+    return None
+
+
 def _moe_why_not(mlp: MoE) -> str | None:
     """Why the C step cannot run this MoE MLP (None: it can): it takes every routing of
     `core.layers.moe.route`, routed experts of SiLU-gated or clamped SwiGLU with or without
@@ -110,6 +120,8 @@ def _moe_why_not(mlp: MoE) -> str | None:
     s = mlp.gate.spec
     if s.act != "silu":
         return f"MoE's routed experts use {s.act} (the fused step: SiLU)"
+    if s.scale_input:
+        return "MoE weights its experts' inputs (the fused step: their outputs)"
     if s.num_experts > MAX_EXPERTS or s.top_k > 64:
         return f"MoE routes to {s.top_k} of {s.num_experts} experts (at most 64 of {MAX_EXPERTS})"
     grouped = s.topk_method != "greedy"

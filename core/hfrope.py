@@ -87,9 +87,11 @@ def _dynamic(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
 def _llama3(p: dict, theta: float, dim: int, cfg: Any) -> RopeSpec:
     p = {"original_max_position_embeddings": cfg.max_position_embeddings, **p}
     q = _Llama3(**p)
-    if q.high_freq_factor <= q.low_freq_factor:
+    # equal factors (Llama 4 Scout: 1.0 and 1.0) leave no band between them: every wave longer
+    # than original / low_freq_factor is divided by factor, the others kept (transformers)
+    if q.high_freq_factor < q.low_freq_factor:
         raise ConfigError(
-            f"rope_scaling: high_freq_factor ({q.high_freq_factor}) must exceed "
+            f"rope_scaling: high_freq_factor ({q.high_freq_factor}) must be at least "
             f"low_freq_factor ({q.low_freq_factor})"
         )
     return Llama3Rope(theta=theta, dim=dim, **q.model_dump())

@@ -73,6 +73,7 @@ BUILTIN_PLUGINS = (
     "plugins.olmo",
     "plugins.ministral",
     "plugins.kimi",
+    "plugins.llama4",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

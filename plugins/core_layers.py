@@ -9,6 +9,7 @@ from core.config import (
     EmbeddingSpec,
     GatedDeltaNetSpec,
     GQASpec,
+    L2NormSpec,
     MLASpec,
     MoESpec,
     RMSNormSpec,
@@ -25,3 +26,4 @@ def zoo_register_layers(registry):
     registry.add_layer(GatedDeltaNetSpec, "core.layers.deltanet:GatedDeltaNet")
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
+    registry.add_layer(L2NormSpec, "core.layers.norm:L2Norm")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import NonNegativeInt, PositiveInt
 
-from core.config import GQASpec
+from core.config import GQASpec, QueryScale
 from core.errors import ConfigError
 from core.hfconfig import text_model
 from core.hookspecs import hookimpl
@@ -65,8 +65,8 @@ class Ministral3Config(MistralConfig):
             return params.pop("rope_type"), params
         return super().rope_params()
 
-    def query_scale(self) -> tuple[float, int] | None:
-        """(beta, period) of the queries' per-position scale; None: none (beta absent or 0)."""
+    def query_scale(self) -> QueryScale | None:
+        """The queries' per-position scale; None: none (beta absent or 0)."""
         _, params = self.rope_params()
         beta = params.get("llama_4_scaling_beta")
         if not beta:
@@ -78,7 +78,7 @@ class Ministral3Config(MistralConfig):
                 "original_max_position_embeddings positions, but that field is "
                 f"{period!r}; set it to the pre-YaRN context length (a positive integer)"
             )
-        return float(beta), period
+        return QueryScale(float(beta), period)
 
     def attention_spec(self) -> GQASpec:
         return replace(super().attention_spec(), query_scale=self.query_scale())
@@ -108,7 +108,7 @@ class Mistral3Config(Ministral3Config):
     def default_rope(self) -> dict[str, Any] | None:
         return DEFAULT_ROPE if self.text_model_type == "ministral3" else None
 
-    def query_scale(self) -> tuple[float, int] | None:
+    def query_scale(self) -> QueryScale | None:
         # a mistral text model (Mistral Small 3.1) scales no queries, whatever its rope says
         return super().query_scale() if self.text_model_type == "ministral3" else None
 

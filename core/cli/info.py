@@ -70,6 +70,8 @@ def _layer_kinds(c) -> str:
             continue
         window = getattr(spec, "window", None)
         kind = "full" if window is None else f"window {window}"
+        if getattr(spec, "chunk", None) is not None:
+            kind = f"chunk {spec.chunk}"
         kinds[kind] = kinds.get(kind, 0) + 1
         if c.layer_rope(i) is None:
             kinds["NoPE"] = kinds.get("NoPE", 0) + 1

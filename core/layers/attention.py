@@ -9,6 +9,9 @@ last `R = min(window, max_seq_len)` positions, position p in slot p % R:
   out in position order and the chunk's keys appended (`_ring_prefill`), attention runs over
   that with the window mask, and only then is the ring rewritten with each row's last R real
   positions (`lengths`: a right-padded row's padding must not evict its real keys).
+
+A chunked layer (`spec.chunk`, Llama 4) caches every position as a full layer does; a query at
+p reads only its chunk's slice, positions (p // chunk) * chunk .. p (`_chunked`).
 """
 
 import torch
@@ -67,9 +70,11 @@ class GQAAttention(nn.Module):
         if cos is not None:
             q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
         if s.query_scale is not None:
-            q = q * self._query_scale(start_pos, t, q)
+            q = self._scale_queries(q, start_pos)
         extra = dict(softcap=s.softcap, sinks=self.sinks if s.sinks else None)
-        if s.window is None:
+        if s.chunk is not None:
+            o = self._chunked(q, k, v, k_cache, v_cache, start_pos, end, extra)
+        elif s.window is None:
             keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
             values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
             o = kernels.attention(q, keys, values, start_pos, s.scale, **extra)
@@ -89,19 +94,6 @@ class GQAAttention(nn.Module):
         if s.output_gate:
             o = o * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(o)
-
-    def _query_scale(self, start_pos, t: int, q: torch.Tensor) -> torch.Tensor:
-        """Ministral 3's scale of each query by its position p: 1 + beta * log(1 + floor(p /
-        period)), computed in fp32 and rounded to q's dtype, as transformers. (1 or B, 1, T, 1)"""
-        beta, period = self.spec.query_scale
-        steps = torch.arange(t, device=q.device)
-        pos = (
-            start_pos.to(q.device).view(-1, 1) + steps
-            if torch.is_tensor(start_pos)
-            else (steps[None] + start_pos)
-        )
-        scale = 1 + beta * torch.log1p(torch.floor(pos.float() / period))
-        return scale[:, None, :, None].to(q.dtype)
 
     def _ring_prefill(self, q, k, v, k_cache, v_cache, start_pos, lengths, extra):
         """T > 1 new tokens on a sliding layer: attend over [the ring's keys before start, in
@@ -133,3 +125,44 @@ class GQAAttention(nn.Module):
             cache[:b].copy_(both.gather(2, idx))
         rel_pos = rel.view(b) if per_row else int(rel[0, 0])
         return kernels.attention(q, *outs, rel_pos, self.spec.scale, window=w, **extra)
+
+    def _scale_queries(self, q: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, T, D) times the spec's `QueryScale` factor at each query's position."""
+        qs = self.spec.query_scale
+        pos = torch.arange(q.shape[2], device=q.device)[None]  # (1, T)
+        pos = pos + (start_pos.to(q.device)[:, None] if torch.is_tensor(start_pos) else start_pos)
+        f = 1.0 + qs.beta * torch.log1p(torch.floor((pos.float() + qs.offset) / qs.period))
+        f = f[:, None, :, None]  # (1 or B, 1, T, 1)
+        return q * f.to(q.dtype) if qs.round_factor else (q * f).to(q.dtype)
+
+    def _chunked(self, q, k, v, k_cache, v_cache, start_pos, end, extra):
+        """Chunked attention over the full cache: each query sees its own chunk only."""
+        c = self.spec.chunk
+        keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
+        values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
+        if not torch.is_tensor(start_pos):
+            return self._chunk_pieces(q, keys, values, start_pos, extra)
+        if q.shape[2] > 1:  # several tokens at per-row positions: row by row
+            rows = zip(q.split(1), keys.split(1), values.split(1), start_pos.tolist(), strict=True)
+            return torch.cat([self._chunk_pieces(*row, extra) for row in rows])
+        # one token per row at per-row positions: gather each row's chunk, in position order
+        first = start_pos - start_pos % c  # (B,)
+        n = min(c, end)
+        idx = (first[:, None] + torch.arange(n, device=q.device)).clamp(max=end - 1)  # (B, n)
+        idx = idx[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        kv = keys.gather(2, idx), values.gather(2, idx)  # past each row's position: masked
+        return kernels.attention(q, *kv, start_pos - first, self.spec.scale, **extra)
+
+    def _chunk_pieces(self, q, keys, values, start: int, extra):
+        """Queries at start.. (one int for the batch), cut at chunk boundaries: each piece
+        attends over its chunk's keys up to its last query."""
+        c, t = self.spec.chunk, q.shape[2]
+        outs, a = [], start
+        while a < start + t:
+            first = a - a % c
+            e = min(first + c, start + t)
+            piece = q[:, :, a - start : e - start]
+            kv = keys[:, :, first:e], values[:, :, first:e]
+            outs.append(kernels.attention(piece, *kv, a - first, self.spec.scale, **extra))
+            a = e
+        return torch.cat(outs, dim=2)

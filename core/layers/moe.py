@@ -107,11 +107,20 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         i, b = spec.intermediate_size, spec.bias
-        self.glu = spec.glu
+        self.glu, self.scale_input = spec.glu, spec.scale_input
         self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i}, b)
         self.down_proj = StackedLinear(spec.num_experts, i, hidden, b)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.scale_input:  # Llama 4: sum_k expert_k(w_k * x), each expert at weight 1
+            ones = torch.ones_like(weights[:, :1])
+            parts = [self.run(x * weights[:, k : k + 1].to(x.dtype), ids[:, k : k + 1], ones)
+                     for k in range(ids.shape[1])]  # fmt: skip
+            return torch.stack(parts).sum(0)
+        return self.run(x, ids, weights)
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k w_k * expert_k(x): the experts' kernel."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if self.glu is None and not hasattr(gate_up, "bias"):
             return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight)

@@ -1,10 +1,11 @@
-"""RMSNorm with fp32 accumulation; Gemma's (offset + weight) form in fp32 throughout."""
+"""RMSNorm with fp32 accumulation; Gemma's (offset + weight) form in fp32 throughout; the
+weightless L2 norm of Llama 4's q and k."""
 
 import torch
 from torch import nn
 
 import kernels
-from core.config import RMSNormSpec
+from core.config import L2NormSpec, RMSNormSpec
 
 
 class RMSNorm(nn.Module):
@@ -30,3 +31,15 @@ class RMSNorm(nn.Module):
         # Gemma: (offset + w) and the product in fp32, cast back once (the kernel's rounding
         # casts before scaling); in fp32 the two agree. OLMo (fp32_scale): the same, offset 0
         return kernels.rms_norm(x.float(), self.scale(), self.eps).to(x.dtype)
+
+
+class L2Norm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) in fp32, cast back: an RMSNorm without weight (Llama 4)."""
+
+    def __init__(self, dim: int, spec: L2NormSpec):
+        super().__init__()
+        self.eps = spec.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)

@@ -263,6 +263,42 @@ def _mistral3(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict
     return {**cfg, "rope_scaling": {**scaling, "llama_4_scaling_beta": beta}}
 
 
+_FF = "model.layers.{}.feed_forward"
+LLAMA4 = {  # the MLP is `feed_forward`: dense, or a router, experts and one shared expert
+    "blk.{}.ffn_gate": f"{_FF}.gate_proj",
+    "blk.{}.ffn_up": f"{_FF}.up_proj",
+    "blk.{}.ffn_down": f"{_FF}.down_proj",
+    "blk.{}.ffn_gate_inp": f"{_FF}.router",
+    "blk.{}.ffn_gate_exps": f"{_FF}.experts.{{e}}.gate_proj",
+    "blk.{}.ffn_up_exps": f"{_FF}.experts.{{e}}.up_proj",
+    "blk.{}.ffn_down_exps": f"{_FF}.experts.{{e}}.down_proj",
+    "blk.{}.ffn_gate_shexp": f"{_FF}.shared_expert.gate_proj",
+    "blk.{}.ffn_up_shexp": f"{_FF}.shared_expert.up_proj",
+    "blk.{}.ffn_down_shexp": f"{_FF}.shared_expert.down_proj",
+}
+
+
+def _llama4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What llama.cpp's llama4 graph implies and the converter does not store: chunks of 8192
+    tokens on 3 layers of 4, the 4th without rope and its queries' temperature tuned (floor
+    8192, scale 0.1); q and k L2-normed unless the file has 128 experts (Maverick). Files
+    without experts or chunks (sliding_window 0: MobileLLM) run otherwise there: refused."""
+    if meta("attention.sliding_window") == 0 or not meta("expert_count"):
+        raise ConfigError(
+            f"{path}: a llama4 file without experts or with llama4.attention.sliding_window 0 "
+            "(MobileLLM) is not supported; Llama 4 Scout and Maverick files are"
+        )
+    return {
+        **cfg,
+        "attention_chunk_size": 8192,
+        "no_rope_layer_interval": 4,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "use_qk_norm": meta("expert_count") != 128,
+    }
+
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -392,6 +428,20 @@ ARCHITECTURES = {
     ),
     # Ministral 3 / Mistral 3's text model: Llama's tensors, q and k in llama.cpp's rope order
     "mistral3": Arch("ministral3", permuted=True, configure=_mistral3),
+    # Llama 4 (Scout, Maverick; the converter writes Llama4ForCausalLM and the text model of a
+    # Llama4ForConditionalGeneration alike): q/k rows as the hub's (its rope pairs (2i, 2i + 1))
+    "llama4": Arch(
+        "llama4_text",
+        tensors=LLAMA4,
+        config={
+            "feed_forward_length": "intermediate_size_mlp",  # the dense layers'
+            "expert_feed_forward_length": "intermediate_size",  # each expert's and the shared
+            "expert_count": "num_local_experts",
+            "expert_used_count": "num_experts_per_tok",
+            "interleave_moe_layer_step": "interleave_moe_layer_step",
+        },
+        configure=_llama4,
+    ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 # LongRoPE (Phi-3's 128k models): the hub's long_factor and short_factor, as float32 tensors

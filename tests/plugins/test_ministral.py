@@ -14,7 +14,7 @@ from conftest import randomize
 from parity import ParitySuite, ids, rel_err
 
 from core import ConfigError, load_model
-from core.config import YarnRope
+from core.config import QueryScale, YarnRope
 from core.cpu_step import why_not
 
 VOCAB = 128
@@ -78,7 +78,7 @@ class TestParity(ParitySuite):
 def test_spec_and_fused_step(ministral):
     m, _ = ministral
     spec = m.net.config.layer_attention(0)
-    assert spec.query_scale == (0.5, 4) and isinstance(m.net.config.rope, YarnRope)
+    assert spec.query_scale == QueryScale(0.5, 4) and isinstance(m.net.config.rope, YarnRope)
     # mistral3: tied, as transformers ties where the top level does not say (TEXT says not to)
     assert m.net.config.tie_word_embeddings == (m.net.config.model_type == "mistral3")
     assert "scales queries by position" in why_not(m.net)
@@ -109,7 +109,7 @@ def test_config_defaults_and_errors():
     bare = {k: v for k, v in TEXT.items() if k != "rope_parameters"}
     cfg = Ministral3Config.from_dict(bare).to_runtime()
     assert isinstance(cfg.rope, YarnRope) and cfg.rope.factor == 16.0
-    assert cfg.attention.query_scale == (0.1, 16384)
+    assert cfg.attention.query_scale == QueryScale(0.1, 16384)
     multi = {"model_type": "mistral3", "text_config": TEXT}
     assert Mistral3Config.from_dict(multi).to_runtime().tie_word_embeddings
     mistral = dict(TEXT, model_type="mistral", rope_parameters=None, rope_theta=1e6)
@@ -131,7 +131,7 @@ def test_registry_shape_is_ministral3_8b():
 
     entry = named_models()["ministral3"]
     cfg = Mistral3Config.from_dict(entry["shape"]).to_runtime()
-    assert cfg.attention.query_scale == (0.1, 16384) and cfg.rope.factor == 16.0
+    assert cfg.attention.query_scale == QueryScale(0.1, 16384) and cfg.rope.factor == 16.0
 
 
 def test_gguf_file_of_llama_cpps_converter_equals_the_checkpoint(tmp_path):
