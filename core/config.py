@@ -122,7 +122,9 @@ class GQASpec:
       each softmax's denominator and attends to nothing (gpt-oss);
     - `qk_norm`: a norm over head_dim of every q and k head before rope (parameters
       `q_norm`, `k_norm`; built from the norm spec's type, like every norm);
-    - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q.
+    - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q;
+    - `qk_norm_all_heads`: the q/k norm spans all heads of q (and of k) at once, over
+      num_heads * head_dim, not each head over head_dim (MiniMax M2).
     """
 
     num_heads: int
@@ -139,6 +141,7 @@ class GQASpec:
     # Qwen3-Next / Qwen3.5: q_proj also yields a gate per head (rows [q_h | gate_h] per head h);
     # the attention output is multiplied by sigmoid(gate) before o_proj
     output_gate: bool = False
+    qk_norm_all_heads: bool = False
 
     def __post_init__(self):
         for name in ("window", "softcap", "softmax_scale"):

@@ -64,6 +64,8 @@ def why_not(net: CausalLM) -> str | None:
                     return f"block {i}'s MLA {name} is a {type(norm).__name__}"
             if net.rope_of_layer[i] is None:
                 return f"block {i} is MLA without rope"
+        elif attn_kind is GQAAttention and attn.spec.qk_norm_all_heads:
+            return f"block {i} norms q and k over all heads at once (the fused step: per head)"
         elif attn_kind is GQAAttention and attn.spec.qk_norm:
             for norm in (attn.q_norm, attn.k_norm):
                 if type(norm) is not RMSNorm:

@@ -71,6 +71,7 @@ BUILTIN_PLUGINS = (
     "plugins.qwen3_moe",
     "plugins.qwen3_next",
     "plugins.glm4_moe",
+    "plugins.minimax_m2",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

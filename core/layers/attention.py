@@ -34,8 +34,9 @@ class GQAAttention(nn.Module):
         self.o_proj = Linear(hq * d, hidden, bias=spec.o_bias)
         if spec.qk_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
             norm = registry().layer(spec.qk_norm)
-            self.q_norm = norm(d, spec.qk_norm)
-            self.k_norm = norm(d, spec.qk_norm)
+            whole = spec.qk_norm_all_heads  # over all heads at once (MiniMax M2)
+            self.q_norm = norm(hq * d if whole else d, spec.qk_norm)
+            self.k_norm = norm(hkv * d if whole else d, spec.qk_norm)
         if spec.sinks:  # one logit per query head (gpt-oss)
             self.sinks = nn.Parameter(torch.zeros(hq))
 
@@ -53,12 +54,14 @@ class GQAAttention(nn.Module):
         b, t, _ = x.shape
         s = self.spec
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        if s.qk_norm_all_heads:  # (B, T, H * D), before the split into heads
+            q, k = self.q_norm(q), self.k_norm(k)
         if s.output_gate:  # (B, T, Hq, 2D) -> q and the output gate, (B, T, Hq, D) each
             q, gate = q.view(b, t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
         q = q.reshape(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if s.qk_norm is not None:
+        if s.qk_norm is not None and not s.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
