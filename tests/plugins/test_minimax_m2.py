@@ -188,3 +188,18 @@ def test_mtp_module_skipped_only_when_declared(tmp_path):
     root, _ = make_minimax(tmp_path, use_mtp=False)  # layer 2 is unexplained
     with pytest.raises(CheckpointError, match=r"unexpected \(model\.layers\.2\."):
         load_model(root, max_seq_len=16)
+
+
+def test_registry_shape_is_minimax_m2():
+    """registry.yaml's `minimax-m2` shape builds (on the meta device) the published 230B model,
+    its 3 MTP modules left out."""
+    from core.hub import named_models
+    from core.modeling import CausalLM
+
+    entry = named_models()["minimax-m2"]
+    assert entry["repo"] == "MiniMaxAI/MiniMax-M2"
+    cfg = MiniMaxM2Config.from_dict(entry["shape"]).to_runtime()
+    assert cfg.rope.dim == 64 and cfg.mtp_layers == 3 and cfg.moe.layers == tuple(range(62))
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "228.7B"
