@@ -70,6 +70,7 @@ WEIGHT_MAP = {
     f"{_L}.mlp.shared_experts.gate_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "gate"),
     f"{_L}.mlp.shared_experts.up_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "up"),
     **ROUTED_EXPERTS,
+    "mtp.*": None,  # a GGUF file's MTP blocks (plugins/formats/gguf.py names them so): not run
 }
 
 

@@ -49,9 +49,10 @@ HUB_KEYS = dict(use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoi
 CASES = ("hub", "stacked")
 
 
-def make_minimax(root, layout: str = "hub", spec: dict = MINIMAX_M2, **hub):
-    """Save a random transformers MiniMax M2 under root in `layout`; `hub` overrides
-    config.json keys. Returns (folder, transformers model)."""
+def make_minimax(root, layout: str = "hub", spec: dict = MINIMAX_M2, mtp: bool = True, **hub):
+    """Save a random transformers MiniMax M2 under root in `layout` (the hub's: with an MTP
+    module unless not `mtp`); `hub` overrides config.json keys. Returns (folder, transformers
+    model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -67,8 +68,9 @@ def make_minimax(root, layout: str = "hub", spec: dict = MINIMAX_M2, **hub):
     if layout == "stacked":  # transformers 5's names, its own config.json
         assert "model.layers.0.mlp.e_score_correction_bias" in save_in_memory_names(root, ref)
     else:
-        cfg = {**hub_style(cfg), **HUB_KEYS}
-        add_mtp_module(root, spec["num_hidden_layers"])
+        cfg = {**hub_style(cfg), **HUB_KEYS, "use_mtp": mtp}
+        if mtp:
+            add_mtp_module(root, spec["num_hidden_layers"])
     path.write_text(json.dumps({**cfg, **hub}))
     return root, ref
 
