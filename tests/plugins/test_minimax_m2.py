@@ -205,3 +205,33 @@ def test_registry_shape_is_minimax_m2():
     with torch.device("meta"):
         net = CausalLM(cfg)
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "228.7B"
+
+
+@torch.no_grad()
+def test_block_fp8_checkpoint_as_released(tmp_path):
+    """MiniMax's own weights are block fp8 with `fmt: float8_e4m3fn` (the router, its bias and
+    the head left out): the fp8 folder loads to the logits of the same weights dequantized."""
+    from test_fp8 import dequantize, quantize
+
+    root, _ = make_minimax(tmp_path / "fp8", mtp=False)
+    path, block = root / "model.safetensors", (16, 16)
+    state = load_file(path)
+    deq = dict(state)
+    for name in [n for n in state if n.endswith(("_proj.weight", ".w1.weight", ".w2.weight",
+                                                  ".w3.weight"))]:  # fmt: skip
+        fp8, scale = quantize(state[name], block)
+        state[name], state[name + "_scale_inv"] = fp8, scale
+        deq[name] = dequantize(fp8, scale, block)
+    save_file(state, path, metadata={"format": "pt"})
+    floats = tmp_path / "floats"
+    floats.mkdir()
+    save_file(deq, floats / "model.safetensors", metadata={"format": "pt"})
+    (floats / "config.json").write_text((root / "config.json").read_text())
+    qc = dict(quant_method="fp8", fmt="float8_e4m3fn", activation_scheme="dynamic",
+              weight_block_size=list(block),
+              modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])  # fmt: skip
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    x = ids(VOCAB, 1, 12)
+    want = load_model(floats, max_seq_len=16).forward(x)
+    assert rel_err(load_model(root, max_seq_len=16).forward(x), want) < 1e-5
