@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from conftest import hub_style, randomize
+from conftest import hub_style, randomize, save_in_memory_names
 from parity import ParitySuite, check_prefill, ids, rel_err
 from safetensors.torch import load_file, save_file
 
@@ -56,7 +56,10 @@ GLM45 = dict(
 # GLM-4.5-Air-style: no q/k norm, one group, scale 1, two shared experts
 AIR = dict(GLM45, use_qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0,
            n_shared_experts=2)  # fmt: skip
-CASES = {"glm-4.5": GLM45, "air": AIR}
+# as transformers 5 saves it: partial_rotary_factor only in rope_parameters (a quarter here),
+# the routed experts stacked (mlp.experts.gate_up_proj, no .weight leaf), no MTP layer
+T5 = dict(GLM45, partial_rotary_factor=0.25)
+CASES = {"glm-4.5": (GLM45, "hub"), "air": (AIR, "hub"), "transformers-5": (T5, "stacked")}
 TRANSFORMERS_ONLY = ("rope_parameters", "num_mtp_layers")
 
 
@@ -85,9 +88,10 @@ def add_mtp_layer(root, ref) -> None:
     save_file({k: v.contiguous() for k, v in out.items()}, path, metadata={"format": "pt"})
 
 
-def make_glm(root, spec: dict, mtp: int = 1, **hub):
-    """Save a random transformers GLM-4-MoE under root as the hub ships it; `hub` overrides
-    config.json keys. Returns (folder, transformers model)."""
+def make_glm(root, spec: dict, mtp: int = 1, layout: str = "hub", **hub):
+    """Save a random transformers GLM-4-MoE under root as the hub ships it (`layout` "hub"),
+    or as transformers 5 holds it ("stacked": its config.json and in-memory names, no MTP
+    layer); `hub` overrides config.json keys. Returns (folder, transformers model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -96,6 +100,10 @@ def make_glm(root, spec: dict, mtp: int = 1, **hub):
     randomize(ref)
     set_correction_bias(ref)
     ref.save_pretrained(root)
+    if layout == "stacked":
+        assert "model.layers.1.mlp.experts.gate_up_proj" in save_in_memory_names(root, ref)
+        assert "partial_rotary_factor" not in json.loads((root / "config.json").read_text())
+        return root, ref
     if mtp:
         add_mtp_layer(root, ref)
     cfg = hub_style(json.loads((root / "config.json").read_text()))
@@ -108,7 +116,8 @@ def make_glm(root, spec: dict, mtp: int = 1, **hub):
 @pytest.fixture(scope="module", params=list(CASES))
 def glm(request, tmp_path_factory):
     """(loaded model, transformers reference) per case, built once per module."""
-    root, ref = make_glm(tmp_path_factory.mktemp(request.param), CASES[request.param])
+    spec, layout = CASES[request.param]
+    root, ref = make_glm(tmp_path_factory.mktemp(request.param), spec, layout=layout)
     return load_model(root, max_seq_len=64, max_batch_size=2), ref
 
 
@@ -141,6 +150,13 @@ def test_each_feature_moves_the_logits(glm):
             assert rel_err(m.forward(x), ref(x).logits) > 1e-3
         finally:
             param.copy_(saved)
+
+
+def test_rotary_dims_are_transformers(glm):
+    """Rope turns as many dims of each head as transformers' rope table holds (the top-level
+    key in the hub's config.json, rope_parameters' in transformers 5's)."""
+    m, ref = glm
+    assert m.config.rope.dim == int(16 * ref.config.rope_parameters["partial_rotary_factor"])
 
 
 @torch.no_grad()
