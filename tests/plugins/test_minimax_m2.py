@@ -193,18 +193,16 @@ def test_mtp_module_skipped_only_when_declared(tmp_path):
 
 
 def test_registry_shape_is_minimax_m2():
-    """registry.yaml's `minimax-m2` shape builds (on the meta device) the published 230B model,
-    its 3 MTP modules left out."""
+    """registry.yaml's `minimax-m2` shape reads as MiniMax's: 62 MoE layers, half-rotated heads
+    of 128, q/k norms over all heads, 3 MTP modules skipped (tests/core/test_registry_shapes.py
+    checks its parameter count, 228.7B: 230B on the card)."""
     from core.hub import named_models
-    from core.modeling import CausalLM
 
     entry = named_models()["minimax-m2"]
     assert entry["repo"] == "MiniMaxAI/MiniMax-M2"
     cfg = MiniMaxM2Config.from_dict(entry["shape"]).to_runtime()
     assert cfg.rope.dim == 64 and cfg.mtp_layers == 3 and cfg.moe.layers == tuple(range(62))
-    with torch.device("meta"):
-        net = CausalLM(cfg)
-    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "228.7B"
+    assert cfg.attention.qk_norm_all_heads and cfg.moe.top_k == 8
 
 
 @torch.no_grad()
