@@ -187,9 +187,12 @@ def test_bad_configs_name_the_field(changes, field):
 
 
 def test_mtp_module_skipped_only_when_declared(tmp_path):
-    root, _ = make_minimax(tmp_path, use_mtp=False)  # layer 2 is unexplained
+    root, _ = make_minimax(tmp_path / "a", use_mtp=False)  # layer 2 is unexplained
     with pytest.raises(CheckpointError, match=r"unexpected \(model\.layers\.2\."):
         load_model(root, max_seq_len=16)
+    # as released: 3 MTP modules declared, none in the weights
+    root, _ = make_minimax(tmp_path / "b", mtp=False, use_mtp=True, num_mtp_modules=3)
+    assert load_model(root, max_seq_len=16).config.mtp_layers == 3
 
 
 def test_registry_shape_is_minimax_m2():
