@@ -1,8 +1,8 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu/decode.py).
 
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
-and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms and a
-sigmoid output gate, DeepSeek's MLA, or a gated DeltaNet layer; a gated SiLU / GELU MLP or a
+and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
+head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, or a gated DeltaNet layer; a gated SiLU / GELU MLP or a
 MoE: any routing of `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or
 without biases, shared experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
@@ -64,8 +64,6 @@ def why_not(net: CausalLM) -> str | None:
                     return f"block {i}'s MLA {name} is a {type(norm).__name__}"
             if net.rope_of_layer[i] is None:
                 return f"block {i} is MLA without rope"
-        elif attn_kind is GQAAttention and attn.spec.qk_norm_all_heads:
-            return f"block {i} norms q and k over all heads at once (the fused step: per head)"
         elif attn_kind is GQAAttention and attn.spec.qk_norm:
             for norm in (attn.q_norm, attn.k_norm):
                 if type(norm) is not RMSNorm:
@@ -204,6 +202,7 @@ def _attention(net: CausalLM, i: int, attn: GQAAttention, k, v) -> dict:
         sinks=attn.sinks if s.sinks else None,
         qk_norm=_qk_norm(attn),
         output_gate=s.output_gate,
+        qk_whole=s.qk_norm_all_heads,
     )
 
 

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from conftest import hub_style, randomize, save_in_memory_names
+from fixtures.fused_steps import decode, feed
 from parity import ParitySuite, ids, rel_err
 from safetensors.torch import load_file, save_file
 
@@ -123,23 +124,20 @@ def test_each_feature_moves_the_logits(minimax):
 
 
 @torch.no_grad()
-def test_norm_over_all_heads_is_not_per_head(tmp_path):
-    """The mean square runs over all of q's heads: per head (each head's own mean square,
-    the weights as loaded) the logits move. The fused CPU step, which norms per head,
-    refuses the model (so greedy decoding, run by the modules, still matches)."""
-    root, ref = make_minimax(tmp_path)
-    m = load_model(root, max_seq_len=32)
-    assert "norms q and k over all heads" in why_not(m.net)
-    attn = m.net.model.layers[0].self_attn
-    x = ids(VOCAB, 1, 12)
-    want = ref(x).logits
+def test_fused_cpu_step_norms_over_all_heads(minimax):
+    """The mean square runs over all of q's heads (per head, the weights as loaded, q moves);
+    the fused CPU decode step norms so too: ragged rows decoded through it equal the modules'
+    (and the parity suite's greedy and ragged checks, which it runs, equal transformers')."""
+    m, _ = minimax
+    assert why_not(m.net) is None
+    q_norm = m.net.model.layers[0].self_attn.q_norm
     q = torch.randn(1, 3, 64)
-    whole = attn.q_norm(q)
     per_head = q.view(1, 3, 4, 16)
     per_head = per_head * per_head.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
-    assert not torch.allclose(whole, per_head.view(1, 3, 64) * attn.q_norm.weight, atol=1e-3)
-    m.reset()
-    assert rel_err(m.forward(x), want) < 1e-4
+    assert not torch.allclose(q_norm(q), per_head.view(1, 3, 64) * q_norm.weight, atol=1e-3)
+    tokens = feed()
+    for got, want in zip(decode(m, True, tokens), decode(m, False, tokens), strict=True):
+        assert rel_err(got, want) < 1e-5
 
 
 def test_rotary_dim_is_read(tmp_path):
