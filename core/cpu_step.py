@@ -2,9 +2,10 @@
 
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
 and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
-head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, or a gated DeltaNet layer; a gated SiLU / GELU MLP or a
-MoE: any routing of `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or
-without biases, shared experts gated or not; weights fp32 or kept quantized), the step
+head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, or a
+gated DeltaNet layer; a gated SiLU / GELU MLP or a MoE: any routing of
+`core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases,
+shared experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
