@@ -147,7 +147,8 @@ class GQASpec:
       `q_norm`, `k_norm`; built from the norm spec's type, like every norm);
     - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q;
     - `qk_norm_all_heads`: `qk_norm` runs over the whole q and k projections (all heads
-      together: num_heads * head_dim and num_kv_heads * head_dim) instead of per head (OLMo 2/3);
+      together: num_heads * head_dim and num_kv_heads * head_dim) instead of per head (OLMo 2 /
+      3, MiniMax M2);
     - `query_scale`: a `QueryScale`, q times a factor that grows with its position
       (Ministral 3's llama_4_scaling_beta, Llama 4's NoPE temperature tuning);
     - `chunk`: attend only within the query's chunk, positions (p // chunk) * chunk .. p

@@ -1,10 +1,11 @@
 """The eager decode step on CPUs: every decoder block in one C call (kernels/cpu/decode.py).
 
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
-and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms and a
-sigmoid output gate, DeepSeek's MLA, or a gated DeltaNet layer; a gated SiLU / GELU MLP or a
-MoE: any routing of `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or
-without biases, shared experts gated or not; weights fp32 or kept quantized), the step
+and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
+head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, or a
+gated DeltaNet layer; a gated SiLU / GELU MLP or a MoE: any routing of
+`core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases,
+shared experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -49,8 +50,6 @@ def why_not(net: CausalLM) -> str | None:
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
         spec = getattr(attn, "spec", None)
-        if getattr(spec, "qk_norm_all_heads", False):
-            return f"block {i} norms q and k over all heads (the fused step: per head)"
         if getattr(spec, "query_scale", None) is not None:
             return f"block {i} scales queries by position (the fused step: no query scale)"
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
@@ -222,6 +221,7 @@ def _attention(net: CausalLM, i: int, attn: GQAAttention, k, v) -> dict:
         sinks=attn.sinks if s.sinks else None,
         qk_norm=_qk_norm(attn),
         output_gate=s.output_gate,
+        qk_whole=s.qk_norm_all_heads,
     )
 
 

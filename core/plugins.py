@@ -74,6 +74,8 @@ BUILTIN_PLUGINS = (
     "plugins.ministral",
     "plugins.kimi",
     "plugins.llama4",
+    "plugins.glm4_moe",
+    "plugins.minimax_m2",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

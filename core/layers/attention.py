@@ -37,10 +37,9 @@ class GQAAttention(nn.Module):
         self.o_proj = Linear(hq * d, hidden, bias=spec.o_bias)
         if spec.qk_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
             norm = registry().layer(spec.qk_norm)
-            # OLMo 2 / 3: over the whole projection, all heads together
-            qd, kd = (hq * d, hkv * d) if spec.qk_norm_all_heads else (d, d)
-            self.q_norm = norm(qd, spec.qk_norm)
-            self.k_norm = norm(kd, spec.qk_norm)
+            whole = spec.qk_norm_all_heads  # over all heads at once (MiniMax M2)
+            self.q_norm = norm(hq * d if whole else d, spec.qk_norm)
+            self.k_norm = norm(hkv * d if whole else d, spec.qk_norm)
         if spec.sinks:  # one logit per query head (gpt-oss)
             self.sinks = nn.Parameter(torch.zeros(hq))
 
@@ -58,7 +57,7 @@ class GQAAttention(nn.Module):
         b, t, _ = x.shape
         s = self.spec
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        if s.qk_norm_all_heads:  # (B, T, H * D): before the split into heads
+        if s.qk_norm_all_heads:  # (B, T, H * D), before the split into heads
             q, k = self.q_norm(q), self.k_norm(k)
         if s.output_gate:  # (B, T, Hq, 2D) -> q and the output gate, (B, T, Hq, D) each
             q, gate = q.view(b, t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)

@@ -58,6 +58,7 @@ typedef struct {
     const float *post1, *post2;  // or NULL
     float post_eps1, post_eps2;
     const zmla_t *mla;  // latent attention in place of qkv / the k, v caches (hq = hkv, d = dv)
+    int64_t qk_whole;   // qnorm / knorm span all of q's (k's) heads at once (MiniMax M2)
 } zblock_t;
 
 // Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
@@ -190,6 +191,14 @@ static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, i
     const int64_t qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs floats apart
     zoo_linear_share(&b->qkv, xn, qkv, M, t, T, px, buf);
     zoo_meet(bar, T);
+    if (b->qk_whole) {  // each row's whole q and k normed first: the heads below read them all
+        for (int64_t r = M * t / T; r < M * (t + 1) / T; r++) {
+            float *qr = qkv + r * nq, *kr = qr + b->hq * dh;
+            zoo_rms_norm(qr, NULL, NULL, b->qnorm, qr, 1, b->hq * dh, b->qk_eps);
+            zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, b->hkv * dh, b->qk_eps);
+        }
+        zoo_meet(bar, T);
+    }
     for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
         const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
         const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
@@ -199,7 +208,7 @@ static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, i
         const int64_t ka = c * b->ksb + kh * b->ksh, va = c * b->vsb + kh * b->vsh;
         void *kc = slot_at(b->k, ka + slot * b->kss, b->kv_half);
         void *vc = slot_at(b->v, va + slot * b->vss, b->kv_half);
-        if (b->knorm) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
+        if (b->knorm && !b->qk_whole) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
         rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
         if (b->kv_half) {
             zoo_float_to_half(kr, kc, dh);
@@ -210,7 +219,8 @@ static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, i
         }
         for (int64_t g = 0; g < group; g++) {
             memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
-            if (b->qnorm) zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh, b->qk_eps);
+            if (b->qnorm && !b->qk_whole)
+                zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh, b->qk_eps);
             rotate(b, q + g * dh, r, cos, sin, cstride);
         }
         const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;

@@ -50,6 +50,7 @@ class _Block(ctypes.Structure):
         ("kv_half", I64), ("qnorm", PTR), ("knorm", PTR), ("qk_eps", F32), ("moe", PTR),
         ("delta", PTR), ("ogate", I64),
         ("post1", PTR), ("post2", PTR), ("post_eps1", F32), ("post_eps2", F32), ("mla", PTR),
+        ("qk_whole", I64),
     ]  # fmt: skip
 
 
@@ -98,6 +99,7 @@ class Block:
     # (attention's, the MLP's) output RMSNorm (weight, eps) before each residual add, or None
     post_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None
     mla: Latent | None = None  # in place of qkv and the k / v caches
+    qk_whole: bool = False  # qk_norm's weights span all heads at once (MiniMax M2), not one head
 
 
 # a Block's attention fields where its layer is not attention (`delta`)
@@ -119,10 +121,13 @@ def _gqa(c, b: Block, keep: list) -> bool:
         return False
     if b.qk_norm is not None:
         qn, kn, eps = b.qk_norm
-        if not (is_fp32(qn) and is_fp32(kn) and qn.shape == kn.shape == (d,)):
+        q_size, k_size = (b.heads * d, b.kv_heads * d) if b.qk_whole else (d, d)
+        if not (is_fp32(qn) and is_fp32(kn) and qn.shape == (q_size,) and kn.shape == (k_size,)):
             return False
+        if b.qk_whole and b.output_gate:
+            return False  # (q's rows then interleave the gate's)
         keep.append((qn, kn))
-        c.qnorm, c.knorm, c.qk_eps = qn.data_ptr(), kn.data_ptr(), eps
+        c.qnorm, c.knorm, c.qk_eps, c.qk_whole = qn.data_ptr(), kn.data_ptr(), eps, b.qk_whole
     keep.append((b.k_cache, b.v_cache))
     c.qkv = qkv
     c.k, c.v = b.k_cache.data_ptr(), b.v_cache.data_ptr()

@@ -182,6 +182,8 @@ class GGUFCheckpoint:
         cfg["rope_scaling"] = self._rope_scaling(cfg)
         cfg["tie_word_embeddings"] = "output.weight" not in self.file.tensors
         cfg["attention_bias"] = "blk.0.attn_q.bias" in self.file.tensors
+        if self.spec.qk_norm_key:
+            cfg[self.spec.qk_norm_key] = "blk.0.attn_q_norm.weight" in self.file.tensors
         cfg["torch_dtype"] = FILE_DTYPES.get(meta.get("general.file_type"), "bfloat16")
         gen = self.generation_config()
         cfg.update({k: v for k, v in gen.items() if k in ("bos_token_id", "eos_token_id")})

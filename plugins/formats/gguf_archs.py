@@ -58,6 +58,9 @@ class Arch:
     norm_offset: float = 0.0  # llama.cpp stored each norm weight plus this (Gemma's 1 + w: 1)
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # implied beside a stored scaling
     fixes: dict[str, Fix] = field(default_factory=dict)  # file template -> what to undo on read
+    # the config key that says whether q and k are normed, set from the file's attn_q_norm
+    # tensors where the metadata does not store it (GLM-4.5: `use_qk_norm`)
+    qk_norm_key: str | None = None
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -297,6 +300,34 @@ def _llama4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[s
         "attn_scale": 0.1,
         "use_qk_norm": meta("expert_count") != 128,
     }
+# GLM-4.5 / 4.6 / 4.7: DeepSeek V3's MoE under GQA; the norm before the MLP is written as
+# post_attention_norm; the MTP layer (blocks past block_count - nextn_predict_layers) is not run
+GLM4MOE = {
+    **{k: v for k, v in DEEPSEEK2.items() if not k.startswith("blk.{}.attn_")},
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+}
+GLM4MOE_KEYS = {
+    **MOE_KEYS,
+    "expert_count": "n_routed_experts",
+    "expert_shared_count": "n_shared_experts",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "expert_weights_scale": "routed_scaling_factor",
+}
+# MiniMax M2: Mixtral's expert names, the router's correction bias beside the gate
+MINIMAXM2 = {
+    **MIXTRAL,
+    "blk.{}.exp_probs_b.bias": "model.layers.{}.block_sparse_moe.e_score_correction_bias",
+}
+
+
+def _glm4moe(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """GLM-4.5's flags that a zero or false value leaves out of the renames: expert_weights_norm
+    (absent: false, as llama.cpp reads it), nextn_predict_layers (absent: a file converted
+    without its MTP layer)."""
+    norm, mtp = bool(meta("expert_weights_norm", False)), meta("nextn_predict_layers", 0)
+    return {**cfg, "norm_topk_prob": norm, "num_nextn_predict_layers": mtp}
 
 
 ARCHITECTURES = {
@@ -441,6 +472,21 @@ ARCHITECTURES = {
             "interleave_moe_layer_step": "interleave_moe_layer_step",
         },
         configure=_llama4,
+    ),
+    "glm4moe": Arch(
+        "glm4_moe",
+        tensors=GLM4MOE,
+        config=GLM4MOE_KEYS,
+        partial_rope=True,
+        configure=_glm4moe,
+        qk_norm_key="use_qk_norm",
+    ),
+    # llama.cpp's minimax-m2 graph: sigmoid scores plus the bias, renormalised; no MTP written
+    "minimax-m2": Arch(
+        "minimax_m2",
+        tensors=MINIMAXM2,
+        config={"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+        partial_rope=True,
     ),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors

@@ -61,7 +61,7 @@ class BlockFP8:
                 "fp8 checkpoints (quant_method 'fp8'); use a bf16 conversion of these weights"
             )
         fmt = qc.get("fmt", "e4m3")  # transformers' FineGrainedFP8Config has no fmt: e4m3
-        if fmt != "e4m3":
+        if fmt not in ("e4m3", "float8_e4m3fn"):  # the latter: MiniMax M2's spelling
             raise ConfigError(
                 f"{source}: {_FIELD}.fmt' is {fmt!r}; fp8 weights must be 'e4m3' (float8_e4m3fn)"
             )

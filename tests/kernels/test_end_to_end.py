@@ -45,6 +45,9 @@ PARITY_TESTS = [
     "test_greedy_tokens_identical",
     "test_ragged_batch_at_per_row_positions",  # per-row positions, then a ragged greedy batch
 ]
+# the 2026 families (issue 35): their prefill and decode through the kernels; the greedy and
+# ragged-batch paths are the same kernels, run by the suites above
+PREFILL_DECODE = PARITY_TESTS[:2]
 EXAMPLE_TESTS = [  # the example plugins' suites (self-contained: no parity.py)
     "test_matches_transformers",  # prefill, decode steps, batch of two, greedy tokens
     "test_ragged_batch_matches_transformers",
@@ -73,20 +76,15 @@ SUITES = {
         "test_mxfp4_checkpoint_matches_transformers_dequantized",
     ],
     # post-norms only, q/k norms over all heads, window layers on plain rope beside YaRN
-    "tests/plugins/test_olmo.py": [
-        "test_prefill_logits_match",
-        "test_decode_steps_match_full_sequence",
-    ],
+    "tests/plugins/test_olmo.py": PREFILL_DECODE,
     # YaRN and the queries' per-position scale; a multimodal checkpoint's text model
-    "tests/plugins/test_ministral.py": [
-        "test_prefill_logits_match",
-        "test_decode_steps_match_full_sequence",
-    ],
+    "tests/plugins/test_ministral.py": PREFILL_DECODE,
     # chunked attention (prefill pieces per chunk), NoPE temperature, input-scaled experts
-    "tests/plugins/test_llama4.py": [
-        "test_prefill_logits_match",
-        "test_decode_steps_match_full_sequence",
-    ],
+    "tests/plugins/test_llama4.py": PREFILL_DECODE,
+    # GLM-4.5: partial half-split rope, q/k/v biases, per-head q/k norms, grouped noaux_tc MoE
+    "tests/plugins/test_glm4_moe.py": PREFILL_DECODE,
+    # MiniMax M2: q/k norms over all heads at once, sigmoid routing with a correction bias
+    "tests/plugins/test_minimax_m2.py": PREFILL_DECODE,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }

@@ -37,7 +37,9 @@ from fixtures.tool_templates import GPT_OSS as HARMONY
 from safetensors.torch import load_file, save_file
 from test_deepseek import V3, make_deepseek
 from test_gemma import GEMMA, GEMMA2, GEMMA3, gemma_checkpoint
+from test_glm4_moe import GLM45, make_glm
 from test_gpt_oss import GPT_OSS, to_mxfp4
+from test_minimax_m2 import MINIMAX_M2, make_minimax
 from test_mistral import MISTRAL_V03
 from test_mixtral import MIXTRAL
 from test_phi3 import PHI3_MINI, PHI4_MINI, ROT
@@ -99,6 +101,24 @@ DEEPSEEK_DENSE = dict(
 # expert weighted by its own probability). Experts 32 wide, as qwen3moe's.
 HYBRID_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=4)
 
+# GLM's tokenizer specials: the converter names [gMASK] its BOS, <|user|> its EOT, <|observation|>
+# its EOM, which GLM's config.json lists as EOS beside <|endoftext|>
+GLM4_TOKENIZER = dataclasses.replace(
+    QWEN2, name="glm4", eos="<|endoftext|>", pad="<|endoftext|>",
+    specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+              "<|observation|>"),
+)  # fmt: skip
+
+
+def glm4moe(folder, **changes):
+    """test_glm4_moe's GLM-4.5 with its MTP layer (the converter writes it as a block after
+    the model's), its token ids as GLM's config.json has them; experts 32 wide, as qwen3moe's."""
+    added = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    ids = {t["content"]: int(i) for i, t in added.items()}
+    eos = [ids[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    changes.update(bos_token_id=ids["[gMASK]"], eos_token_id=eos)
+    make_glm(folder, dict(GLM45, moe_intermediate_size=32, **changes))
+
 
 CASES = {  # name: (spec or maker, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
@@ -154,6 +174,17 @@ CASES = {  # name: (spec or maker, the file's general.architecture)
     "qwen3next": (hybrid(dict(QWEN3_NEXT, mlp_only_layers=[], **HYBRID_MOE)), "qwen3next"),
     "qwen35": (hybrid(QWEN3_5), "qwen35"),
     "qwen35moe": (hybrid(dict(QWEN3_5_MOE, **HYBRID_MOE)), "qwen35moe"),
+    # GQA with q/k/v biases and q/k norms, half-rotated heads, a dense first layer, grouped
+    # sigmoid routing with a correction bias, a shared expert; the MTP layer not run
+    "glm4moe": (glm4moe, "glm4moe"),
+    # q/k norms over all heads, half-rotated heads, sigmoid routing with a correction bias
+    # (the converter takes no MTP module: the released checkpoints ship none)
+    "minimax-m2": (
+        lambda folder, **changes: make_minimax(
+            folder, spec=dict(MINIMAX_M2, intermediate_size=32, **changes), mtp=False
+        ),
+        "minimax-m2",
+    ),
 }
 
 
@@ -181,6 +212,7 @@ TOKENIZERS = {
     "gpt-oss-mxfp4": HARMONY,
     # Qwen3.5's: Qwen2.5's regex with combining marks kept in words
     **dict.fromkeys(("qwen35", "qwen35moe"), dataclasses.replace(QWEN2, pattern=QWEN35_PATTERN)),
+    "glm4moe": GLM4_TOKENIZER,
 }
 # the tokenizer.ggml.pre llama.cpp names a case's regex by (unlisted: Qwen2.5's, `qwen2`)
 PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o", "qwen35": "qwen35", "qwen35moe": "qwen35"}
@@ -448,3 +480,17 @@ def test_longrope_attention_factor_kept_only_where_the_lengths_do_not_imply_it(t
     assert rope["attention_factor"] == pytest.approx(yarn, rel=1e-6)
     with pytest.raises(CheckpointError, match="rope_factors_short"):
         GGUFCheckpoint(longrope_file(tmp_path / "c.gguf", implied, short=False)).config()
+
+
+@pytest.mark.parametrize("case", ["glm4moe"], indirect=True)
+def test_glm4moe_file_without_its_mtp_layer(case, loaded, tmp_path):
+    """GLM converted with `--no-mtp` (no nextn_predict_layers, no MTP block) loads to the same
+    model, declaring no MTP layer; the file with it holds its block as mtp.* names."""
+    _, folder, path, _ = case
+    assert GGUFCheckpoint(path).config()["num_nextn_predict_layers"] == 1
+    assert any(n.startswith("mtp.blk.3.") for n in GGUFCheckpoint(path).tensor_names())
+    short = convert(folder, tmp_path / "no_mtp.gguf", flags=("--no-mtp",))
+    m = load_model(short, max_seq_len=64, max_batch_size=2, dtype="float32")
+    assert m.config.mtp_layers == 0 and m.config.num_layers == 3
+    x = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    assert rel_err(m.forward(x), loaded[1].forward(x)) <= 1e-4
