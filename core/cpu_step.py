@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from core.config import SparseMLASpec
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
 from core.layers.mla import MLAAttention
@@ -46,6 +47,9 @@ def why_not(net: CausalLM) -> str | None:
         if layer.reduce is not None:
             return f"block {i} sums its outputs over tensor-parallel ranks"
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(getattr(attn, "spec", None), SparseMLASpec):
+            k = attn.spec.index_topk
+            return f"block {i} is DeepSeek sparse attention (top-{k} keys; the fused step: dense)"
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
         attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
         kinds = [(attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
@@ -133,6 +137,9 @@ def blocks(net: CausalLM) -> Blocks | None:
     out = []
     for i, layer in enumerate(net.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(getattr(attn, "spec", None), SparseMLASpec):
+            k = attn.spec.index_topk
+            return f"block {i} is DeepSeek sparse attention (top-{k} keys; the fused step: dense)"
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
         if type(attn) is GatedDeltaNet:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
