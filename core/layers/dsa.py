@@ -110,7 +110,7 @@ class SparseMLAAttention(MLAAttention):
     def forward(self, x, cos, sin, *cache_and_positions):
         """(x, cos, sin, latent, k_pe[, index_k], start_pos, end, lengths): layers with an
         indexer have its key cache after MLA's two (SparseMLASpec.cache_layout)."""
-        *cache, start_pos, end, lengths = cache_and_positions
+        *cache, start_pos, end, _ = cache_and_positions  # (lengths: full layers need none)
         q_in = self._query_input(x)
         q_lat, q_pe, latents, k_pes = self._attention_inputs(
             x, q_in, cos, sin, cache[0], cache[1], start_pos, end

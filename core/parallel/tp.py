@@ -44,7 +44,8 @@ def _problems(cfg: RuntimeConfig, n: int) -> list[tuple[str, int, str]]:
             if a.num_kv_heads % n and n % a.num_kv_heads:
                 out.append(("num_key_value_heads", a.num_kv_heads, "a multiple or divisor of tp"))
         elif isinstance(a, SparseMLASpec):  # the indexer and its selection are not split
-            out.append((f"layer {i}'s DeepSeek sparse attention", 0, "a kind tensor parallelism splits"))
+            what = f"layer {i}'s DeepSeek sparse attention"
+            out.append((what, 0, "a kind tensor parallelism splits"))
         elif isinstance(a, MLASpec):
             if a.num_heads % n:
                 out.append(("num_attention_heads", a.num_heads, "divisible by tp"))
