@@ -28,7 +28,8 @@ class DeepseekV32Config(DeepseekV3Config):
     indexer_rope_interleave: bool | None = None
     # differs from v3: MoE layers by kind ("dense" | "sparse"), else first_k_dense_replace on
     mlp_layer_types: list[Literal["dense", "sparse"]] | None = None
-    # transformers 5 writes every layer's kind out: "indexed_attention"
+    # transformers 5 writes every layer's kind out: "indexed_attention" (later versions:
+    # "deepseek_sparse_attention")
     layer_types: list[str] | None = None
 
     def rope_interleaved(self) -> bool:
@@ -76,7 +77,8 @@ class DeepseekV32Config(DeepseekV3Config):
 
     def attention_layers(self, base: Any) -> tuple[Any, ...]:
         n = self.num_hidden_layers
-        bad = sorted({k for k in (self.layer_types or [])[:n] if k != "indexed_attention"})
+        kinds = set((self.layer_types or [])[:n])
+        bad = sorted(kinds - {"indexed_attention", "deepseek_sparse_attention"})
         if bad:
             raise ConfigError(
                 f"config.json: field 'layer_types' holds {', '.join(map(repr, bad))}; "

@@ -72,6 +72,12 @@ SUITES = {
         *PARITY_TESTS,
         "test_mxfp4_checkpoint_matches_transformers_dequantized",
     ],
+    # DeepSeek sparse attention: MLA's projections and rope through Triton, the top-k masked
+    # latent attention in torch (no Triton kernel takes a key selection); prefill and decode only
+    "tests/plugins/test_deepseek_v32.py": [
+        "test_prefill_logits_match",
+        "test_decode_steps_match_full_sequence",
+    ],
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }

@@ -198,3 +198,26 @@ def test_bad_configs_name_the_field(changes, field):
 def test_bad_glm_schedules_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         GlmMoeDsaConfig.from_dict({**GLM, **changes}).to_runtime()
+
+
+@pytest.mark.parametrize(
+    ("name", "repo", "config", "params"),
+    [
+        ("deepseek-v3.2", "deepseek-ai/DeepSeek-V3.2", DeepseekV32Config, "671.9B"),
+        ("glm-5", "zai-org/GLM-5", GlmMoeDsaConfig, "743.9B"),
+    ],
+)
+def test_registry_shapes_are_the_published_models(name, repo, config, params):
+    """registry.yaml's shapes build (on the meta device) the published models: DeepSeek V3.2's
+    671B without its 14B MTP layer, GLM-5's 744B (MTP layer skipped likewise)."""
+    from core.hub import named_models
+    from core.modeling import CausalLM
+
+    entry = named_models()[name]
+    assert entry["repo"] == repo
+    cfg = config.from_dict(entry["shape"]).to_runtime()
+    assert all(isinstance(s, SparseMLASpec) for s in cfg.attention_layers)
+    assert cfg.attention.index_topk == 2048 and cfg.mtp_layers == 1
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == params
