@@ -148,8 +148,12 @@ class GlmMoeDsaConfig(DeepseekV32Config):
         return list(kinds[:n])
 
 
+# DSA's indexer keeps its hub names (self_attn.indexer.*): the weight map is V3's, plus the
+# MTP block of a GGUF file (llama.cpp's converters keep it; the GGUF reader names it mtp.*)
+DSA_WEIGHT_MAP = {**WEIGHT_MAP, "mtp.*": None}
+
+
 @hookimpl
 def zoo_register_architectures(registry):
-    # DSA's indexer keeps its hub names (self_attn.indexer.*): the weight map is V3's
-    registry.add_architecture(("deepseek_v32",), DeepseekV32Config, WEIGHT_MAP)
-    registry.add_architecture(("glm_moe_dsa",), GlmMoeDsaConfig, WEIGHT_MAP)
+    registry.add_architecture(("deepseek_v32",), DeepseekV32Config, DSA_WEIGHT_MAP)
+    registry.add_architecture(("glm_moe_dsa",), GlmMoeDsaConfig, DSA_WEIGHT_MAP)
