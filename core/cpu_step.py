@@ -49,7 +49,7 @@ def why_not(net: CausalLM) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if isinstance(getattr(attn, "spec", None), SparseMLASpec):
             k = attn.spec.index_topk
-            return f"block {i} is DeepSeek sparse attention (top-{k} keys; the fused step: dense)"
+            return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
         attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
         kinds = [(attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
@@ -139,7 +139,7 @@ def blocks(net: CausalLM) -> Blocks | None:
         attn, mlp = layer.self_attn, layer.mlp
         if isinstance(getattr(attn, "spec", None), SparseMLASpec):
             k = attn.spec.index_topk
-            return f"block {i} is DeepSeek sparse attention (top-{k} keys; the fused step: dense)"
+            return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
         if type(attn) is GatedDeltaNet:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))

@@ -130,7 +130,10 @@ def test_cache_holds_the_indexer_keys(dsa):
 
 def test_fused_cpu_step_refuses_sparse_attention(dsa):
     m = dsa[0]
-    assert "sparse attention (top-5 keys" in why_not(m.net)
+    assert (
+        why_not(m.net) == "block 0 is DeepSeek sparse attention (top-5 keys), not the fused step's"
+    )
+    assert m.step.fused.why_not() is not None  # so greedy decoding (TestParity) ran the modules
 
 
 @torch.no_grad()
