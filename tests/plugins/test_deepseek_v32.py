@@ -4,13 +4,14 @@ random checkpoints in fp32.
 index_topk (5) is well below the prompts' lengths, so the indexer's top-k selection decides
 which keys each query reads; a test checks that it moves the logits (and that with
 index_topk >= the sequence the model is plain MLA). Checkpoints carry per-expert names and an
-MTP layer, config.json the hub's key style (rope_theta, mlp keys of V3, GLM-5's
+MTP layer, config.json the hub's key style (rope_theta, V3.2's rope_scaling with `type`, GLM-5's
 indexer_rope_interleave, GLM-5.1's index_topk_freq schedule instead of indexer_types).
 """
 
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 import torch
@@ -49,7 +50,17 @@ V32 = dict(
     index_n_heads=8,  # enough heads that no two keys tie at a zero score
     index_head_dim=16,
     max_position_embeddings=128,
-    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    # YaRN with mscale != mscale_all_dim: cos/sin scaled, which the indexer's rope reads too
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=32,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+    ),
     bos_token_id=0,
     eos_token_id=1,
 )
@@ -57,6 +68,7 @@ V32 = dict(
 GLM = dict(
     V32,
     model_type="glm_moe_dsa",
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     num_hidden_layers=4,
     n_group=1,
     topk_group=1,
@@ -91,7 +103,7 @@ def make_dsa(root, spec: dict, mtp_layers: int = 1):
     set_correction_bias(ref)
     ref.save_pretrained(root)
     hub_tensors(root, ref, mtp_layers)
-    cfg = hub_style(json.loads((root / "config.json").read_text()))
+    cfg = hub_style(json.loads((root / "config.json").read_text()), rope_key="type")
     cfg = {k: v for k, v in cfg.items() if k not in TRANSFORMERS_ONLY}
     cfg.update(HUB[spec["model_type"]], num_nextn_predict_layers=mtp_layers)
     (root / "config.json").write_text(json.dumps(cfg))
@@ -108,6 +120,7 @@ class TestParity(ParitySuite):
     """The parity checks of tests/plugins/parity.py, the top-k well below every prompt."""
 
     vocab = VOCAB
+    ragged: ClassVar[dict] = dict(lengths=(7, 12), steps=3, new=4)  # both rows past the top-k
 
     @pytest.fixture
     def model(self, dsa):
