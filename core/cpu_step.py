@@ -137,9 +137,6 @@ def blocks(net: CausalLM) -> Blocks | None:
     out = []
     for i, layer in enumerate(net.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if isinstance(getattr(attn, "spec", None), SparseMLASpec):
-            k = attn.spec.index_topk
-            return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
         if type(attn) is GatedDeltaNet:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
