@@ -105,6 +105,9 @@ class RMSNormSpec:
 
     eps: float
     offset: float = 0.0
+    # OLMo 2 / 3: the weight multiplies the fp32 normed x and the product is cast back (the
+    # Gemma path with offset 0), where Llama casts back before scaling
+    fp32_scale: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,11 @@ class GQASpec:
       each softmax's denominator and attends to nothing (gpt-oss);
     - `qk_norm`: a norm over head_dim of every q and k head before rope (parameters
       `q_norm`, `k_norm`; built from the norm spec's type, like every norm);
-    - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q.
+    - `output_gate`: a sigmoid gate per output dim, computed by q_proj beside q;
+    - `qk_norm_all_heads`: `qk_norm` runs over the whole q and k projections (all heads
+      together: num_heads * head_dim and num_kv_heads * head_dim) instead of per head (OLMo 2/3);
+    - `query_scale`: (beta, period): after rope, q at position p is multiplied by
+      1 + beta * log(1 + floor(p / period)) (Ministral 3's llama_4_scaling_beta).
     """
 
     num_heads: int
@@ -139,6 +146,8 @@ class GQASpec:
     # Qwen3-Next / Qwen3.5: q_proj also yields a gate per head (rows [q_h | gate_h] per head h);
     # the attention output is multiplied by sigmoid(gate) before o_proj
     output_gate: bool = False
+    qk_norm_all_heads: bool = False
+    query_scale: tuple[float, int] | None = None  # (beta, period); None: q is not scaled
 
     def __post_init__(self):
         for name in ("window", "softcap", "softmax_scale"):
@@ -380,6 +389,9 @@ class RuntimeConfig:
     # a norm on each sub-block's output before its residual add, besides the pre-norms
     # (Gemma 2 / 3's sandwich: parameters attn_out_layernorm, post_feedforward_layernorm)
     post_norms: bool = False
+    # False: no norm before attention nor before the MLP (OLMo 2 / 3 norm only each sub-block's
+    # output; with post_norms)
+    pre_norms: bool = True
     # one attention spec per layer (any kind: a hybrid model mixes them); () = `attention` on
     # every layer, filled in here
     attention_layers: tuple[Any, ...] = ()

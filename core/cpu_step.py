@@ -47,8 +47,15 @@ def why_not(net: CausalLM) -> str | None:
         if layer.reduce is not None:
             return f"block {i} sums its outputs over tensor-parallel ranks"
         attn, mlp = layer.self_attn, layer.mlp
-        if isinstance(getattr(attn, "spec", None), SparseMLASpec):
-            k = attn.spec.index_topk
+        if not layer.pre_norms:
+            return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
+        spec = getattr(attn, "spec", None)
+        if getattr(spec, "qk_norm_all_heads", False):
+            return f"block {i} norms q and k over all heads (the fused step: per head)"
+        if getattr(spec, "query_scale", None) is not None:
+            return f"block {i} scales queries by position (the fused step: no query scale)"
+        if isinstance(spec, SparseMLASpec):
+            k = spec.index_topk
             return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
         attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
@@ -94,6 +101,7 @@ def kinds(net: CausalLM) -> str:
     counts: dict[str, int] = {}
     for layer in net.model.layers:
         post = " (post-norms)" if getattr(layer, "post_norms", False) else ""
+        post = post if getattr(layer, "pre_norms", True) else " (post-norms only)"
         kind = f"{type(layer.self_attn).__name__} + {type(layer.mlp).__name__}{post}"
         counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{n} x {kind}" for kind, n in counts.items())

@@ -283,6 +283,10 @@ class DecoderConfig(BaseModel):
         """Whether each sub-block's output is normed before its residual add."""
         return False
 
+    def pre_norms(self) -> bool:
+        """Whether each sub-block's input is normed (False: OLMo 2 / 3, post-norms only)."""
+        return True
+
     def mtp_layers(self) -> int:
         """Extra checkpoint layers past num_hidden_layers that the model does not run."""
         return 0
@@ -323,4 +327,5 @@ class DecoderConfig(BaseModel):
             logits_scale=self.logits_scale(),
             final_softcap=self.final_softcap(),
             post_norms=self.post_norms(),
+            pre_norms=self.pre_norms(),
         )

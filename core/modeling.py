@@ -51,15 +51,19 @@ def build(spec: Any, *args: Any) -> nn.Module:
 class DecoderBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). With `post_norms` each
     sub-block's output is normed too before its residual add (Gemma 2 / 3):
-    h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))."""
+    h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h))). Without `pre_norms` (OLMo 2 / 3)
+    only the outputs are normed: h = x + norm(attn(x)); out = h + norm(mlp(h))."""
 
     def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
         h = cfg.hidden_size
-        self.input_layernorm = build(cfg.norm, h, cfg.norm)
+        self.pre_norms = cfg.pre_norms
+        if cfg.pre_norms:
+            self.input_layernorm = build(cfg.norm, h, cfg.norm)
         attn, rope = cfg.layer_attention(index), cfg.layer_rope(index)
         self.self_attn = build(attn, h, attn, rope is not None and rope.interleaved)
-        self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
+        if cfg.pre_norms:
+            self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
         mlp = cfg.layer_mlp(index)
         self.mlp = build(mlp, h, mlp)
         self.post_norms = cfg.post_norms
@@ -76,11 +80,12 @@ class DecoderBlock(nn.Module):
         """`cache`: this layer's cache tensors, as its attention kind lays them out;
         `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T; `lengths`:
         None, or (B,) real tokens per row of a right-padded prefill."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end, lengths)
+        a = self.input_layernorm(x) if self.pre_norms else x
+        a = self.self_attn(a, cos, sin, *cache, start_pos, end, lengths)
         if self.reduce is not None:
             a = self.reduce(a)
         h = x + (self.attn_out_layernorm(a) if self.post_norms else a)
-        m = self.mlp(self.post_attention_layernorm(h))
+        m = self.mlp(self.post_attention_layernorm(h) if self.pre_norms else h)
         if self.reduce is not None:
             m = self.reduce(m)
         return h + (self.post_feedforward_layernorm(m) if self.post_norms else m)

@@ -34,8 +34,10 @@ class GQAAttention(nn.Module):
         self.o_proj = Linear(hq * d, hidden, bias=spec.o_bias)
         if spec.qk_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
             norm = registry().layer(spec.qk_norm)
-            self.q_norm = norm(d, spec.qk_norm)
-            self.k_norm = norm(d, spec.qk_norm)
+            # OLMo 2 / 3: over the whole projection, all heads together
+            qd, kd = (hq * d, hkv * d) if spec.qk_norm_all_heads else (d, d)
+            self.q_norm = norm(qd, spec.qk_norm)
+            self.k_norm = norm(kd, spec.qk_norm)
         if spec.sinks:  # one logit per query head (gpt-oss)
             self.sinks = nn.Parameter(torch.zeros(hq))
 
@@ -53,15 +55,19 @@ class GQAAttention(nn.Module):
         b, t, _ = x.shape
         s = self.spec
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        if s.qk_norm_all_heads:  # (B, T, H * D): before the split into heads
+            q, k = self.q_norm(q), self.k_norm(k)
         if s.output_gate:  # (B, T, Hq, 2D) -> q and the output gate, (B, T, Hq, D) each
             q, gate = q.view(b, t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
         q = q.reshape(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if s.qk_norm is not None:
+        if s.qk_norm is not None and not s.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
+        if s.query_scale is not None:
+            q = q * self._query_scale(start_pos, t, q)
         extra = dict(softcap=s.softcap, sinks=self.sinks if s.sinks else None)
         if s.window is None:
             keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
@@ -83,6 +89,19 @@ class GQAAttention(nn.Module):
         if s.output_gate:
             o = o * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(o)
+
+    def _query_scale(self, start_pos, t: int, q: torch.Tensor) -> torch.Tensor:
+        """Ministral 3's scale of each query by its position p: 1 + beta * log(1 + floor(p /
+        period)), computed in fp32 and rounded to q's dtype, as transformers. (1 or B, 1, T, 1)"""
+        beta, period = self.spec.query_scale
+        steps = torch.arange(t, device=q.device)
+        pos = (
+            start_pos.to(q.device).view(-1, 1) + steps
+            if torch.is_tensor(start_pos)
+            else (steps[None] + start_pos)
+        )
+        scale = 1 + beta * torch.log1p(torch.floor(pos.float() / period))
+        return scale[:, None, :, None].to(q.dtype)
 
     def _ring_prefill(self, q, k, v, k_cache, v_cache, start_pos, lengths, extra):
         """T > 1 new tokens on a sliding layer: attend over [the ring's keys before start, in

@@ -43,6 +43,8 @@ def _problems(cfg: RuntimeConfig, n: int) -> list[tuple[str, int, str]]:
                 out.append(("num_attention_heads", a.num_heads, "divisible by tp"))
             if a.num_kv_heads % n and n % a.num_kv_heads:
                 out.append(("num_key_value_heads", a.num_kv_heads, "a multiple or divisor of tp"))
+            if a.qk_norm_all_heads and n > 1:  # OLMo 2 / 3: the norm spans every rank's heads
+                out.append((f"layer {i}'s q/k norm over all heads", 0, "a kind tp splits"))
         elif isinstance(a, SparseMLASpec):  # the indexer and its selection are not split
             what = f"layer {i}'s DeepSeek sparse attention"
             out.append((what, 0, "a kind tensor parallelism splits"))

@@ -260,6 +260,47 @@ def _gemma3(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[s
     return cfg if "sliding_window" in cfg else {**cfg, "sliding_window_pattern": 1}
 
 
+def _olmo2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """OLMo 2 and OLMo 3, which llama.cpp writes both as olmo2: a file with a window is an
+    OLMo 3, its window layers listed by attention.sliding_window_pattern (absent: three in
+    four, transformers' default), their plain rope at rope.freq_base_swa (absent in older
+    files: freq_base), the model's rope and its scaling on the full layers only. The converter
+    stores YaRN's attention factor (the releases give it) as rope.scaling.yarn_attn_factor."""
+    scaling = cfg.pop("rope_scaling", None)
+    factor = meta("rope.scaling.yarn_attn_factor")
+    if scaling and scaling["rope_type"] == "yarn" and factor:
+        scaling = {**scaling, "attention_factor": factor}
+    if "sliding_window" not in cfg:
+        return {**cfg, "rope_scaling": scaling}
+    theta = cfg.pop("rope_theta", 10000.0)
+    pattern = meta("attention.sliding_window_pattern")
+    if pattern is not None:
+        cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in pattern]
+    full = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+    local = {"rope_type": "default", "rope_theta": meta("rope.freq_base_swa") or theta}
+    return {
+        **cfg,
+        "model_type": "olmo3",
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+    }
+
+
+def _mistral3(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Ministral 3 (and a Mistral 3's text model), which llama.cpp writes as mistral3: the
+    queries' scale as attention.temperature_scale (llama_4_scaling_beta), YaRN's
+    mscale_all_dim as rope.scaling.yarn_log_multiplier (mscale, which it does not store, is
+    equal in the releases). A file without the scale is a plain Mistral text model (Mistral
+    Small 3.1's), which loads as `mistral`."""
+    beta = meta("attention.temperature_scale")
+    scaling = cfg.get("rope_scaling")
+    if beta is None or not scaling:
+        return {**cfg, "model_type": "mistral"}
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    if log_mul:
+        scaling = {**scaling, "mscale": log_mul, "mscale_all_dim": log_mul}
+    return {**cfg, "rope_scaling": {**scaling, "llama_4_scaling_beta": beta}}
+
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -398,6 +439,18 @@ ARCHITECTURES = {
         norm_offset=1.0,
         fixes=QWEN3_5_FIXES,
     ),
+    # OLMo 2 / 3: norms after attention and after the MLP only (no attn_norm nor ffn_norm)
+    "olmo2": Arch(
+        "olmo2",
+        tensors={
+            "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+            "blk.{}.post_ffw_norm": "model.layers.{}.post_feedforward_layernorm",
+        },
+        config={"attention.sliding_window": "sliding_window"},
+        configure=_olmo2,
+    ),
+    # Ministral 3 / Mistral 3's text model: Llama's tensors, q and k in llama.cpp's rope order
+    "mistral3": Arch("ministral3", permuted=True, configure=_mistral3),
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ rope scaling, stored as per-frequency factors
 # LongRoPE (Phi-3's 128k models): the hub's long_factor and short_factor, as float32 tensors

@@ -82,15 +82,15 @@ def report(site, **env: str) -> tuple[dict, str]:
 
 
 def test_entry_point_plugin_registers_every_kind(tmp_path):
-    write_dist(tmp_path, "zoo-olmo2", "zoo_olmo2", FULL_PLUGIN.format(name="olmo2"))
+    write_dist(tmp_path, "zoo-toyarch", "zoo_toyarch", FULL_PLUGIN.format(name="toyarch"))
     got, _ = report(tmp_path)
-    row = got["plugins"]["zoo-olmo2:zoo_olmo2"]
-    assert (row["distribution"], row["version"]) == ("zoo-olmo2", "0.1")
+    row = got["plugins"]["zoo-toyarch:zoo_toyarch"]
+    assert (row["distribution"], row["version"]) == ("zoo-toyarch", "0.1")
     assert row["registers"] == {
-        "architectures": ["olmo2"],
-        "formats": ["olmo2-format"],
+        "architectures": ["toyarch"],
+        "formats": ["toyarch-format"],
         "layers": ["TinyNormSpec"],
-        "models": ["olmo2-tiny"],
+        "models": ["toyarch-tiny"],
     }
 
 
@@ -132,8 +132,8 @@ def test_misspelled_hook_fails_check_pending(tmp_path):
 
 
 def test_two_entry_point_plugins_claiming_one_name_are_named(tmp_path):
-    write_dist(tmp_path, "zoo-a", "zoo_a", FULL_PLUGIN.format(name="olmo2"))
-    write_dist(tmp_path, "zoo-b", "zoo_b", FULL_PLUGIN.format(name="olmo2"))
+    write_dist(tmp_path, "zoo-a", "zoo_a", FULL_PLUGIN.format(name="toyarch"))
+    write_dist(tmp_path, "zoo-b", "zoo_b", FULL_PLUGIN.format(name="toyarch"))
     got, _ = report(tmp_path)
     assert "registered by both plugin 'zoo-" in got["error"]
     assert "zoo-a:zoo_a" in got["error"] and "zoo-b:zoo_b" in got["error"]
