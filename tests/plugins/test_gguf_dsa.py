@@ -44,9 +44,12 @@ GLM_TOKENIZER = dataclasses.replace(
     eos="<|user|>",
     tokenizer_class="PreTrainedTokenizerFast",
 )
+# YaRN's mscale equal to mscale_all_dim, as in V3.2's config: llama.cpp stores the one and
+# runs both as it (see gguf_archs._deepseek2)
+V32_FILE = dict(V32, rope_parameters=dict(V32["rope_parameters"], mscale_all_dim=1.0))
 # name: (spec, tokenizer, its pre-tokenizer name, the file's general.architecture)
 CASES = {
-    "v3.2": (V32, LLAMA3, "llama-bpe", "deepseek32"),
+    "v3.2": (V32_FILE, LLAMA3, "llama-bpe", "deepseek32"),
     "glm-5": (GLM, GLM_TOKENIZER, "qwen2", "glm-dsa"),
 }
 
