@@ -227,6 +227,33 @@ class MLASpec:
         }
 
 
+@dataclass(frozen=True, kw_only=True)
+class SparseMLASpec(MLASpec):
+    """MLA with DeepSeek sparse attention (DSA: DeepSeek V3.2, GLM-5): each query attends only
+    to the `index_topk` earlier keys a lightning indexer scores highest.
+
+    The indexer: q = wq_b(q_a_layernorm(q_a_proj(x))) (index_heads x index_head_dim), one key
+    k = LayerNorm(wk(x)) (index_head_dim) per token, both roped on their first
+    qk_rope_head_dim dims; score(t, s) = sum_h w_h(t) relu(q_h(t) . k(s) / sqrt(D)) with
+    w = weights_proj(x) / sqrt(index_heads), in fp32. A layer with `shared_selection` has no
+    indexer: it attends to the keys the previous indexer layer selected (GLM-5's shared
+    layers), and caches no indexer keys.
+    """
+
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    index_rope_interleaved: bool  # V3.2: half-split pairs; GLM-5: interleaved, as MLA's rope
+    shared_selection: bool = False
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """MLA's latent and k_pe, then the indexer's roped key per token (`index_k`)."""
+        layout = super().cache_layout(batch, seq)
+        if not self.shared_selection:
+            layout["index_k"] = (batch, seq, self.index_head_dim)
+        return layout
+
+
 @dataclass(frozen=True)
 class GatedDeltaNetSpec:
     """A gated DeltaNet layer (linear attention: Qwen3-Next, Qwen3.5), in place of attention.

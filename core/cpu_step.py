@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from core.config import SparseMLASpec
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
 from core.layers.mla import MLAAttention
@@ -52,6 +53,9 @@ def why_not(net: CausalLM) -> str | None:
         spec = getattr(attn, "spec", None)
         if getattr(spec, "query_scale", None) is not None:
             return f"block {i} scales queries by position (the fused step: no query scale)"
+        if isinstance(spec, SparseMLASpec):
+            k = spec.index_topk
+            return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
         attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
         kinds = [(attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),

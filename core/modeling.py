@@ -117,6 +117,10 @@ class Decoder(nn.Module):
         e = cfg.embedding
         self.embed_tokens = build(e, cfg.vocab_size, cfg.hidden_size, e)
         self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
+        # a layer reusing an earlier one's work (GLM-5's shared DSA top-k) is told the earlier ones
+        for i, block in enumerate(self.layers):
+            if hasattr(block.self_attn, "selection_from"):
+                block.self_attn.selection_from([b.self_attn for b in self.layers[:i]])
         self.norm = build(cfg.norm, cfg.hidden_size, cfg.norm)
 
 

@@ -66,6 +66,7 @@ BUILTIN_PLUGINS = (
     "plugins.phi3",
     "plugins.gemma",
     "plugins.deepseek",
+    "plugins.deepseek_v32",
     "plugins.mixtral",
     "plugins.gpt_oss",
     "plugins.qwen3_moe",

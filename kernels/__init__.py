@@ -19,6 +19,7 @@ from kernels.dispatch import (
     quant_linear,
     rms_norm,
     rms_norm_residual,
+    sparse_mla_attention,
     swiglu,
 )
 
@@ -33,5 +34,6 @@ __all__ = [
     "quant_linear",
     "rms_norm",
     "rms_norm_residual",
+    "sparse_mla_attention",
     "swiglu",
 ]

@@ -320,6 +320,25 @@ def mla_attention(
     return pick("mla_attention", q_lat)(q_lat, q_pe, latent, k_pe, start_pos, scale)
 
 
+def sparse_mla_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+    keep: torch.Tensor,
+) -> torch.Tensor:
+    """`mla_attention` restricted to the keys `keep` (B, T, S) marks (DeepSeek sparse
+    attention). No Triton kernel takes a key selection yet: the torch reference (dense scores,
+    masked) runs on every device and under every ZOO_KERNELS policy, logged once."""
+    path = ("sparse_mla_attention", "torch (no Triton kernel for a key selection)")
+    if path not in _logged and not torch.compiler.is_compiling():
+        _logged.add(path)
+        log.info("zoo kernels: %s -> %s [%s %s]", *path, q_lat.device, q_lat.dtype)
+    return reference.mla_attention(q_lat, q_pe, latent, k_pe, start_pos, scale, keep)
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -152,12 +152,15 @@ def mla_attention(
     k_pe: torch.Tensor,
     start_pos: int | torch.Tensor,
     scale: float,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-head latent attention over the compressed cache, with kv_b_proj absorbed.
 
     q_lat (B, H, T, R): the no-rope query already multiplied into the latent space (q_nope @ W_uk);
     q_pe (B, H, T, Dr): the roped query part; latent (B, S, R) and k_pe (B, S, Dr): the cache,
     shared by all heads, S >= max(start_pos) + T (start_pos: an int or per-row (B,) tensor).
+    keep (B, T, S) bool: the only keys each query may read besides causality (DeepSeek sparse
+    attention's top-k selection); None: every earlier key.
     Returns (B, H, T, R): softmax(scores) @ latent, which the caller maps to values with W_uv.
     """
     t, s = q_lat.shape[2], latent.shape[1]
@@ -165,6 +168,8 @@ def mla_attention(
     scores = scores + torch.einsum("bhtd,bsd->bhts", q_pe.float(), k_pe.float())
     scores = scores * scale
     visible = _visible(start_pos, t, s, q_lat.device)
+    if keep is not None:
+        visible = keep[:, None] if visible is None else visible & keep[:, None]
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

@@ -13,6 +13,7 @@ from core.config import (
     MLASpec,
     MoESpec,
     RMSNormSpec,
+    SparseMLASpec,
 )
 from core.hookspecs import hookimpl
 
@@ -27,3 +28,4 @@ def zoo_register_layers(registry):
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
     registry.add_layer(L2NormSpec, "core.layers.norm:L2Norm")
+    registry.add_layer(SparseMLASpec, "core.layers.dsa:SparseMLAAttention")

@@ -87,10 +87,13 @@ class DeepseekV2Config(DecoderConfig):
         norm = self.norm_topk_prob and top_k > 1
         return norm, 1.0 if norm else self.routed_scaling_factor
 
-    def moe_spec(self) -> MoESpec | None:
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is the MoE: from first_k_dense_replace, every moe_layer_freq-th."""
         n, every = self.num_hidden_layers, self.moe_layer_freq
-        first = self.first_k_dense_replace
-        layers = tuple(i for i in range(first, n) if i % every == 0)
+        return tuple(i for i in range(self.first_k_dense_replace, n) if i % every == 0)
+
+    def moe_spec(self) -> MoESpec | None:
+        layers = self.moe_layers()
         if self.n_routed_experts is None or not layers:
             return None
         e, k = self.n_routed_experts, self.num_experts_per_tok

@@ -72,6 +72,9 @@ def _layer_kinds(c) -> str:
         kind = "full" if window is None else f"window {window}"
         if getattr(spec, "chunk", None) is not None:
             kind = f"chunk {spec.chunk}"
+        top_k = getattr(spec, "index_topk", None)
+        if top_k is not None:  # DeepSeek sparse attention: its own indexer's keys, or reused
+            kind = f"sparse top-{top_k}" + (" (shared selection)" if spec.shared_selection else "")
         kinds[kind] = kinds.get(kind, 0) + 1
         if c.layer_rope(i) is None:
             kinds["NoPE"] = kinds.get("NoPE", 0) + 1

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import GQASpec, MLASpec, RuntimeConfig
+from core.config import GQASpec, MLASpec, RuntimeConfig, SparseMLASpec
 from core.errors import ConfigError, RequestError
 from core.layers.embedding import Embedding, LMHead
 from core.parallel import distributed
@@ -45,6 +45,9 @@ def _problems(cfg: RuntimeConfig, n: int) -> list[tuple[str, int, str]]:
                 out.append(("num_key_value_heads", a.num_kv_heads, "a multiple or divisor of tp"))
             if a.qk_norm_all_heads and n > 1:  # OLMo 2 / 3: the norm spans every rank's heads
                 out.append((f"layer {i}'s q/k norm over all heads", 0, "a kind tp splits"))
+        elif isinstance(a, SparseMLASpec):  # the indexer and its selection are not split
+            what = f"layer {i}'s DeepSeek sparse attention"
+            out.append((what, 0, "a kind tensor parallelism splits"))
         elif isinstance(a, MLASpec):
             if a.num_heads % n:
                 out.append(("num_attention_heads", a.num_heads, "divisible by tp"))

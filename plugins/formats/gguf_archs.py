@@ -114,6 +114,15 @@ DEEPSEEK2 = {  # MLA's projections and norms, shared experts, the router's corre
 }
 
 
+DSA = {  # DeepSeek sparse attention's indexer
+    **DEEPSEEK2,
+    "blk.{}.indexer.attn_q_b": f"{_ATTN}.indexer.wq_b",
+    "blk.{}.indexer.attn_k": f"{_ATTN}.indexer.wk",
+    "blk.{}.indexer.k_norm": f"{_ATTN}.indexer.k_norm",
+    "blk.{}.indexer.proj": f"{_ATTN}.indexer.weights_proj",
+}
+
+
 def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     """DeepSeek's kv_b_proj (heads x (nope + v), kv_lora_rank): per head its k rows, then its v
     rows, from llama.cpp's attn_k_b (heads, kv_lora_rank, nope: the k rows transposed) and
@@ -175,6 +184,35 @@ def _deepseek2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dic
     if cfg.get("rope_scaling") and log_mul:
         mscale = float(str(np.float32(log_mul / 0.1)))  # the shortest decimal: 0.707
         cfg["rope_scaling"] = dict(cfg["rope_scaling"], mscale=mscale, mscale_all_dim=mscale)
+    return cfg
+
+
+def _dsa(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """DeepSeek V3.2's (deepseek32) and GLM-5's (glm-dsa) config.json: deepseek2's, plus the
+    indexer's keys, and the MTP block the converters keep after the decoder's (not run).
+    GLM-5.1+'s shared layers: indexer.types (true: the layer runs its indexer). The files do
+    not say the indexer's rope layout: each family's own (transformers') applies."""
+    heads, dim, top_k = (
+        meta(f"attention.indexer.{k}") for k in ("head_count", "key_length", "top_k")
+    )
+    if not (heads and dim and top_k):
+        raise ConfigError(
+            f"{path}: a DSA file needs the metadata keys attention.indexer.head_count, "
+            ".key_length and .top_k; convert it again with a current llama.cpp"
+        )
+    model_type = cfg["model_type"]  # the arch's; deepseek2's would make it a V2 / V3
+    cfg = _deepseek2(meta, cfg, path)
+    cfg.update(
+        model_type=model_type,
+        num_nextn_predict_layers=meta("nextn_predict_layers", 0),
+        index_n_heads=heads,
+        index_head_dim=dim,
+        index_topk=top_k,
+    )
+    types = meta("attention.indexer.types")
+    if types is not None:
+        n = cfg["num_hidden_layers"]
+        cfg["indexer_types"] = ["full" if t else "shared" for t in list(types)[:n]]
     return cfg
 
 
@@ -300,6 +338,8 @@ def _llama4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[s
         "attn_scale": 0.1,
         "use_qk_norm": meta("expert_count") != 128,
     }
+
+
 # GLM-4.5 / 4.6 / 4.7: DeepSeek V3's MoE under GQA; the norm before the MLP is written as
 # post_attention_norm; the MTP layer (blocks past block_count - nextn_predict_layers) is not run
 GLM4MOE = {
@@ -377,6 +417,27 @@ ARCHITECTURES = {
         },
         joins={f"{_ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), _kv_b)},
         configure=_deepseek2,
+    ),
+    # DeepSeek V3.2 and GLM-5: deepseek2 plus DSA's indexer (its model_type: from the arch)
+    "deepseek32": Arch(
+        "deepseek_v32",
+        tensors=DSA,
+        config={
+            "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size",
+        },
+        joins={f"{_ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), _kv_b)},
+        configure=_dsa,
+    ),
+    "glm-dsa": Arch(
+        "glm_moe_dsa",
+        tensors=DSA,
+        config={
+            "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size",
+        },
+        joins={f"{_ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), _kv_b)},
+        configure=_dsa,
     ),
     # Gemma's norms are (1 + w). The Gemma 1/2 converters store no rope base: llama.cpp runs its
     # default, 10000. llama.cpp windows Gemma 2's layers 1 in 2 and Gemma 3's 5 in 6 (unless the
