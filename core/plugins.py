@@ -70,6 +70,7 @@ BUILTIN_PLUGINS = (
     "plugins.gpt_oss",
     "plugins.qwen3_moe",
     "plugins.qwen3_next",
+    "plugins.deepseek_v4",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

@@ -5,6 +5,7 @@ listing plugins and models never imports torch.
 """
 
 from core.config import (
+    CompressedAttentionSpec,
     DenseMLPSpec,
     EmbeddingSpec,
     GatedDeltaNetSpec,
@@ -25,3 +26,4 @@ def zoo_register_layers(registry):
     registry.add_layer(GatedDeltaNetSpec, "core.layers.deltanet:GatedDeltaNet")
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
+    registry.add_layer(CompressedAttentionSpec, "core.layers.compressed:CompressedAttention")
