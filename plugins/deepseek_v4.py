@@ -253,6 +253,7 @@ HUB = {
 }
 WEIGHT_MAP = {
     **HUB,
+    "mtp.*": None,  # the multi-token-prediction layers (mtp.0....): not run
     **{f"model.{k}": v for k, v in HUB.items()},
     f"{_L}.mlp.shared_experts.gate_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "gate"),
     f"{_L}.mlp.shared_experts.up_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "up"),

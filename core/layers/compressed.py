@@ -72,8 +72,9 @@ class Compressor(nn.Module):
         b, n, _ = kv.shape
         r, d = self.rate, self.dim
         w = n // r
-        kv = kv[:, : w * r].view(b, w, r, -1)
-        gate = gate[:, : w * r].view(b, w, r, -1) + self.position_bias  # fp32
+        width = kv.shape[-1]  # overlap * dim
+        kv = kv[:, : w * r].view(b, w, r, width)
+        gate = gate[:, : w * r].view(b, w, r, width) + self.position_bias  # fp32
         if self.overlap == 2:  # CSA: [window w - 1's first series | window w's second]
             prev_kv, prev_gate = kv.new_zeros(b, w, r, d), gate.new_full((b, w, r, d), -torch.inf)
             prev_kv[:, 1:], prev_gate[:, 1:] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]

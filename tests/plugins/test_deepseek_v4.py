@@ -1,0 +1,211 @@
+"""DeepSeek V4 parity against transformers on a tiny random checkpoint (fp32).
+
+The checkpoint is rewritten the way the hub ships it: DeepSeek's own tensor names
+(`layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.weight`, `hc_head_fn`, an `mtp.0.*`
+layer) and config.json with the legacy keys (`compress_ratios`, `num_hash_layers`,
+`qk_rope_head_dim`, a flat YaRN `rope_scaling`). Every feature is sized to change the logits of
+a 20-token prompt: a 6-token window, CSA every 4 tokens with the indexer keeping 2 entries,
+HCA every 8, a hash-routed first layer, a SwiGLU clamp of 0.5.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import randomize
+from parity import ParitySuite, check_prefill, ids, rel_err
+from safetensors.torch import load_file, save_file
+
+from core import load_model
+from core.config import CompressedAttentionSpec, YarnRope
+from plugins.deepseek_v4 import DeepseekV4Config
+
+VOCAB = 128
+SPEC = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    sliding_window=6,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=8,  # relu(q . k) is 0 on every head less often: fewer ties at the top-k
+    index_head_dim=16,
+    index_topk=2,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    hc_mult=3,
+    hc_sinkhorn_iters=5,
+    swiglu_limit=0.5,
+    max_position_embeddings=256,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    },
+)
+# what the hub's config.json says instead of transformers 5's keys
+HUB_CONFIG = dict(
+    compress_ratios=[0, 4, 128, 0],  # one more: the MTP layer's
+    compress_rates=SPEC["compress_rates"],
+    num_hash_layers=1,
+    qk_rope_head_dim=8,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                  "beta_fast": 32, "beta_slow": 1},  # fmt: skip
+    scoring_func="sqrtsoftplus",
+    topk_method="noaux_tc",
+    torch_dtype="float32",
+)
+TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "rope_parameters", "partial_rotary_factor",
+                     "dtype", "compress_rates")  # fmt: skip
+HUB_NAMES = [  # transformers' save_pretrained names -> the hub's (DeepSeek's own)
+    (r"^model\.embed_tokens\.", "embed."),
+    (r"^model\.hc_head\.hc_", "hc_head_"),
+    (r"^model\.", ""),
+]
+
+
+def make_v4(root, hub: bool = True):
+    """A tiny random V4 (and the transformers model it came from) under root; `hub`: hub
+    names and config keys, else as transformers 5 saves it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("deepseek_v4", **SPEC)
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(ref)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in ref.model.layers:  # randomize() leaves buffers: a table, a bias
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                pick = [torch.randperm(8, generator=g)[:2] for _ in range(VOCAB)]
+                gate.tid2eid.copy_(torch.stack(pick))
+            else:
+                gate.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.2)
+    ref.save_pretrained(root)
+    if hub:
+        path = root / "model.safetensors"
+        state = {}
+        for name, t in load_file(path).items():
+            for pattern, new in HUB_NAMES:
+                name = re.sub(pattern, new, name)
+            state[name] = t
+        state["mtp.0.attn.wq_a.weight"] = torch.zeros(32, 64)
+        save_file(state, path, metadata={"format": "pt"})
+        cfg = json.loads((root / "config.json").read_text())
+        cfg = {k: v for k, v in cfg.items() if k not in TRANSFORMERS_ONLY}
+        (root / "config.json").write_text(json.dumps({**cfg, **HUB_CONFIG}))
+    return root, ref
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    root, ref = make_v4(tmp_path_factory.mktemp("dsv4"))
+    return load_model(root, max_seq_len=32, max_batch_size=2), ref, root
+
+
+class TestParity(ParitySuite):
+    vocab = VOCAB
+    decode = (20, 9)  # decoding across CSA and HCA window boundaries
+
+    @pytest.fixture
+    def model(self, v4):
+        return v4
+
+
+def test_config_reads_the_hubs_legacy_keys(v4):
+    m = v4[0]
+    layers = m.config.attention_layers
+    assert all(isinstance(s, CompressedAttentionSpec) for s in layers)
+    assert [s.compress_rate for s in layers] == [0, 4, 8]
+    assert [s.index_topk for s in layers] == [0, 0 + 2, 0]
+    assert layers[0].rope.theta == 10000.0 and not isinstance(layers[0].rope, YarnRope)
+    assert layers[1].rope.theta == 160000.0 and layers[1].rope.attention_factor == 1.0
+    assert m.config.moe.hash_layers == (0,) and m.config.hyper_connections.mult == 3
+
+
+def test_transformers_names_and_keys_load_too(tmp_path):
+    """What transformers 5 saves (nested rope_parameters, layer_types, its names) loads."""
+    root, ref = make_v4(tmp_path, hub=False)
+    check_prefill(load_model(root, max_seq_len=32), ref, ids(VOCAB, 1, 20))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"sliding_window": 64},  # every token in the window
+        {"index_topk": 64},  # the indexer keeps every entry
+        {"compress_ratios": [0, 0, 0]},  # no compressed entries at all
+        {"swiglu_limit": 100.0},  # no clamping
+        {"hc_sinkhorn_iters": 1},
+    ],
+)
+@torch.no_grad()
+def test_each_feature_moves_the_logits(v4, tmp_path, change):
+    """Switched off, each feature changes the logits: the parity checks exercise it."""
+    _, ref, root = v4
+    for f in root.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((root / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    if "compress_ratios" in change:  # no compressors: their tensors are not loaded
+        state = load_file(tmp_path / "model.safetensors")
+        state = {k: v for k, v in state.items() if ".compressor." not in k and ".indexer." not in k}
+        save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    m = load_model(tmp_path, max_seq_len=32)
+    x = ids(VOCAB, 1, 20)
+    assert rel_err(m.forward(x), ref(x).logits) > 1e-3
+
+
+@torch.no_grad()
+def test_hash_routing_and_sinks_are_used(v4):
+    m, ref, _ = v4
+    x = ids(VOCAB, 1, 20)
+    for param in (m.net.model.layers[0].mlp.gate.tid2eid, m.net.model.layers[1].self_attn.sinks):
+        saved = param.detach().clone()
+        param.copy_(param.flip(0))
+        try:
+            m.reset()
+            assert rel_err(m.forward(x), ref(x).logits) > 1e-3
+        finally:
+            param.copy_(saved)
+
+
+def test_the_fused_cpu_step_refuses_it(v4):
+    from core.cpu_step import why_not
+
+    assert why_not(v4[0].net) == "block 0 is HyperBlock"
+
+
+def test_cache_keeps_projections_per_token(v4):
+    m = v4[0]
+    assert m.net.kv_cache.names == [("kv",), ("kv", "ckv", "cgate", "ikv", "igate"),
+                                    ("kv", "ckv", "cgate")]  # fmt: skip
+    # per token: 32 (kv) x 3, CSA 2 x 2 x 32 + 2 x 2 x 16, HCA 2 x 32; fp32
+    assert m.config.kv_bytes_per_token(4) == (3 * 32 + 128 + 64 + 64) * 4
+
+
+def test_bad_compress_ratio_names_the_key():
+    from core import ConfigError
+
+    with pytest.raises(ConfigError, match="compress_ratios"):
+        DeepseekV4Config.from_dict({"model_type": "deepseek_v4", "compress_ratios": [0, 3]})\
+            .to_runtime()  # fmt: skip
