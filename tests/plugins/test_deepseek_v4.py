@@ -67,14 +67,25 @@ HUB_CONFIG = dict(
     qk_rope_head_dim=8,
     rope_theta=10000.0,
     compress_rope_theta=160000.0,
-    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                  "beta_fast": 32, "beta_slow": 1},  # fmt: skip
+    rope_scaling={
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     scoring_func="sqrtsoftplus",
     topk_method="noaux_tc",
     torch_dtype="float32",
 )
-TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "rope_parameters", "partial_rotary_factor",
-                     "dtype", "compress_rates")  # fmt: skip
+TRANSFORMERS_ONLY = (
+    "layer_types",
+    "mlp_layer_types",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "dtype",
+    "compress_rates",
+)
 HUB_NAMES = [  # transformers' save_pretrained names -> the hub's (DeepSeek's own)
     (r"^model\.embed_tokens\.", "embed."),
     (r"^model\.hc_head\.hc_", "hc_head_"),
@@ -197,8 +208,11 @@ def test_the_fused_cpu_step_refuses_it(v4):
 
 def test_cache_keeps_projections_per_token(v4):
     m = v4[0]
-    assert m.net.kv_cache.names == [("kv",), ("kv", "ckv", "cgate", "ikv", "igate"),
-                                    ("kv", "ckv", "cgate")]  # fmt: skip
+    assert m.net.kv_cache.names == [
+        ("kv",),
+        ("kv", "ckv", "cgate", "ikv", "igate"),
+        ("kv", "ckv", "cgate"),
+    ]
     # per token: 32 (kv) x 3, CSA 2 x 2 x 32 + 2 x 2 x 16, HCA 2 x 32; fp32
     assert m.config.kv_bytes_per_token(4) == (3 * 32 + 128 + 64 + 64) * 4
 
@@ -207,5 +221,5 @@ def test_bad_compress_ratio_names_the_key():
     from core import ConfigError
 
     with pytest.raises(ConfigError, match="compress_ratios"):
-        DeepseekV4Config.from_dict({"model_type": "deepseek_v4", "compress_ratios": [0, 3]})\
-            .to_runtime()  # fmt: skip
+        raw = {"model_type": "deepseek_v4", "compress_ratios": [0, 3]}
+        DeepseekV4Config.from_dict(raw).to_runtime()
