@@ -223,3 +223,18 @@ def test_bad_compress_ratio_names_the_key():
     with pytest.raises(ConfigError, match="compress_ratios"):
         raw = {"model_type": "deepseek_v4", "compress_ratios": [0, 3]}
         DeepseekV4Config.from_dict(raw).to_runtime()
+
+
+def test_registry_shape_is_deepseek_v4_flash():
+    """registry.yaml's `deepseek-v4` shape builds (on the meta device) the published 284B."""
+    from core.hub import named_models
+    from core.modeling import CausalLM
+
+    entry = named_models()["deepseek-v4"]
+    assert entry["repo"] == "deepseek-ai/DeepSeek-V4-Flash"
+    cfg = DeepseekV4Config.from_dict(entry["shape"]).to_runtime()
+    rates = [s.compress_rate for s in cfg.attention_layers]
+    assert rates == [0, 0] + [4, 128] * 20 + [4] and cfg.moe.hash_layers == (0, 1, 2)
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "284.3B"
