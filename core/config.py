@@ -281,6 +281,16 @@ class CompressedAttentionSpec:
     index_topk: int = 0
 
     @property
+    def kind(self) -> str:
+        """For `zoo info`: 'window 128', 'window 128 + CSA 4 (top 512)', 'window 128 + HCA 128'."""
+        window = f"window {self.sliding_window}"
+        if not self.compress_rate:
+            return window
+        if self.index_heads:
+            return f"{window} + CSA {self.compress_rate} (top {self.index_topk})"
+        return f"{window} + HCA {self.compress_rate}"
+
+    @property
     def overlap(self) -> int:
         """Projections per token per compressed series: 2 (CSA's overlapping windows) or 1."""
         return 2 if self.index_heads else 1

@@ -70,6 +70,7 @@ def _layer_kinds(c) -> str:
             continue
         window = getattr(spec, "window", None)
         kind = "full" if window is None else f"window {window}"
+        kind = getattr(spec, "kind", kind)  # a kind that names itself (DeepSeek V4's)
         kinds[kind] = kinds.get(kind, 0) + 1
         if c.layer_rope(i) is None:
             kinds["NoPE"] = kinds.get("NoPE", 0) + 1
