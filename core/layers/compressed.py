@@ -30,6 +30,8 @@ from core.layers.linear import Linear
 from core.layers.norm import RMSNorm
 from core.layers.rope import attention_factor, cos_sin, inv_freq
 
+CHUNK = 256  # queries per attention pass: bounds the scores' memory on long prompts
+
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved rope on the last 2 * cos.shape[-1] dims of x, in fp32 (cos, sin broadcast
@@ -101,10 +103,13 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(spec.q_lora_rank, spec.index_heads * spec.index_head_dim, False)
         self.scorer = IndexScorer(hidden, spec.index_heads)
 
-    def pick(self, x, q_lora, cos, sin, caches, start_pos, end, allowed):
+    def keys(self, x, caches, start_pos, end) -> torch.Tensor:
+        """Store x's projections; the indexer's compressed keys (B, W, Di)."""
+        return self.entries(*self.cached(x, *caches, start_pos, end, x), self.spec.rope)
+
+    def pick(self, x, q_lora, cos, sin, keys, allowed):
         """(B, T, W) bool: the index_topk entries of `allowed` that score best per query."""
         s, (b, t, _) = self.spec, x.shape
-        keys = self.entries(*self.cached(x, *caches, start_pos, end, x), s.rope)  # (B, W, Di)
         if keys.shape[1] == 0:
             return allowed
         q = self.q_b_proj(q_lora).view(b, t, s.index_heads, s.index_head_dim)
@@ -160,18 +165,27 @@ class CompressedAttention(nn.Module):
         q = rope_tail(unweighted_rms_norm(q, s.norm_eps), cos[:, :, None], sin[:, :, None])
         kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, T, D)
         keys = as_compute(cache_write(caches[0], kv, start_pos, end, seq_dim=1), q)
-        pos = _positions(start_pos, b, t, x.device)[..., None]  # (B, T, 1)
-        at = torch.arange(end, device=x.device)
-        visible = (at <= pos) & (at > pos - s.sliding_window)  # (B, T, end)
+        entries = index_keys = None
         if s.compress_rate:
             c = self.compressor
             entries = c.entries(*c.cached(x, *caches[1:3], start_pos, end, q), s.rope)
-            closed = torch.arange(entries.shape[1], device=x.device) < (pos + 1) // s.compress_rate
             if s.index_heads:
-                closed = c.indexer.pick(x, q_lora, cos, sin, caches[3:5], start_pos, end, closed)
-            keys, visible = torch.cat([keys, entries], dim=1), torch.cat([visible, closed], -1)
-        o = self._attend(q, keys, visible)
-        o = rope_tail(o, cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
+                index_keys = c.indexer.keys(x, caches[3:5], start_pos, end)
+        pos = _positions(start_pos, b, t, x.device)
+        outs = []
+        for i in range(0, t, CHUNK):  # queries by chunks: scores (B, H, CHUNK, window + ...)
+            part = slice(i, i + CHUNK)
+            near, visible = _band(keys, pos[:, part], s.sliding_window)
+            if entries is not None:
+                closed = torch.arange(entries.shape[1], device=x.device)
+                closed = closed < (pos[:, part, None] + 1) // s.compress_rate  # (B, C, W)
+                if index_keys is not None:
+                    args = (x[:, part], q_lora[:, part], cos[:, part], sin[:, part], index_keys)
+                    closed = self.compressor.indexer.pick(*args, closed)
+                near = torch.cat([near, entries], dim=1)
+                visible = torch.cat([visible, closed], dim=-1)
+            outs.append(self._attend(q[:, part], near, visible))
+        o = rope_tail(torch.cat(outs, dim=1), cos[:, :, None], -sin[:, :, None])  # undo V's rope
         o = self.o_a_proj(o.reshape(b, t, s.o_groups, -1)).flatten(2)
         return self.o_b_proj(o)
 
@@ -183,6 +197,17 @@ class CompressedAttention(nn.Module):
         sinks = self.sinks.float().view(1, h, 1, 1).expand(b, h, t, 1)
         probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("bhts,bsd->bthd", probs, keys.float()).to(q.dtype)
+
+
+def _band(keys: torch.Tensor, pos: torch.Tensor, window: int):
+    """The keys queries at `pos` (B, C) can see in the window, gathered per row: those at
+    first - window + 1 .. last position, (B, C + window - 1, D), and which query sees which
+    (B, C, C + window - 1). Positions before 0 or past a query are masked."""
+    at = pos[:, :1] - window + 1 + torch.arange(pos.shape[1] + window - 1, device=pos.device)
+    index = at.clamp(0, keys.shape[1] - 1)[..., None].expand(-1, -1, keys.shape[-1])
+    near = keys.gather(1, index)
+    at, pos = at[:, None, :], pos[..., None]
+    return near, (at >= 0) & (at <= pos) & (at > pos - window)
 
 
 def _positions(start_pos, b: int, t: int, device) -> torch.Tensor:

@@ -238,3 +238,13 @@ def test_registry_shape_is_deepseek_v4_flash():
     with torch.device("meta"):
         net = CausalLM(cfg)
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "284.3B"
+
+
+@torch.no_grad()
+def test_queries_by_chunks_match(v4, monkeypatch):
+    """A prompt longer than the attention's query chunk (made 3 here) gives the same logits."""
+    import core.layers.compressed
+
+    m, ref, _ = v4
+    monkeypatch.setattr(core.layers.compressed, "CHUNK", 3)
+    check_prefill(m, ref, ids(VOCAB, 2, 20))
