@@ -90,10 +90,12 @@ class DeepseekV4Config(DecoderConfig):
             kinds = [RATIO_KIND[r] for r in self.compress_ratios]
         else:  # transformers' default: 2 HCA, then CSA / HCA alternating
             kinds = [KINDS[2]] * min(n, 2) + [KINDS[1] if i % 2 else KINDS[2] for i in range(n - 2)]
-        if len(kinds) < n or any(k not in KINDS for k in kinds):
+        bad = sorted({k for k in kinds[:n] if k not in KINDS})
+        if len(kinds) < n or bad:
             raise ConfigError(
                 f"config.json: field 'layer_types' must give one of {', '.join(KINDS)} for each "
-                f"of the {n} layers; got {kinds}"
+                f"of the {n} layers; got {len(kinds)} kinds"
+                + (f", {bad} among them" if bad else "")
             )
         return kinds[:n]
 
@@ -124,9 +126,10 @@ class DeepseekV4Config(DecoderConfig):
         kind = block.pop("rope_type", None) or block.pop("type", None) or "default"
         theta = float(block.pop("rope_theta", None) or self.default_rope_theta)
         if kind not in ("default", "yarn"):
+            where = "rope_parameters" if self.rope_parameters else "rope_scaling"
             raise ConfigError(
-                f"config.json: the {name} rope's rope_type {kind!r} is not one DeepSeek V4 "
-                "uses (default, yarn)"
+                f"config.json: field '{where}' gives the {name} rope rope_type {kind!r}; "
+                "DeepSeek V4 uses default or yarn"
             )
         return ROPE_KINDS[kind](block, theta, self.rope_dim(), self)
 
@@ -165,10 +168,12 @@ class DeepseekV4Config(DecoderConfig):
         n = self.num_hidden_layers
         if self.mlp_layer_types is not None:
             kinds = self.mlp_layer_types[:n]
-            if len(kinds) < n or any(k not in ("hash_moe", "moe") for k in kinds):
+            bad = sorted({k for k in kinds if k not in ("hash_moe", "moe")})
+            if len(kinds) < n or bad:
                 raise ConfigError(
-                    "config.json: field 'mlp_layer_types' must give hash_moe or moe for each "
-                    f"of the {n} layers; got {self.mlp_layer_types}"
+                    "config.json: field 'mlp_layer_types' must give hash_moe or moe for each of "
+                    f"the {n} layers; got {len(kinds)} kinds"
+                    + (f", {bad} among them" if bad else "")
                 )
             return tuple(i for i, k in enumerate(kinds) if k == "hash_moe")
         hashed = 3 if self.num_hash_layers is None else self.num_hash_layers

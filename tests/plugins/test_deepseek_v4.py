@@ -217,12 +217,22 @@ def test_cache_keeps_projections_per_token(v4):
     assert m.config.kv_bytes_per_token(4) == (3 * 32 + 128 + 64 + 64) * 4
 
 
-def test_bad_compress_ratio_names_the_key():
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"compress_ratios": [0, 3]}, "compress_ratios"),
+        ({"layer_types": ["full_attention"] * 43}, "layer_types"),
+        ({"mlp_layer_types": ["dense"] * 43}, "mlp_layer_types"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_scaling"),
+    ],
+)
+def test_bad_config_names_the_key(change, key):
     from core import ConfigError
 
-    with pytest.raises(ConfigError, match="compress_ratios"):
-        raw = {"model_type": "deepseek_v4", "compress_ratios": [0, 3]}
-        DeepseekV4Config.from_dict(raw).to_runtime()
+    with pytest.raises(ConfigError, match=key):
+        DeepseekV4Config.from_dict({"model_type": "deepseek_v4", **change}).to_runtime()
 
 
 def test_registry_shape_is_deepseek_v4_flash():
