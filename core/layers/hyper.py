@@ -15,6 +15,7 @@ from torch import nn
 
 from core.config import HyperConnectionSpec, RuntimeConfig
 from core.layers.hash_moe import HashMoE
+from core.plugins import registry
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,13 +92,11 @@ class HyperBlock(nn.Module):
 
     def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
-        from core.modeling import build  # the registry's modules (modeling imports this file)
-
-        h, hc = cfg.hidden_size, cfg.hyper_connections
-        self.input_layernorm = build(cfg.norm, h, cfg.norm)
+        h, hc, layer = cfg.hidden_size, cfg.hyper_connections, registry().layer
+        self.input_layernorm = layer(cfg.norm)(h, cfg.norm)
         attn, rope = cfg.layer_attention(index), cfg.layer_rope(index)
-        self.self_attn = build(attn, h, attn, rope is not None and rope.interleaved)
-        self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
+        self.self_attn = layer(attn)(h, attn, rope is not None and rope.interleaved)
+        self.post_attention_layernorm = layer(cfg.norm)(h, cfg.norm)
         moe = cfg.layer_mlp(index)
         self.mlp = HashMoE(h, moe, cfg.vocab_size, index in moe.hash_layers)
         self.attn_hc = HyperConnection(h, hc)
