@@ -258,3 +258,28 @@ def test_queries_by_chunks_match(v4, monkeypatch):
     m, ref, _ = v4
     monkeypatch.setattr(core.layers.compressed, "CHUNK", 3)
     check_prefill(m, ref, ids(VOCAB, 2, 20))
+
+
+@torch.no_grad()
+def test_hyper_connection_matches_transformers_module():
+    """The Sinkhorn-normalised stream weights and the head's collapse, module against module
+    (random streams of 4 x 64, 20 Sinkhorn steps: V4's)."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    from core.config import HyperConnectionSpec
+    from core.layers.hyper import HyperConnection, HyperHead
+
+    config = AutoConfig.for_model("deepseek_v4", **dict(SPEC, hc_mult=4, hc_sinkhorn_iters=20))
+    spec = HyperConnectionSpec(4, 20, config.hc_eps, config.rms_norm_eps)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 4, 64, generator=g)
+    for theirs, ours in ((hf.DeepseekV4HyperConnection(config), HyperConnection(64, spec)),
+                         (hf.DeepseekV4HyperHead(config), HyperHead(64, spec))):  # fmt: skip
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        ours.load_state_dict(theirs.state_dict())
+        want, got = theirs(x), ours(x)  # (post, comb, collapsed), or the head's collapse
+        want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+        for w, o in zip(want, got, strict=True):
+            assert rel_err(o, w) < 1e-5
