@@ -180,8 +180,8 @@ class CompressedAttention(nn.Module):
                 closed = torch.arange(entries.shape[1], device=x.device)
                 closed = closed < (pos[:, part, None] + 1) // s.compress_rate  # (B, C, W)
                 if index_keys is not None:
-                    args = (x[:, part], q_lora[:, part], cos[:, part], sin[:, part], index_keys)
-                    closed = self.compressor.indexer.pick(*args, closed)
+                    query = (x[:, part], q_lora[:, part], cos[:, part], sin[:, part])
+                    closed = self.compressor.indexer.pick(*query, index_keys, closed)
                 near = torch.cat([near, entries], dim=1)
                 visible = torch.cat([visible, closed], dim=-1)
             outs.append(self._attend(q[:, part], near, visible))
