@@ -12,7 +12,7 @@ hub's checkpoint names (`layers.N.attn.wq_a`, `layers.N.ffn.experts.E.w1`, `hc_h
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
 from core.config import (
     CompressedAttentionSpec,
@@ -22,7 +22,7 @@ from core.config import (
     RuntimeConfig,
 )
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig
+from core.hfconfig import DecoderConfig, validation_error
 from core.hfrope import ROPE_KINDS
 from core.hookspecs import hookimpl
 from plugins.deepseek import STACKED_EXPERTS
@@ -124,14 +124,17 @@ class DeepseekV4Config(DecoderConfig):
     def rope_of(self, block: dict[str, Any], name: str) -> RopeSpec:
         block = dict(block)
         kind = block.pop("rope_type", None) or block.pop("type", None) or "default"
-        theta = float(block.pop("rope_theta", None) or self.default_rope_theta)
-        if kind not in ("default", "yarn"):
-            where = "rope_parameters" if self.rope_parameters else "rope_scaling"
+        theta = block.pop("rope_theta", None) or self.default_rope_theta
+        where = "rope_parameters" if self.rope_parameters else "rope_scaling"
+        if kind not in ("default", "yarn") or not isinstance(theta, int | float) or theta <= 0:
             raise ConfigError(
-                f"config.json: field '{where}' gives the {name} rope rope_type {kind!r}; "
-                "DeepSeek V4 uses default or yarn"
+                f"config.json: field '{where}' gives the {name} rope rope_type {kind!r}, "
+                f"rope_theta {theta!r}; DeepSeek V4 uses default or yarn, a positive theta"
             )
-        return ROPE_KINDS[kind](block, theta, self.rope_dim(), self)
+        try:
+            return ROPE_KINDS[kind](block, float(theta), self.rope_dim(), self)
+        except ValidationError as err:
+            raise validation_error(err, f"config.json {where} ({name} rope, {kind})") from None
 
     def rope_spec(self) -> RopeSpec:
         return self.rope_of(self.rope_blocks()[0], "main")

@@ -16,6 +16,8 @@ import re
 import pytest
 import torch
 from conftest import randomize
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from parity import ParitySuite, check_prefill, ids, rel_err
 from safetensors.torch import load_file, save_file
 
@@ -85,6 +87,12 @@ TRANSFORMERS_ONLY = (
     "partial_rotary_factor",
     "dtype",
     "compress_rates",
+)
+SCALARS = st.none() | st.booleans() | st.integers(-3, 300) | st.floats() | st.text(max_size=6)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=6,
 )
 HUB_NAMES = [  # transformers' save_pretrained names -> the hub's (DeepSeek's own)
     (r"^model\.embed_tokens\.", "embed."),
@@ -283,3 +291,35 @@ def test_hyper_connection_matches_transformers_module():
         want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
         for w, o in zip(want, got, strict=True):
             assert rel_err(o, w) < 1e-5
+
+
+FUZZ_BASE = {**{k: v for k, v in SPEC.items() if k != "rope_parameters"}, **HUB_CONFIG}
+FUZZ_BASE.update(model_type="deepseek_v4", compress_ratios=[0, 4, 128])
+
+
+@st.composite
+def v4_configs(draw):
+    raw = dict(FUZZ_BASE)
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(sorted(raw)))
+        action = draw(st.sampled_from(["set", "drop", "rope"]))
+        if action == "set":
+            raw[key] = draw(JSON_VALUES)
+        elif action == "drop":
+            raw.pop(key)
+        else:  # a yarn block with one odd value
+            odd = draw(st.sampled_from(["factor", "beta_fast", "rope_theta", "type"]))
+            raw["rope_scaling"] = {**HUB_CONFIG["rope_scaling"], odd: draw(JSON_VALUES)}
+    return raw
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=v4_configs())
+def test_random_configs_give_a_runtime_config_or_a_config_error(raw):
+    from core import ZooError
+
+    try:
+        cfg = DeepseekV4Config.from_dict(raw).to_runtime()
+    except ZooError:
+        return
+    assert cfg.num_layers == len(cfg.attention_layers) > 0
