@@ -105,9 +105,14 @@ class DeepseekV4Config(DecoderConfig):
         return 0 if kind == KINDS[0] else legacy[kind] or rates[kind]
 
     def rope_dim(self) -> int:
-        if self.qk_rope_head_dim is not None:
-            return self.qk_rope_head_dim
-        return self.partial_rope_dim(self.partial_rotary_factor or 64 / 512)
+        if self.qk_rope_head_dim is None:
+            return self.partial_rope_dim(self.partial_rotary_factor or 64 / 512)
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
+            raise ConfigError(
+                f"config.json: field 'qk_rope_head_dim' ({self.qk_rope_head_dim}) must be even "
+                f"and at most head_dim ({self.head_dim})"
+            )
+        return self.qk_rope_head_dim
 
     def rope_blocks(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(main, compress) rope parameters: transformers 5 nests them under those names; the
@@ -140,6 +145,11 @@ class DeepseekV4Config(DecoderConfig):
         return self.rope_of(self.rope_blocks()[0], "main")
 
     def attention_layers(self, base: Any) -> tuple[Any, ...]:
+        if self.num_attention_heads * self.head_dim % self.o_groups:
+            raise ConfigError(
+                f"config.json: field 'o_groups' ({self.o_groups}) must divide "
+                f"num_attention_heads x head_dim ({self.num_attention_heads * self.head_dim})"
+            )
         compress = self.rope_of(self.rope_blocks()[1], "compress")
         specs = []
         for kind in self.layer_kinds():

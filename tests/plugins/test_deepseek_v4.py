@@ -233,6 +233,8 @@ def test_cache_keeps_projections_per_token(v4):
         ({"mlp_layer_types": ["dense"] * 43}, "mlp_layer_types"),
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
         ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"o_groups": 3}, "o_groups"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
         ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_scaling"),
     ],
 )
