@@ -325,3 +325,71 @@ def test_random_configs_give_a_runtime_config_or_a_config_error(raw):
     except ZooError:
         return
     assert cfg.num_layers == len(cfg.attention_layers) > 0
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The power-of-two exponents that bring amax under `top` (e4m3: 448, e2m1: 6)."""
+    return torch.ceil(torch.log2(amax.clamp(min=1e-30) / top)).clamp(-127, 127)
+
+
+def to_fp8(w: torch.Tensor):
+    """(fp8 weight, e8m0 block scale, the weight it stands for): one 128 x 128 block here."""
+    e = e8m0(w.abs().max().reshape(1, 1), 448.0)
+    q = (w / torch.exp2(e)).to(torch.float8_e4m3fn)
+    return q, (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu), q.float() * torch.exp2(e)
+
+
+def to_fp4(w: torch.Tensor):
+    """(packed I8 codes, e8m0 scale per 32 values, the weight they stand for)."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // 32, 32)
+    e = e8m0(groups.abs().amax(-1), 6.0)  # (rows, groups)
+    x = groups / torch.exp2(e)[..., None]
+    code = (x.abs()[..., None] - E2M1).abs().argmin(-1) + 8 * (x < 0)  # sign in bit 3
+    value = E2M1[code % 8] * torch.where(code >= 8, -1.0, 1.0) * torch.exp2(e)[..., None]
+    code = code.reshape(rows, cols).to(torch.uint8)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).view(torch.int8)
+    scale = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return packed, scale, value.reshape(rows, cols)
+
+
+QUANTIZED = {  # what the hub's V4 config.json declares
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    "expert_dtype": "fp4",
+}  # fmt: skip
+
+
+@torch.no_grad()
+def test_deepseeks_fp8_and_fp4_weights_load_dequantized(v4, tmp_path):
+    """The hub's own form: fp8 attention projections with 128 x 128 e8m0 block scales, fp4
+    routed experts with an e8m0 scale per 32 values (`X.weight` + `X.scale`). They load to the
+    logits of the same model stored as the floats they stand for."""
+    _, _, root = v4
+    state = load_file(root / "model.safetensors")
+    quantized, floats = dict(state), dict(state)
+    for name, w in state.items():
+        if re.search(r"\.attn\.(wq_a|wq_b|wkv|wo_b)\.weight$", name):
+            q, scale, back = to_fp8(w)
+        elif re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", name):
+            q, scale, back = to_fp4(w)
+        else:
+            continue
+        quantized[name], quantized[name.removesuffix("weight") + "scale"] = q, scale
+        floats[name] = back
+    folders, config = {}, json.loads((root / "config.json").read_text())
+    for kind, tensors in (("quantized", quantized), ("floats", floats)):
+        folder = tmp_path / kind
+        folder.mkdir()
+        (folder / "config.json").write_text(
+            json.dumps({**config, **QUANTIZED} if kind == "quantized" else config)
+        )
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        folders[kind] = load_model(folder, max_seq_len=32)
+    x = ids(VOCAB, 1, 20)
+    want = folders["floats"].forward(x)
+    assert rel_err(folders["quantized"].forward(x), want) < 1e-6
+    assert rel_err(want, load_model(root, max_seq_len=32).forward(x)) > 1e-3  # they quantized
