@@ -136,8 +136,9 @@ class DeepseekV4Config(DecoderConfig):
                 f"config.json: field '{where}' gives the {name} rope rope_type {kind!r}, "
                 f"rope_theta {theta!r}; DeepSeek V4 uses default or yarn, a positive theta"
             )
-        try:
-            return ROPE_KINDS[kind](block, float(theta), self.rope_dim(), self)
+        try:  # V4 rotates (x0, x1) pairs, as V2 / V3 do
+            spec = ROPE_KINDS[kind](block, float(theta), self.rope_dim(), self)
+            return replace(spec, interleaved=True)
         except ValidationError as err:
             raise validation_error(err, f"config.json {where} ({name} rope, {kind})") from None
 

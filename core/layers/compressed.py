@@ -137,6 +137,7 @@ class GroupedLinear(nn.Module):
 
 class CompressedAttention(nn.Module):
     def __init__(self, hidden: int, spec: CompressedAttentionSpec, rope_interleaved: bool = True):
+        # (rope_interleaved: always true here; rope_tail rotates pairs of the heads' last dims)
         super().__init__()
         self.spec = spec
         h, d, norm = spec.num_heads, spec.head_dim, RMSNormSpec(spec.norm_eps)
