@@ -105,6 +105,9 @@ class RMSNormSpec:
 
     eps: float
     offset: float = 0.0
+    # DeepSeek V4: the weight kept in fp32 and the product taken in fp32, cast back once (as
+    # offset != 0 does); the same numbers as the plain form in fp32 (the fused CPU step's)
+    fp32_weight: bool = False
 
 
 @dataclass(frozen=True)

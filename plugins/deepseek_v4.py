@@ -18,6 +18,7 @@ from core.config import (
     CompressedAttentionSpec,
     HyperConnectionSpec,
     MoESpec,
+    RMSNormSpec,
     RopeSpec,
     RuntimeConfig,
 )
@@ -210,6 +211,9 @@ class DeepseekV4Config(DecoderConfig):
 
     def mlp_spec(self) -> Any:
         return self.moe_spec().shared  # never built: every layer is MoE
+
+    def norm_spec(self) -> RMSNormSpec:
+        return RMSNormSpec(self.rms_norm_eps, fp32_weight=True)  # differs: fp32 weights
 
     def mtp_layers(self) -> int:
         return self.num_nextn_predict_layers

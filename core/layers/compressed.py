@@ -62,7 +62,7 @@ class Compressor(nn.Module):
         self.gate_proj = Linear(hidden, overlap * dim, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, overlap * dim))
         self.position_bias.keep_fp32 = True
-        self.kv_norm = RMSNorm(dim, RMSNormSpec(eps))
+        self.kv_norm = RMSNorm(dim, RMSNormSpec(eps, fp32_weight=True))
 
     def cached(self, x, kv_cache, gate_cache, start_pos, end, like):
         """Store x's projections; every cached one up to `end`, (B, end, overlap * dim) each."""
@@ -140,7 +140,7 @@ class CompressedAttention(nn.Module):
         # (rope_interleaved: always true here; rope_tail rotates pairs of the heads' last dims)
         super().__init__()
         self.spec = spec
-        h, d, norm = spec.num_heads, spec.head_dim, RMSNormSpec(spec.norm_eps)
+        h, d, norm = spec.num_heads, spec.head_dim, RMSNormSpec(spec.norm_eps, fp32_weight=True)
         self.q_a_proj = Linear(hidden, spec.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(spec.q_lora_rank, norm)
         self.q_b_proj = Linear(spec.q_lora_rank, h * d, bias=False)

@@ -16,14 +16,20 @@ class RMSNorm(nn.Module):
         # are built) arithmetic runs Python references that import torch._dynamo (~1.2 s)
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps, self.offset = spec.eps, offset
+        self.fp32 = getattr(spec, "fp32_weight", False)
+        if self.fp32:  # DeepSeek V4: loaded in fp32 whatever the model's dtype
+            self.weight.keep_fp32 = True
 
     def scale(self) -> torch.Tensor:
-        """What the normed x is multiplied by: the weight, or Gemma's (offset + w) in fp32."""
-        return self.weight if not self.offset else self.weight.float() + self.offset
+        """What the normed x is multiplied by: the weight (fp32 with `fp32_weight`), or Gemma's
+        (offset + w) in fp32."""
+        if not self.offset:
+            return self.weight.float() if self.fp32 else self.weight
+        return self.weight.float() + self.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.offset:
+        if not self.offset and not self.fp32:
             return kernels.rms_norm(x, self.weight, self.eps)
         # Gemma: (offset + w) and the product in fp32, cast back once (the kernel's rounding
-        # casts before scaling); in fp32 the two agree
+        # casts before scaling); in fp32 the two agree. DeepSeek V4's fp32 weights: the same
         return kernels.rms_norm(x.float(), self.scale(), self.eps).to(x.dtype)

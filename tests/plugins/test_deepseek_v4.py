@@ -393,3 +393,18 @@ def test_deepseeks_fp8_and_fp4_weights_load_dequantized(v4, tmp_path):
     want = folders["floats"].forward(x)
     assert rel_err(folders["quantized"].forward(x), want) < 1e-6
     assert rel_err(want, load_model(root, max_seq_len=32).forward(x)) > 1e-3  # they quantized
+
+
+@torch.no_grad()
+def test_bfloat16_keeps_transformers_fp32_parts(v4):
+    """In bf16 the parts transformers keeps in fp32 stay fp32 (norm weights, hyper-connections,
+    sinks, position biases), and the logits stay near the fp32 reference."""
+    _, ref, root = v4
+    m = load_model(root, max_seq_len=32, dtype="bfloat16")
+    layer = m.net.model.layers[1]
+    kept = (layer.input_layernorm.weight, layer.self_attn.kv_norm.weight, layer.attn_hc.fn,
+            layer.self_attn.sinks, layer.self_attn.compressor.position_bias)  # fmt: skip
+    assert all(p.dtype == torch.float32 for p in kept)
+    assert layer.self_attn.q_b_proj.weight.dtype == torch.bfloat16
+    x = ids(VOCAB, 1, 20)
+    assert rel_err(m.forward(x), ref(x).logits) < 5e-2
