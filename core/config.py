@@ -108,6 +108,8 @@ class RMSNormSpec:
     # OLMo 2 / 3: the weight multiplies the fp32 normed x and the product is cast back (the
     # Gemma path with offset 0), where Llama casts back before scaling
     fp32_scale: bool = False
+    # DeepSeek V4: besides, the weight is kept in fp32 whatever the model's dtype (fp32_scale)
+    fp32_weight: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,77 @@ class GatedDeltaNetSpec:
         return {"state": "float32"}
 
 
+@dataclass(frozen=True)
+class CompressedAttentionSpec:
+    """DeepSeek V4's attention: one shared key=value head (MQA), q through q_a -> norm -> q_b
+    and an unweighted per-head RMSNorm, interleaved rope on each head's LAST `rope_dim` dims
+    (undone on the output, as V = K), a learned sink per head, and a grouped low-rank output
+    projection (o_groups x o_lora_rank). Every query sees the last `sliding_window` tokens;
+    with `compress_rate` > 0 it also sees compressed entries, one per closed window of
+    `compress_rate` tokens (a softmax-gated sum of the window's projections): HCA
+    (`index_heads` 0) sees every closed one, CSA (`index_heads` > 0: windows overlap by one,
+    and a lightning indexer keeps the `index_topk` best) only those picked for it.
+
+    The cache keeps each token's key=value and, for compressed layers, each token's
+    compressor (and indexer) projections; the compressed entries are rebuilt from them on
+    every forward, so a row's state is its positions alone (rows copy and roll back freely).
+    """
+
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    rope_dim: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    norm_eps: float
+    rope: RopeSpec  # main rope (sliding layers) or the compress rope (CSA / HCA layers)
+    compress_rate: int = 0  # 0: sliding window only
+    index_heads: int = 0  # 0: no indexer (HCA or sliding); CSA: the indexer's heads
+    index_head_dim: int = 0
+    index_topk: int = 0
+
+    @property
+    def kind(self) -> str:
+        """For `zoo info`: 'window 128', 'window 128 + CSA 4 (top 512)', 'window 128 + HCA 128'."""
+        window = f"window {self.sliding_window}"
+        if not self.compress_rate:
+            return window
+        if self.index_heads:
+            return f"{window} + CSA {self.compress_rate} (top {self.index_topk})"
+        return f"{window} + HCA {self.compress_rate}"
+
+    @property
+    def overlap(self) -> int:
+        """Projections per token per compressed series: 2 (CSA's overlapping windows) or 1."""
+        return 2 if self.index_heads else 1
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """kv: the roped key=value per token; ckv / cgate: the compressor's projections per
+        token (compressed layers); ikv / igate: the indexer's (CSA)."""
+        out = {"kv": (batch, seq, self.head_dim)}
+        if self.compress_rate:
+            width = self.overlap * self.head_dim
+            out |= {"ckv": (batch, seq, width), "cgate": (batch, seq, width)}
+        if self.index_heads:
+            width = 2 * self.index_head_dim
+            out |= {"ikv": (batch, seq, width), "igate": (batch, seq, width)}
+        return out
+
+
+@dataclass(frozen=True)
+class HyperConnectionSpec:
+    """Manifold-constrained hyper-connections (DeepSeek V4): the residual is `mult` streams;
+    each sub-block reads a weighted sum of them (pre), and the streams become
+    post * out + comb^T @ streams, with comb made doubly stochastic by `sinkhorn_iters`
+    Sinkhorn-Knopp steps; the final streams collapse to one before the last norm."""
+
+    mult: int
+    sinkhorn_iters: int
+    eps: float  # added to pre and comb, and to the Sinkhorn denominators
+    norm_eps: float  # the unweighted RMSNorm over the flattened streams
+
+
 AttentionSpec = GQASpec | MLASpec
 
 
@@ -353,7 +426,7 @@ class MoESpec:
     intermediate_size: int  # per routed expert
     num_shared_experts: int  # shared MLP width = num_shared_experts * intermediate_size; 0: none
     layers: tuple[int, ...]  # indices of the layers whose MLP is this MoE
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
     num_groups: int = 1
     topk_groups: int = 1
@@ -373,6 +446,11 @@ class MoESpec:
     shared_gate: bool = False
     # Llama 4: each routed expert runs on its weight times x, expert(w * x), not w * expert(x)
     scale_input: bool = False
+    # DeepSeek V4 (core/layers/hash_moe.py; the plain MoE refuses them): routed and shared
+    # experts clamp gate to at most `swiglu_limit` and up to [-limit, limit] before SiLU(gate) *
+    # up; on `hash_layers` the experts are a fixed table of the token id (tid2eid), not top-k
+    swiglu_limit: float | None = None
+    hash_layers: tuple[int, ...] = ()
 
     @property
     def shared_width(self) -> int:
@@ -424,6 +502,9 @@ class RuntimeConfig:
     # one attention spec per layer (any kind: a hybrid model mixes them); () = `attention` on
     # every layer, filled in here
     attention_layers: tuple[Any, ...] = ()
+    # DeepSeek V4: the residual is several streams mixed by hyper-connections (the blocks are
+    # core.layers.hyper's); None: the plain residual of DecoderBlock
+    hyper_connections: HyperConnectionSpec | None = None
 
     def __post_init__(self):
         if not self.attention_layers:

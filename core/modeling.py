@@ -116,7 +116,13 @@ class Decoder(nn.Module):
         super().__init__()
         e = cfg.embedding
         self.embed_tokens = build(e, cfg.vocab_size, cfg.hidden_size, e)
-        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
+        block = DecoderBlock
+        if cfg.hyper_connections is not None:  # DeepSeek V4: streams, not one residual
+            from core.layers.hyper import HyperBlock, HyperHead
+
+            block = HyperBlock
+            self.hc_head = HyperHead(cfg.hidden_size, cfg.hyper_connections)
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         # a layer reusing an earlier one's work (GLM-5's shared DSA top-k) is told the earlier ones
         for i, block in enumerate(self.layers):
             if hasattr(block.self_attn, "selection_from"):
@@ -217,12 +223,16 @@ class CausalLM(nn.Module):
             end = start_pos + t
         cache = self.kv_cache if row is None else self.kv_cache.row(row)
         x = self.model.embed_tokens(input_ids)
+        hc = self.config.hyper_connections
+        if hc is not None:  # every stream starts as the embedding: (B, T, N, hidden)
+            x = x.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
         tables = [rotary(start_pos, t, end, lengths) for rotary in self.rotaries]
         for i, layer in enumerate(self.model.layers):
             j = self.rope_of_layer[i]
             cos, sin = (None, None) if j is None else tables[j]
-            x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths)
-        return x
+            more = (input_ids,) if getattr(layer, "takes_ids", False) else ()  # hash routing
+            x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths, *more)
+        return x if hc is None else self.model.hc_head(x)
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:
         """Row dst of the cache takes row src's first n positions (on every rank)."""

@@ -77,6 +77,7 @@ BUILTIN_PLUGINS = (
     "plugins.llama4",
     "plugins.glm4_moe",
     "plugins.minimax_m2",
+    "plugins.deepseek_v4",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

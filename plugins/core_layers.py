@@ -5,6 +5,7 @@ listing plugins and models never imports torch.
 """
 
 from core.config import (
+    CompressedAttentionSpec,
     DenseMLPSpec,
     EmbeddingSpec,
     GatedDeltaNetSpec,
@@ -29,3 +30,4 @@ def zoo_register_layers(registry):
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
     registry.add_layer(L2NormSpec, "core.layers.norm:L2Norm")
     registry.add_layer(SparseMLASpec, "core.layers.dsa:SparseMLAAttention")
+    registry.add_layer(CompressedAttentionSpec, "core.layers.compressed:CompressedAttention")

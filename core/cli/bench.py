@@ -64,13 +64,14 @@ def read_per_step(net, weight_bytes: int, rows: int) -> float:
     """The weight bytes a decode step of `rows` rows reads: all of them, less the routed experts
     no row chose (of E experts, k per row chosen at random: E (1 - (1 - k / E) ^ rows) read)
     and, untied from the head, the token embedding (a row per token)."""
+    from core.layers.hash_moe import HashMoE
     from core.layers.moe import MoE
 
     unread = 0.0
     if net.lm_head.tied_to[0] is None:
         unread += _nbytes(net.model.embed_tokens.weight)
     for m in net.modules():
-        if isinstance(m, MoE):
+        if isinstance(m, MoE | HashMoE):  # (DeepSeek V4's hash-routed layers: the same count)
             spec, ex = m.gate.spec, m.experts
             held = sum(_nbytes(p.weight) for p in (ex.gate_up_proj, ex.down_proj))
             unread += held * (1 - spec.top_k / spec.num_experts) ** rows

@@ -75,6 +75,7 @@ def _layer_kinds(c) -> str:
         top_k = getattr(spec, "index_topk", None)
         if top_k is not None:  # DeepSeek sparse attention: its own indexer's keys, or reused
             kind = f"sparse top-{top_k}" + (" (shared selection)" if spec.shared_selection else "")
+        kind = getattr(spec, "kind", kind)  # a kind that names itself (DeepSeek V4's)
         kinds[kind] = kinds.get(kind, 0) + 1
         if c.layer_rope(i) is None:
             kinds["NoPE"] = kinds.get("NoPE", 0) + 1

@@ -27,7 +27,10 @@ def route(
 
     See `MoESpec` for the methods; `correction_bias` (E,) is noaux_tc's e_score_correction_bias.
     """
-    scores = logits.softmax(-1) if spec.scoring == "softmax" else logits.sigmoid()
+    if spec.scoring == "sqrtsoftplus":  # DeepSeek V4
+        scores = F.softplus(logits).sqrt()
+    else:
+        scores = logits.softmax(-1) if spec.scoring == "softmax" else logits.sigmoid()
     n, e, g = scores.shape[0], spec.num_experts, spec.num_groups
     if spec.topk_method == "greedy":
         weights, ids = scores.topk(spec.top_k, dim=-1, sorted=False)
@@ -135,6 +138,8 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
+        if spec.swiglu_limit is not None or spec.hash_layers:
+            raise ValueError("a clamped or hash-routed MoESpec is core.layers.hash_moe's")
         self.gate = Router(hidden, spec)
         self.experts = Experts(hidden, spec)
         if spec.shared_width:

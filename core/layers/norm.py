@@ -17,7 +17,9 @@ class RMSNorm(nn.Module):
         # are built) arithmetic runs Python references that import torch._dynamo (~1.2 s)
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps, self.offset = spec.eps, offset
-        self.fp32_scale = getattr(spec, "fp32_scale", False)
+        self.fp32_scale = getattr(spec, "fp32_scale", False) or getattr(spec, "fp32_weight", False)
+        if getattr(spec, "fp32_weight", False):  # DeepSeek V4: loaded in fp32 whatever the dtype
+            self.weight.keep_fp32 = True
 
     def scale(self) -> torch.Tensor:
         """What the normed x is multiplied by: the weight, or Gemma's (offset + w) in fp32."""
@@ -29,7 +31,8 @@ class RMSNorm(nn.Module):
         if not self.offset and not self.fp32_scale:
             return kernels.rms_norm(x, self.weight, self.eps)
         # Gemma: (offset + w) and the product in fp32, cast back once (the kernel's rounding
-        # casts before scaling); in fp32 the two agree. OLMo (fp32_scale): the same, offset 0
+        # casts before scaling); in fp32 the two agree. OLMo, DeepSeek V4 (fp32_scale): the same,
+        # offset 0
         return kernels.rms_norm(x.float(), self.scale(), self.eps).to(x.dtype)
 
 

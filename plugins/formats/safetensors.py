@@ -15,6 +15,7 @@ from typing import Any
 from core.checkpoint import read_json
 from core.errors import CheckpointError
 from core.hookspecs import hookimpl
+from plugins.formats import safetensors_dsv4 as dsv4
 from plugins.formats import safetensors_mxfp4 as mxfp4
 from plugins.formats.safetensors_fp8 import SCALE_SUFFIX, BlockFP8
 
@@ -22,12 +23,14 @@ INDEX = "model.safetensors.index.json"
 ITEMSIZE = {
     **{"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1},
     **{"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1},
+    "F8_E8M0": 1,  # DeepSeek V4's scales (safetensors_dsv4.py)
 }
 _TORCH_DTYPES = {
     **{"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "BOOL": "bool"},
     **{"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U8": "uint8", "I8": "int8"},
     **{"I16": "int16", "I32": "int32", "I64": "int64", "U16": "uint16", "U32": "uint32"},
     "U64": "uint64",
+    "F8_E8M0": "uint8",  # read as the exponent bytes
 }
 MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
@@ -115,6 +118,7 @@ class SafetensorsCheckpoint:
             )
         self._handles: dict[Path, Any] = {}  # the last file read_slice opened
         self._mxfp4 = False  # MXFP4 blocks + scales (gpt-oss): see safetensors_mxfp4.py
+        self._dsv4 = False  # DeepSeek V4's weight + e8m0 scale pairs: see safetensors_dsv4.py
         self._fp8 = self._fp8_scheme()
 
     def _fp8_scheme(self) -> BlockFP8 | None:
@@ -123,13 +127,21 @@ class SafetensorsCheckpoint:
         f = self.path / "config.json"
         config = read_json(f) if f.is_file() else {}
         qc = config.get("quantization_config") if isinstance(config, dict) else None
+        header = {name: entry for name, (_, _, entry) in self._where.items()}
+        if dsv4.declared(header):
+            for name, entry in header.items():
+                scale = dsv4.scale_of(name)
+                if scale in header:
+                    dsv4.check(name, entry, header[scale], self.path)
+            self._dsv4 = True
+            return None
         if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
-            mxfp4.check({name: entry for name, (_, _, entry) in self._where.items()}, self.path)
+            mxfp4.check(header, self.path)
             self._mxfp4 = True
             return None
         fp8 = BlockFP8.from_config(config, f) if f.is_file() else None
         if fp8 is not None:
-            fp8.check({name: entry for name, (_, _, entry) in self._where.items()}, self.path)
+            fp8.check(header, self.path)
         return fp8
 
     @staticmethod
@@ -175,6 +187,9 @@ class SafetensorsCheckpoint:
     def tensor_names(self) -> list[str]:
         if self._mxfp4:  # the scales are read with their blocks
             return [n for n in self._where if not n.endswith(mxfp4.SCALES)]
+        if self._dsv4:  # the scales are read with their weights
+            scales = {dsv4.scale_of(n) for n in self._where}
+            return [n for n in self._where if n not in scales]
         if self._fp8 is None:
             return list(self._where)
         return [n for n in self._where if not n.endswith(SCALE_SUFFIX)]  # read with their weight
@@ -182,13 +197,21 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape as `read` returns it (MXFP4 blocks: dequantized)."""
         stored = tuple(int(d) for d in self._where[name][2]["shape"])
+        if self._paired(name):
+            return dsv4.shape(stored, self._where[name][2]["dtype"])
         return mxfp4.shape(stored) if self._mxfp4 and name.endswith(mxfp4.BLOCKS) else stored
+
+    def _paired(self, name: str) -> bool:
+        """Whether `name` is a DeepSeek V4 weight with its scale beside it."""
+        return self._dsv4 and dsv4.scale_of(name) in self._where
 
     def read(self, name: str):
         """The tensor in its stored dtype; an fp8 weight dequantized by its block scales, fp32."""
         if self._mxfp4 and name.endswith(mxfp4.BLOCKS):
             scales = self._read(name.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES)
             return mxfp4.dequantize(self._read(name), scales)
+        if self._paired(name):
+            return dsv4.dequantize(self._read(name), self._read(dsv4.scale_of(name)))
         t = self._read(name)
         if self.quant_format(name) is not None:
             self._fp8.check_values(name, t, self.path)
@@ -239,8 +262,10 @@ class SafetensorsCheckpoint:
         tensor-parallel rank's share (core/parallel/tp.py), read with safetensors' `get_slice` so
         that only those bytes leave the file. None for a weight stored quantized (fp8, MXFP4),
         which is read whole, dequantized, then cut."""
-        if (self._mxfp4 and name.endswith(mxfp4.BLOCKS)) or (
-            self._fp8 is not None and name + SCALE_SUFFIX in self._where
+        if (
+            (self._mxfp4 and name.endswith(mxfp4.BLOCKS))
+            or self._paired(name)
+            or (self._fp8 is not None and name + SCALE_SUFFIX in self._where)
         ):
             return None
         import torch

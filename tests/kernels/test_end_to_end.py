@@ -88,6 +88,8 @@ SUITES = {
     # DeepSeek sparse attention: MLA's projections and rope through Triton, the top-k masked
     # latent attention in torch (no Triton kernel takes a key selection)
     "tests/plugins/test_deepseek_v32.py": PREFILL_DECODE,
+    # hyper-connections, compressed MQA (its attention in torch), hash-routed clamped experts
+    "tests/plugins/test_deepseek_v4.py": PREFILL_DECODE,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }
