@@ -80,6 +80,16 @@ class LongRope(DefaultRope):
     attention_factor: float = 1.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProportionalRope(DefaultRope):
+    """Gemma 4's global layers: the whole head (`dim`) is rotated in halves (i, i + dim/2), but
+    only the first `rotated` frequencies turn, theta ** (-2i / dim); the others are 0 (cos 1,
+    sin 0: those dims pass through). Differs from a partial rope (Phi-3): the turning pairs
+    are spread over both halves of the head, and the exponent divides by the whole head_dim."""
+
+    rotated: int  # frequencies that turn, of dim / 2
+
+
 RopeSpec = DefaultRope  # every kind is a DefaultRope subclass
 
 
@@ -105,6 +115,8 @@ class RMSNormSpec:
 
     eps: float
     offset: float = 0.0
+    # Gemma 4: the weight (no offset) multiplies in fp32 too, cast back once at the end
+    fp32_scale: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,14 @@ class GQASpec:
     # Qwen3-Next / Qwen3.5: q_proj also yields a gate per head (rows [q_h | gate_h] per head h);
     # the attention output is multiplied by sigmoid(gate) before o_proj
     output_gate: bool = False
+    # Gemma 4: v normed per head over head_dim by a weightless RMSNorm of this eps (None: not)
+    v_norm: float | None = None
+    # Gemma 4's MoE models' global layers: no v_proj; the values are k_proj's output (before
+    # the k norm and rope)
+    k_eq_v: bool = False
+    # Gemma 4's last layers: no k/v projections and no cache of their own; they attend over
+    # the keys and values layer `kv_source` (an earlier layer of the same kind) attended over
+    kv_source: int | None = None
 
     def __post_init__(self):
         for name in ("window", "softcap", "softmax_scale"):
@@ -157,7 +177,9 @@ class GQASpec:
     def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
         """What one layer caches, in the order forward() takes it: K and V per kv head, for
         every position (full) or the last `window` ones (a ring buffer: position p in slot
-        p % window)."""
+        p % window). A layer reading another's (kv_source) caches nothing."""
+        if self.kv_source is not None:
+            return {}
         if self.window is not None:
             seq = min(seq, self.window)
         shape = (batch, self.num_kv_heads, seq, self.head_dim)  # (B, H_kv, S, D)
@@ -321,6 +343,19 @@ class MoESpec:
         return DenseMLPSpec(self.shared_width, self.shared_bias)
 
 
+@dataclass(frozen=True)
+class PerLayerInputSpec:
+    """Gemma 4's per-layer embeddings (PLE): each layer gets a `dim`-wide input of its own,
+    (norm(x0 @ W_proj * hidden ** -0.5) + E_ple[token] * sqrt(dim)) / sqrt(2) for the token's
+    embedding x0 (E_ple: vocab_size x (layers * dim), scale rounded to the model dtype); after
+    its MLP a block adds norm(proj(act(gate(h)) * that input)) to h."""
+
+    dim: int
+    vocab_size: int
+    norm: Any  # the norm spec of the projection's norm and the block's post norm
+    act: Literal["gelu_tanh"] = "gelu_tanh"
+
+
 # --- the whole model -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -356,6 +391,12 @@ class RuntimeConfig:
     # one attention spec per layer (any kind: a hybrid model mixes them); () = `attention` on
     # every layer, filled in here
     attention_layers: tuple[Any, ...] = ()
+    # one dense MLP spec per layer where widths differ (Gemma 4's double-wide last layers);
+    # () = `mlp` on every layer; MoE layers still take `moe`
+    mlp_layers: tuple[DenseMLPSpec, ...] = ()
+    per_layer_input: PerLayerInputSpec | None = None  # Gemma 4's per-layer embeddings
+    # each block's output is multiplied by a learned scalar (parameter layer_scalar, (1,))
+    layer_scalar: bool = False
 
     def __post_init__(self):
         if not self.attention_layers:
@@ -377,7 +418,9 @@ class RuntimeConfig:
 
     def layer_mlp(self, i: int) -> DenseMLPSpec | MoESpec:
         """The MLP kind of layer i."""
-        return self.moe if self.moe is not None and i in self.moe.layers else self.mlp
+        if self.moe is not None and i in self.moe.layers:
+            return self.moe
+        return self.mlp_layers[i] if self.mlp_layers else self.mlp
 
     def kv_bytes(self, itemsize: int, seq_len: int, batch: int = 1) -> int:
         """Bytes the cache holds for `batch` sequences of `seq_len` tokens, all layers

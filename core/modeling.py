@@ -18,6 +18,7 @@ from core.config import RuntimeConfig
 from core.errors import ZooError
 from core.kv_cache import StaticKVCache
 from core.layers import LMHead, RotaryEmbedding
+from core.layers.per_layer import PerLayerEmbeddings
 from core.plugins import registry
 
 
@@ -69,21 +70,45 @@ class DecoderBlock(nn.Module):
         if cfg.post_norms:  # the hub's post_attention_layernorm / post_feedforward_layernorm
             self.attn_out_layernorm = build(cfg.norm, h, cfg.norm)
             self.post_feedforward_layernorm = build(cfg.norm, h, cfg.norm)
+        # Gemma 4: this block adds its per-layer input after the MLP, and scales its output
+        self.per_layer_input = None
+        if cfg.per_layer_input is not None:
+            self.per_layer_input = build(cfg.per_layer_input, h, cfg.per_layer_input)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalar else None
 
     def forward(
-        self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos, end: int, lengths=None
+        self,
+        x,
+        cos,
+        sin,
+        cache: tuple[torch.Tensor, ...],
+        start_pos,
+        end: int,
+        lengths=None,
+        per_layer: torch.Tensor | None = None,
+        shared: list | None = None,
     ):
         """`cache`: this layer's cache tensors, as its attention kind lays them out;
         `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T; `lengths`:
-        None, or (B,) real tokens per row of a right-padded prefill."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, *cache, start_pos, end, lengths)
+        None, or (B,) real tokens per row of a right-padded prefill. `per_layer`: this layer's
+        per-layer input (B, T, dim), Gemma 4; `shared`: the K/V this layer hands to later
+        layers or reads from an earlier one (GQAAttention's `shared`), None if neither."""
+        more = {} if shared is None else {"shared": shared}
+        if shared is not None and not cache:  # a kv_source layer: no cache tensors of its own
+            cache = (None, None)
+        a = self.self_attn(
+            self.input_layernorm(x), cos, sin, *cache, start_pos, end, lengths, **more
+        )
         if self.reduce is not None:
             a = self.reduce(a)
         h = x + (self.attn_out_layernorm(a) if self.post_norms else a)
         m = self.mlp(self.post_attention_layernorm(h))
         if self.reduce is not None:
             m = self.reduce(m)
-        return h + (self.post_feedforward_layernorm(m) if self.post_norms else m)
+        out = h + (self.post_feedforward_layernorm(m) if self.post_norms else m)
+        if self.per_layer_input is not None:
+            out = self.per_layer_input(out, per_layer)
+        return out if self.layer_scalar is None else out * self.layer_scalar
 
 
 class IgnoredNames:
@@ -113,6 +138,11 @@ class Decoder(nn.Module):
         self.embed_tokens = build(e, cfg.vocab_size, cfg.hidden_size, e)
         self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm = build(cfg.norm, cfg.hidden_size, cfg.norm)
+        self.per_layer_embed = None  # Gemma 4's per-layer inputs, made once per forward
+        if cfg.per_layer_input is not None:
+            self.per_layer_embed = PerLayerEmbeddings(
+                cfg.hidden_size, cfg.num_layers, cfg.per_layer_input
+            )
 
 
 class CausalLM(nn.Module):
@@ -133,11 +163,22 @@ class CausalLM(nn.Module):
         ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
         self.rope_specs = list(dict.fromkeys(r for r in ropes if r is not None))
         self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in ropes]
+        # K/V handed between layers (GQASpec.kv_source): per layer, the layer whose list it
+        # appends to or reads (its own index for a source); None: neither
+        sources = {getattr(a, "kv_source", None) for a in cfg.attention_layers} - {None}
+        self.kv_lists = [
+            i if i in sources else getattr(a, "kv_source", None)
+            for i, a in enumerate(cfg.attention_layers)
+        ]
 
     def ignored_checkpoint_names(self) -> IgnoredNames:
         """Checkpoint tensors that are expected but not loaded: a tied head's copy, MTP layers."""
         cfg = self.config
         names = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        for i, spec in enumerate(cfg.attention_layers):  # checkpoints may keep their unused K/V
+            if getattr(spec, "kv_source", None) is not None:
+                part = f"model.layers.{i}.self_attn"
+                names |= {f"{part}.{m}.weight" for m in ("k_proj", "v_proj", "k_norm", "v_norm")}
         return IgnoredNames(names, range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers))
 
     def setup_caches(
@@ -208,11 +249,18 @@ class CausalLM(nn.Module):
             end = start_pos + t
         cache = self.kv_cache if row is None else self.kv_cache.row(row)
         x = self.model.embed_tokens(input_ids)
+        per_layer = None
+        if self.model.per_layer_embed is not None:
+            per_layer = self.model.per_layer_embed(input_ids, x)  # (B, T, layers, dim)
         tables = [rotary(start_pos, t, end, lengths) for rotary in self.rotaries]
+        shared: dict[int, list] = {}
         for i, layer in enumerate(self.model.layers):
-            j = self.rope_of_layer[i]
+            j, k = self.rope_of_layer[i], self.kv_lists[i]
             cos, sin = (None, None) if j is None else tables[j]
-            x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths)
+            more = {} if k is None else {"shared": shared.setdefault(k, [])}
+            if per_layer is not None:
+                more["per_layer"] = per_layer[:, :, i]
+            x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths, **more)
         return x
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:

@@ -11,6 +11,7 @@ from core.config import (
     GQASpec,
     MLASpec,
     MoESpec,
+    PerLayerInputSpec,
     RMSNormSpec,
 )
 from core.hookspecs import hookimpl
@@ -25,3 +26,4 @@ def zoo_register_layers(registry):
     registry.add_layer(GatedDeltaNetSpec, "core.layers.deltanet:GatedDeltaNet")
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
+    registry.add_layer(PerLayerInputSpec, "core.layers.per_layer:PerLayerInput")

@@ -16,14 +16,18 @@ class RMSNorm(nn.Module):
         # are built) arithmetic runs Python references that import torch._dynamo (~1.2 s)
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps, self.offset = spec.eps, offset
+        self.fp32_scale = getattr(spec, "fp32_scale", False)
 
     def scale(self) -> torch.Tensor:
-        """What the normed x is multiplied by: the weight, or Gemma's (offset + w) in fp32."""
-        return self.weight if not self.offset else self.weight.float() + self.offset
+        """What the normed x is multiplied by: the weight, or Gemma's (offset + w) in fp32 (Gemma
+        4's w in fp32)."""
+        if not self.offset:
+            return self.weight.float() if self.fp32_scale else self.weight
+        return self.weight.float() + self.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.offset:
+        if not self.offset and not self.fp32_scale:
             return kernels.rms_norm(x, self.weight, self.eps)
         # Gemma: (offset + w) and the product in fp32, cast back once (the kernel's rounding
-        # casts before scaling); in fp32 the two agree
+        # casts before scaling); in fp32 the two agree. Gemma 4 (fp32_scale): w itself, the same way
         return kernels.rms_norm(x.float(), self.scale(), self.eps).to(x.dtype)
