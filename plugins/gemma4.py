@@ -81,7 +81,7 @@ class Gemma4TextConfig(Gemma3TextConfig):
                 "config.json: field 'enable_moe_block' is true: Gemma 4's MoE layers are not "
                 "supported yet"
             )
-        return kinds[:-1] + ["full_attention"]  # as transformers: the last layer is global
+        return [*kinds[:-1], "full_attention"]  # as transformers: the last layer is global
 
     def norm_spec(self) -> RMSNormSpec:
         return RMSNormSpec(self.rms_norm_eps, fp32_scale=True)  # differs: w, not (1 + w)

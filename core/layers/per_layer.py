@@ -20,7 +20,8 @@ class PerLayerEmbeddings(nn.Module):
         super().__init__()
         self.layers, self.dim, self.hidden = layers, spec.dim, hidden
         width = layers * spec.dim  # all layers' inputs packed in one row
-        self.embed_tokens_per_layer = Embedding(spec.vocab_size, width, EmbeddingSpec(spec.dim**0.5))
+        scale = EmbeddingSpec(spec.dim**0.5)  # sqrt(dim), rounded to the model dtype
+        self.embed_tokens_per_layer = Embedding(spec.vocab_size, width, scale)
         self.per_layer_model_projection = Linear(hidden, width, bias=False)
         self.per_layer_projection_norm = registry().layer(spec.norm)(spec.dim, spec.norm)
 

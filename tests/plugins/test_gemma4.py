@@ -1,0 +1,218 @@
+"""Gemma 4's text model against transformers on tiny random checkpoints (fp32): an E2B-style
+model (window and global layers, global layers with their own head_dim and a proportional rope,
+per-layer embeddings, the last two layers reading the K/V of earlier ones with double-wide MLPs,
+v norms, layer scalars, a final soft-cap small enough to bite), in the hub's key style
+(`global_head_dim`) and in transformers 5's (`per_layer_config`), and a multimodal `gemma4`
+checkpoint (Gemma4ForConditionalGeneration) loading its text model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import ClassVar
+
+import pytest
+import torch
+from conftest import make_checkpoint, randomize
+from parity import ParitySuite, check_decode, check_prefill, ids, rel_err
+from safetensors.torch import load_file, save_file
+
+from core import ConfigError, load_model
+from core.config import DefaultRope, ProportionalRope
+from core.cpu_step import why_not
+from core.plugins import registry
+
+VOCAB = 128
+# layers 0, 2, 3 windowed (window 5 < the test sequences), 1 and 4 global (head_dim 16, not 8;
+# a quarter of its frequencies turn); layers 3 and 4 share the K/V of layers 2 and 1
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    global_head_dim=16,
+    max_position_embeddings=128,
+    sliding_window=5,
+    layer_types=[("full_attention" if i in (1, 4) else "sliding_attention") for i in range(5)],
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
+    final_logit_softcapping=3.0,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+GEMMA4 = dict(TEXT, model_type="gemma4_text")
+
+
+def hub_keys(cfg: dict) -> dict:
+    """config.json as the released repos spell it: global_head_dim and
+    num_global_key_value_heads, where transformers 5 writes per_layer_config."""
+    cfg = {k: v for k, v in cfg.items() if k != "per_layer_config"}
+    return dict(cfg, global_head_dim=TEXT["global_head_dim"], num_global_key_value_heads=None)
+
+
+def gemma4_checkpoint(root, spec: dict, hub: bool = True, extra: dict | None = None):
+    root, ref = make_checkpoint(root, spec, raw=True)
+    with torch.no_grad():  # layer scalars other than their init (a buffer randomize() skips)
+        for i, layer in enumerate(ref.model.layers):
+            layer.layer_scalar.fill_(0.6 + 0.2 * i)
+    ref.save_pretrained(root, safe_serialization=True)
+    path = root / "config.json"
+    cfg = json.loads(path.read_text())
+    assert "global_head_dim" not in cfg  # transformers 5 saves per_layer_config instead
+    path.write_text(json.dumps(hub_keys(cfg) if hub else cfg, indent=1))
+    if extra:  # tensors a real checkpoint keeps that transformers does not save
+        tensors = load_file(root / "model.safetensors")
+        save_file({**tensors, **extra}, root / "model.safetensors", metadata={"format": "pt"})
+    return root, ref
+
+
+# the released checkpoints keep k/v projections and norms on the layers that share K/V
+UNUSED_KV = {
+    "model.layers.3.self_attn.k_proj.weight": torch.zeros(16, 32),
+    "model.layers.3.self_attn.v_proj.weight": torch.zeros(16, 32),
+    "model.layers.3.self_attn.k_norm.weight": torch.ones(8),
+    "model.layers.4.self_attn.k_proj.weight": torch.zeros(32, 32),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    root, ref = gemma4_checkpoint(tmp_path_factory.mktemp("gemma4"), GEMMA4, True, UNUSED_KV)
+    m = load_model(root, max_seq_len=64, max_batch_size=2)
+    return m, ref
+
+
+class TestParity(ParitySuite):
+    """The parity checks of tests/plugins/parity.py on this module's models."""
+
+    vocab = VOCAB
+    prefill_len = 20  # 4x the window
+    decode = (20, 11)  # decode past the window
+    greedy_len = 9
+    ragged: ClassVar[dict] = dict(lengths=(4, 11), steps=3, new=5)
+
+    @pytest.fixture
+    def model(self, gemma4):
+        return gemma4
+
+
+def test_layer_specs_read_as_transformers(gemma4):
+    m = gemma4[0]
+    specs = [layer.self_attn.spec for layer in m.net.model.layers]
+    assert [s.window for s in specs] == [5, None, 5, 5, None]
+    assert [s.head_dim for s in specs] == [8, 16, 8, 8, 16]
+    assert [s.kv_source for s in specs] == [None, None, None, 2, 1]
+    assert {s.scale for s in specs} == {1.0} and {s.v_norm for s in specs} == {1e-6}
+    assert m.config.layer_rope(0) == DefaultRope(theta=10000.0, dim=8)
+    assert m.config.layer_rope(1) == ProportionalRope(theta=1e6, dim=16, rotated=2)
+    widths = [m.config.layer_mlp(i).intermediate_size for i in range(5)]
+    assert widths == [48, 48, 48, 96, 96]  # double-wide where K/V is shared
+    assert m.config.final_softcap == 3.0
+
+
+def test_transformers5_keys(tmp_path):
+    """config.json as transformers 5 saves it (per_layer_config, no global_head_dim)."""
+    root, ref = gemma4_checkpoint(tmp_path, GEMMA4, hub=False)
+    m = load_model(root, max_seq_len=32)
+    assert [layer.self_attn.spec.head_dim for layer in m.net.model.layers] == [8, 16, 8, 8, 16]
+    check_decode(m, ref, ids(VOCAB, 1, 16), prefill=9)
+
+
+def test_shared_layers_cache_nothing(gemma4):
+    """Layers 3 and 4 have no cache tensors; the bytes per token count global layer 1 alone."""
+    m = gemma4[0]
+    assert m.net.kv_cache.layer(3) == () and m.net.kv_cache.layer(4) == ()
+    assert m.config.kv_bytes_per_token(4) == 2 * 2 * 16 * 4  # k and v, 2 heads of 16, fp32
+    assert "reads the keys and values" in why_not(m.net) or "per-layer" in why_not(m.net)
+
+
+@torch.no_grad()
+def test_each_feature_moves_the_logits(tmp_path):
+    """Each Gemma 4 feature, switched off on the loaded model, changes the logits (so the
+    parity tests exercise it): v norm, proportional rope, per-layer inputs, layer scalars, the
+    layer K/V is shared from, the final soft-cap."""
+    root, _ = gemma4_checkpoint(tmp_path, GEMMA4)
+    m = load_model(root, max_seq_len=32)
+    x = ids(VOCAB, 1, 16)
+    want = m.forward(x)
+    blocks = m.net.model.layers
+
+    def moved(edit) -> bool:
+        undo = edit()
+        m.reset()
+        got = m.forward(x)
+        undo()
+        return rel_err(got, want) > 1e-3
+
+    def swap(obj, name, value):
+        def edit():
+            old = getattr(obj, name)
+            setattr(obj, name, value)
+            return lambda: setattr(obj, name, old)
+
+        return edit
+
+    attn = blocks[2].self_attn
+    assert moved(swap(attn, "spec", replace(attn.spec, v_norm=None)))
+    assert moved(swap(m.net, "kv_lists", [0, 1, None, 0, 1]))  # layer 3 reads layer 0's K/V
+    assert moved(swap(blocks[1], "per_layer_input", None))
+    assert moved(swap(blocks[0], "layer_scalar", None))
+    full = DefaultRope(theta=1e6, dim=16)  # every frequency turning
+    rotary = m.net.rotaries[m.net.rope_of_layer[1]]
+    assert moved(swap(rotary, "cos", type(rotary)(full, 32, "cpu").cos))
+    cfg = m.config
+    assert moved(swap(m.net, "config", replace(cfg, final_softcap=None)))
+
+
+def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A Gemma4ForConditionalGeneration checkpoint: the vision tower and its embedder are
+    skipped, text logits equal transformers' (prefill and decode)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    vision.update(num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    cfg = Gemma4Config(text_config=TEXT, vision_config=vision, audio_config=None)
+    torch.manual_seed(0)
+    ref = Gemma4ForConditionalGeneration(cfg).eval()
+    randomize(ref)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    names = load_file(tmp_path / "model.safetensors")
+    assert any(n.startswith("model.vision_tower.") for n in names)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["text_config"] = hub_keys(raw["text_config"])
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    m = load_model(tmp_path, max_seq_len=32)
+    assert m.config.model_type == "gemma4" and m.config.per_layer_input is not None
+    check_prefill(m, ref, ids(VOCAB, 1, 14))
+    check_decode(m, ref, ids(VOCAB, 1, 14), prefill=8)
+
+
+def to_runtime(raw: dict):
+    return registry().architecture(raw["model_type"]).config.from_dict(raw).to_runtime()
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ConfigError, match="num_kv_shared_layers"):
+        to_runtime(dict(GEMMA4, num_kv_shared_layers=4))  # no global layer left before 1
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        to_runtime(dict(GEMMA4, use_bidirectional_attention="all"))
+    bad = {"full_attention": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ConfigError, match=r"rope_parameters\.full_attention"):
+        to_runtime(dict(GEMMA4, rope_parameters=bad))
+    uneven = {"1": {"head_dim": 16}, "4": {"head_dim": 32}}
+    with pytest.raises(ConfigError, match="per_layer_config"):
+        to_runtime(dict(GEMMA4, per_layer_config=uneven))
+
+
+def test_defaults_are_transformers():
+    """An E2B-like config with few keys gets transformers' layer pattern and ropes."""
+    cfg = to_runtime(dict(model_type="gemma4_text", num_hidden_layers=7, hidden_size=64))
+    assert [a.window for a in cfg.attention_layers] == [512] * 5 + [None, None]
+    assert cfg.rope == ProportionalRope(theta=1e6, dim=512, rotated=64)
+    assert cfg.per_layer_input.dim == 256 and cfg.layer_scalar
