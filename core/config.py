@@ -344,6 +344,19 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class DenseMoESpec:
+    """Gemma 4's MoE layers: a dense MLP and routed experts side by side, each with norms of its
+    own, summed: post_1(mlp(x)) + post_2(experts(pre_2(h), route(h))), x the block's pre-MLP
+    norm of its residual stream h. The router reads h itself: weightless-norm(h) * scale *
+    hidden ** -0.5 @ W, softmax, top-k renormalised, each weight times its expert's learned
+    scale (parameters router.scale (hidden,), router.per_expert_scale (E,))."""
+
+    dense: DenseMLPSpec
+    moe: MoESpec  # routing and the experts' shapes; `act` is the experts' activation
+    norm: Any  # the spec of the three norms
+
+
+@dataclass(frozen=True)
 class PerLayerInputSpec:
     """Gemma 4's per-layer embeddings (PLE): each layer gets a `dim`-wide input of its own,
     (norm(x0 @ W_proj * hidden ** -0.5) + E_ple[token] * sqrt(dim)) / sqrt(2) for the token's
@@ -391,9 +404,9 @@ class RuntimeConfig:
     # one attention spec per layer (any kind: a hybrid model mixes them); () = `attention` on
     # every layer, filled in here
     attention_layers: tuple[Any, ...] = ()
-    # one dense MLP spec per layer where widths differ (Gemma 4's double-wide last layers);
-    # () = `mlp` on every layer; MoE layers still take `moe`
-    mlp_layers: tuple[DenseMLPSpec, ...] = ()
+    # one MLP spec per layer where they differ (Gemma 4's double-wide last layers, its
+    # DenseMoESpec layers); () = `mlp` on every layer; the layers of `moe` still take it
+    mlp_layers: tuple[Any, ...] = ()
     per_layer_input: PerLayerInputSpec | None = None  # Gemma 4's per-layer embeddings
     # each block's output is multiplied by a learned scalar (parameter layer_scalar, (1,))
     layer_scalar: bool = False

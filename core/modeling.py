@@ -102,7 +102,9 @@ class DecoderBlock(nn.Module):
         if self.reduce is not None:
             a = self.reduce(a)
         h = x + (self.attn_out_layernorm(a) if self.post_norms else a)
-        m = self.mlp(self.post_attention_layernorm(h))
+        m = self.post_attention_layernorm(h)
+        # an MLP kind that also reads the un-normed stream (Gemma 4's DenseMoE: its router)
+        m = self.mlp(m, h) if getattr(self.mlp, "residual_input", False) else self.mlp(m)
         if self.reduce is not None:
             m = self.reduce(m)
         out = h + (self.post_feedforward_layernorm(m) if self.post_norms else m)

@@ -6,6 +6,7 @@ listing plugins and models never imports torch.
 
 from core.config import (
     DenseMLPSpec,
+    DenseMoESpec,
     EmbeddingSpec,
     GatedDeltaNetSpec,
     GQASpec,
@@ -27,3 +28,4 @@ def zoo_register_layers(registry):
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
     registry.add_layer(PerLayerInputSpec, "core.layers.per_layer:PerLayerInput")
+    registry.add_layer(DenseMoESpec, "core.layers.dense_moe:DenseMoE")

@@ -11,7 +11,8 @@ five window layers to one global layer, plus
 - the last `num_kv_shared_layers` layers computing no K/V: each attends over the K/V of the
   last earlier layer of its kind (`GQASpec.kv_source`), with double-wide MLPs if
   `use_double_wide_mlp`.
-The MoE variant (`enable_moe_block`) is not supported yet: its config is refused.
+The MoE models (`enable_moe_block`, 26B-A4B) run a dense MLP and routed GeGLU experts side by
+side on every layer (`DenseMoESpec`), and K = V on their global layers (`attention_k_eq_v`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 from core.config import (
     DefaultRope,
     DenseMLPSpec,
+    DenseMoESpec,
     GQASpec,
+    MoESpec,
     PerLayerInputSpec,
     ProportionalRope,
     RMSNormSpec,
@@ -67,6 +70,9 @@ class Gemma4TextConfig(Gemma3TextConfig):
     hidden_size_per_layer_input: NonNegativeInt | None = 256  # 0 / None: no per-layer inputs
     use_bidirectional_attention: Literal["all", "vision"] | None = None
     enable_moe_block: bool = False
+    num_experts: PositiveInt | None = None
+    top_k_experts: PositiveInt | None = None
+    moe_intermediate_size: PositiveInt | None = None
     final_logit_softcapping: PositiveFloat | None = None
 
     def layer_kinds(self) -> list[str]:
@@ -75,11 +81,6 @@ class Gemma4TextConfig(Gemma3TextConfig):
             raise ConfigError(
                 "config.json: field 'use_bidirectional_attention' is 'all' (an encoder); Zoo "
                 "runs causal decoders: remove it or set it to null"
-            )
-        if self.enable_moe_block:
-            raise ConfigError(
-                "config.json: field 'enable_moe_block' is true: Gemma 4's MoE layers are not "
-                "supported yet"
             )
         return [*kinds[:-1], "full_attention"]  # as transformers: the last layer is global
 
@@ -173,13 +174,42 @@ class Gemma4TextConfig(Gemma3TextConfig):
             specs.append(replace(spec, kv_source=source))
         return tuple(specs)
 
-    def mlp_layers(self) -> tuple[DenseMLPSpec, ...]:
-        """Double-wide MLPs on the layers that share K/V, if use_double_wide_mlp."""
+    def mlp_layers(self) -> tuple[DenseMLPSpec | DenseMoESpec, ...]:
+        """Double-wide MLPs on the layers that share K/V, if use_double_wide_mlp; with
+        enable_moe_block, routed experts beside each layer's MLP."""
         base = self.mlp_spec()
         double = replace(base, intermediate_size=2 * base.intermediate_size)
-        return tuple(
+        dense = [
             double if self.use_double_wide_mlp and source is not None else base
             for source in self.kv_sources()
+        ]
+        if not self.enable_moe_block:
+            return tuple(dense)
+        moe = self.experts_spec()
+        return tuple(DenseMoESpec(d, moe, self.norm_spec()) for d in dense)
+
+    def experts_spec(self) -> MoESpec:
+        """The routed experts of enable_moe_block: softmax top-k renormalised, GeGLU."""
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if getattr(self, key) is None:
+                raise ConfigError(
+                    f"config.json: field 'enable_moe_block' is true but '{key}' is not set; "
+                    "set it (or set enable_moe_block to false)"
+                )
+        e, k = self.num_experts, self.top_k_experts
+        if k > e:
+            raise ConfigError(
+                f"config.json: field 'top_k_experts' ({k}) exceeds num_experts ({e}); set it "
+                f"between 1 and {e}"
+            )
+        return MoESpec(
+            num_experts=e,
+            top_k=k,
+            intermediate_size=self.moe_intermediate_size,
+            num_shared_experts=0,
+            layers=tuple(range(self.num_hidden_layers)),
+            norm_topk_prob=True,
+            act="gelu_tanh",
         )
 
     def per_layer_input(self) -> PerLayerInputSpec | None:
@@ -209,9 +239,18 @@ class Gemma4Config(Gemma4TextConfig):
         return super().from_dict(text_model(raw, source, "gemma4"), source)
 
 
-# differs from gemma3: the per-layer embeddings' tables and each block's use of them
+# differs from gemma3: the per-layer embeddings' tables and each block's use of them; the MoE
+# models' router, stacked experts and extra norms, kept by the core inside the layer's `mlp`
+_L = "model.layers.{}"
 WEIGHT_MAP = {
     **GEMMA2_WEIGHT_MAP,
+    f"{_L}.router": f"{_L}.mlp.router",
+    f"{_L}.router.proj": f"{_L}.mlp.router.proj",
+    f"{_L}.experts.gate_up_proj": f"{_L}.mlp.experts.gate_up_proj.weight",
+    f"{_L}.experts.down_proj": f"{_L}.mlp.experts.down_proj.weight",
+    f"{_L}.post_feedforward_layernorm_1": f"{_L}.mlp.post_norm_1",
+    f"{_L}.pre_feedforward_layernorm_2": f"{_L}.mlp.pre_norm_2",
+    f"{_L}.post_feedforward_layernorm_2": f"{_L}.mlp.post_norm_2",
     "model.embed_tokens_per_layer": "model.per_layer_embed.embed_tokens_per_layer",
     "model.per_layer_model_projection": "model.per_layer_embed.per_layer_model_projection",
     "model.per_layer_projection_norm": "model.per_layer_embed.per_layer_projection_norm",

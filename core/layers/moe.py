@@ -107,17 +107,30 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         i, b = spec.intermediate_size, spec.bias
-        self.glu = spec.glu
+        self.glu, self.act = spec.glu, spec.act
         self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i}, b)
         self.down_proj = StackedLinear(spec.num_experts, i, hidden, b)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
+        if self.act == "gelu_tanh":  # GeGLU experts (Gemma 4): no kernel of their own yet
+            return _geglu_experts(x, ids, weights, gate_up.weight, down.weight)
         if self.glu is None and not hasattr(gate_up, "bias"):
             return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight)
         clamp = None if self.glu is None else (self.glu.alpha, self.glu.limit)
         biases = (getattr(gate_up, "bias", None), getattr(down, "bias", None))
         return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight, *biases, clamp)
+
+
+def _geglu_experts(x, ids, weights, gate_up, down) -> torch.Tensor:
+    """kernels.moe_experts' loop with GELU (tanh) in place of SiLU: (N, H) in x's dtype."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[token] @ gate_up[e].T).chunk(2, dim=-1)
+        h = (F.gelu(gate, approximate="tanh") * up) @ down[e].T
+        out.index_add_(0, token, h * weights[token, slot, None].to(x.dtype))
+    return out
 
 
 class MoE(nn.Module):

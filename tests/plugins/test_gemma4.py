@@ -47,13 +47,31 @@ TEXT = dict(
     eos_token_id=1,
 )
 GEMMA4 = dict(TEXT, model_type="gemma4_text")
+# 26B-A4B in miniature: no per-layer inputs nor shared K/V; the global layer has one kv head
+# whose values are its keys (k_eq_v); each layer's MLP beside 4 GeGLU experts, 2 per token
+GEMMA4_MOE = dict(
+    GEMMA4,
+    num_hidden_layers=3,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    num_kv_shared_layers=0,
+    use_double_wide_mlp=False,
+    hidden_size_per_layer_input=0,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=16,
+    intermediate_size=24,
+)
 
 
-def hub_keys(cfg: dict) -> dict:
+def hub_keys(cfg: dict, spec: dict) -> dict:
     """config.json as the released repos spell it: global_head_dim and
     num_global_key_value_heads, where transformers 5 writes per_layer_config."""
     cfg = {k: v for k, v in cfg.items() if k != "per_layer_config"}
-    return dict(cfg, global_head_dim=TEXT["global_head_dim"], num_global_key_value_heads=None)
+    kv = spec.get("num_global_key_value_heads")
+    return dict(cfg, global_head_dim=spec["global_head_dim"], num_global_key_value_heads=kv)
 
 
 def gemma4_checkpoint(root, spec: dict, hub: bool = True, extra: dict | None = None):
@@ -65,7 +83,7 @@ def gemma4_checkpoint(root, spec: dict, hub: bool = True, extra: dict | None = N
     path = root / "config.json"
     cfg = json.loads(path.read_text())
     assert "global_head_dim" not in cfg  # transformers 5 saves per_layer_config instead
-    path.write_text(json.dumps(hub_keys(cfg) if hub else cfg, indent=1))
+    path.write_text(json.dumps(hub_keys(cfg, spec) if hub else cfg, indent=1))
     if extra:  # tensors a real checkpoint keeps that transformers does not save
         tensors = load_file(root / "model.safetensors")
         save_file({**tensors, **extra}, root / "model.safetensors", metadata={"format": "pt"})
@@ -100,6 +118,36 @@ class TestParity(ParitySuite):
     @pytest.fixture
     def model(self, gemma4):
         return gemma4
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory):
+    root, ref = gemma4_checkpoint(tmp_path_factory.mktemp("gemma4-moe"), GEMMA4_MOE)
+    m = load_model(root, max_seq_len=64, max_batch_size=2)
+    return m, ref
+
+
+class TestMoEParity(ParitySuite):
+    """The parity checks on the MoE model."""
+
+    vocab = VOCAB
+    decode = (16, 9)
+    ragged: ClassVar[dict] = dict(lengths=(4, 9), steps=2, new=4)
+
+    @pytest.fixture
+    def model(self, gemma4_moe):
+        return gemma4_moe
+
+
+def test_moe_layers_read_as_transformers(gemma4_moe):
+    m = gemma4_moe[0]
+    glob = m.net.model.layers[2].self_attn.spec
+    assert glob.k_eq_v and glob.num_kv_heads == 1 and glob.head_dim == 16
+    assert m.net.model.layers[2].self_attn.qkv_proj.weight.shape[0] == 4 * 16 + 16  # q, k
+    mlp = m.config.layer_mlp(0)
+    assert (mlp.dense.intermediate_size, mlp.moe.num_experts, mlp.moe.top_k) == (24, 4, 2)
+    assert m.config.per_layer_input is None
+    assert "DenseMoE" in why_not(m.net) or "layer scalar" in why_not(m.net)
 
 
 def test_layer_specs_read_as_transformers(gemma4):
@@ -185,7 +233,7 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
     names = load_file(tmp_path / "model.safetensors")
     assert any(n.startswith("model.vision_tower.") for n in names)
     raw = json.loads((tmp_path / "config.json").read_text())
-    raw["text_config"] = hub_keys(raw["text_config"])
+    raw["text_config"] = hub_keys(raw["text_config"], TEXT)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     m = load_model(tmp_path, max_seq_len=32)
     assert m.config.model_type == "gemma4" and m.config.per_layer_input is not None
@@ -198,6 +246,8 @@ def to_runtime(raw: dict):
 
 
 def test_bad_configs_name_the_field():
+    with pytest.raises(ConfigError, match="top_k_experts"):
+        to_runtime(dict(GEMMA4_MOE, top_k_experts=None))
     with pytest.raises(ConfigError, match="num_kv_shared_layers"):
         to_runtime(dict(GEMMA4, num_kv_shared_layers=4))  # no global layer left before 1
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
