@@ -266,3 +266,26 @@ def test_defaults_are_transformers():
     assert [a.window for a in cfg.attention_layers] == [512] * 5 + [None, None]
     assert cfg.rope == ProportionalRope(theta=1e6, dim=512, rotated=64)
     assert cfg.per_layer_input.dim == 256 and cfg.layer_scalar
+
+
+@pytest.mark.parametrize(
+    ("name", "repo", "kv_bytes"),
+    [
+        # bf16 K/V of global layers 4, 9 and 14 alone: one kv head of 512
+        ("gemma4", "google/gemma-4-E2B-it", 3 * 2 * 512 * 2),
+        # the 5 global layers: 2 kv heads of 512; V (k_proj's output, v-normed) cached beside K
+        ("gemma4-moe", "google/gemma-4-26B-A4B-it", 5 * 2 * 2 * 512 * 2),
+    ],
+)
+def test_registry_shapes_build_the_published_models(name, repo, kv_bytes):
+    """registry.yaml's Gemma 4 shapes build (on the meta device) the published text models."""
+    from core.catalog import named_models
+    from core.modeling import CausalLM
+
+    entry = named_models()[name]
+    assert entry["repo"] == repo
+    cfg = to_runtime(entry["shape"])
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.2f}B" == entry["params"]
+    assert cfg.kv_bytes_per_token(2) == kv_bytes
