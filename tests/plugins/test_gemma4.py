@@ -289,3 +289,29 @@ def test_registry_shapes_build_the_published_models(name, repo, kv_bytes):
         net = CausalLM(cfg)
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.2f}B" == entry["params"]
     assert cfg.kv_bytes_per_token(2) == kv_bytes
+
+
+@torch.no_grad()
+def test_gguf_file_from_llama_cpps_converter_equals_the_checkpoint(tmp_path):
+    """llama.cpp's converter writes the E2B-like checkpoint as a `gemma4` GGUF file (per-layer
+    arrays, the proportional rope as rope_freqs); loaded, it is the checkpoint's config and
+    logits, and its tokenizer and chat template are the folder's."""
+    from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
+    from fixtures.llama_cpp_convert import convert
+
+    folder = tmp_path / "hf"
+    special = build_gemma_tokenizer_folder(folder)
+    ids_ = {k: special[t] for k, t in (("bos_token_id", "<bos>"), ("pad_token_id", "<pad>"))}
+    vocab = special["vocab_size"]
+    spec = dict(GEMMA4, **ids_, eos_token_id=special["<end_of_turn>"], vocab_size=vocab)
+    gemma4_checkpoint(folder, dict(spec, vocab_size_per_layer_input=vocab))
+    path = convert(folder, tmp_path / "f32.gguf")
+    kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")
+    ours, theirs = load_model(path, **kw), load_model(folder, **kw)
+    assert ours.config == theirs.config
+    x = ids(vocab, 2, 24)
+    assert rel_err(ours.forward(x), theirs.forward(x)) < 1e-5
+    text = "The quick brown fox: why is the sky blue? Because air scatters light.\n"
+    assert ours.tokenizer.encode(text) == theirs.tokenizer.encode(text)
+    chat = [{"role": "user", "content": text}]
+    assert ours.tokenizer.apply_chat_template(chat) == theirs.tokenizer.apply_chat_template(chat)
