@@ -234,6 +234,21 @@ GEMMA4 = {  # Gemma 2/3's norms, the per-layer inputs, the layer scalar
     "blk.{}.proj": "model.layers.{}.per_layer_projection",
     "blk.{}.post_norm": "model.layers.{}.post_per_layer_input_norm",
     "blk.{}.layer_output_scale.weight": "model.layers.{}.layer_scalar",  # whole name
+    # the MoE models' router, stacked experts (E, out, in), as transformers names them
+    "blk.{}.ffn_gate_inp": "model.layers.{}.router.proj",
+    "blk.{}.ffn_gate_inp.scale": "model.layers.{}.router.scale",
+    "blk.{}.ffn_down_exps.scale": "model.layers.{}.router.per_expert_scale",
+    "blk.{}.ffn_gate_up_exps.weight": "model.layers.{}.experts.gate_up_proj",
+    "blk.{}.ffn_down_exps.weight": "model.layers.{}.experts.down_proj",
+    "blk.{}.post_ffw_norm_1": "model.layers.{}.post_feedforward_layernorm_1",
+    "blk.{}.pre_ffw_norm_2": "model.layers.{}.pre_feedforward_layernorm_2",
+    "blk.{}.post_ffw_norm_2": "model.layers.{}.post_feedforward_layernorm_2",
+}
+GEMMA4_KEYS = {
+    **GEMMA2_KEYS,
+    "expert_count": "num_experts",
+    "expert_used_count": "top_k_experts",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 
 
@@ -243,11 +258,6 @@ def _gemma4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[s
     head_count_kv: the global layers' own kv heads, which transformers has only with K = V),
     the window layers' head_dim in key_length_swa (key_length: the global layers'), the
     window pattern as booleans, and one rope block per layer kind."""
-    if meta("expert_count"):
-        raise ConfigError(
-            f"{path}: a gemma4 file with experts (gemma4.expert_count, Gemma 4 26B-A4B) is not "
-            "read yet; load the model from its safetensors repo"
-        )
     windows = meta("attention.sliding_window_pattern") or []
     kinds = ["sliding_attention" if w else "full_attention" for w in windows]
     ff, kv = cfg.get("intermediate_size"), cfg.get("num_key_value_heads")
@@ -272,6 +282,7 @@ def _gemma4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[s
         "num_kv_shared_layers": meta("attention.shared_kv_layers", 0),
         "hidden_size_per_layer_input": meta("embedding_length_per_layer_input", 0),
         "vocab_size_per_layer_input": cfg.get("vocab_size"),
+        "enable_moe_block": bool(meta("expert_count")),
     }
 
 
@@ -347,12 +358,12 @@ ARCHITECTURES = {
         defaults={"rope_theta": 10000.0},
         configure=_gemma3,
     ),
-    # Gemma 4 (dense: E2B, E4B, 31B): norms stored as they are (w, not 1 + w); what differs
+    # Gemma 4 (E2B, E4B, 31B, 26B-A4B): norms stored as they are (w, not 1 + w); what differs
     # from gemma3 in its metadata is read by _gemma4
     "gemma4": Arch(
         "gemma4_text",
         tensors=GEMMA4,
-        config=GEMMA2_KEYS,
+        config=GEMMA4_KEYS,
         configure=_gemma4,
         proportional_rope=True,
     ),

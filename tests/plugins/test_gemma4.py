@@ -291,11 +291,13 @@ def test_registry_shapes_build_the_published_models(name, repo, kv_bytes):
     assert cfg.kv_bytes_per_token(2) == kv_bytes
 
 
+@pytest.mark.parametrize("spec", [GEMMA4, GEMMA4_MOE], ids=["e2b-like", "moe"])
 @torch.no_grad()
-def test_gguf_file_from_llama_cpps_converter_equals_the_checkpoint(tmp_path):
-    """llama.cpp's converter writes the E2B-like checkpoint as a `gemma4` GGUF file (per-layer
-    arrays, the proportional rope as rope_freqs); loaded, it is the checkpoint's config and
-    logits, and its tokenizer and chat template are the folder's."""
+def test_gguf_file_from_llama_cpps_converter_equals_the_checkpoint(tmp_path, spec):
+    """llama.cpp's converter writes each tiny checkpoint as a `gemma4` GGUF file (per-layer
+    arrays, the proportional rope as rope_freqs; the MoE's stacked experts, router scales and
+    K = V global layer); loaded, it is the checkpoint's config and logits, and its tokenizer and
+    chat template are the folder's."""
     from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
     from fixtures.llama_cpp_convert import convert
 
@@ -303,7 +305,7 @@ def test_gguf_file_from_llama_cpps_converter_equals_the_checkpoint(tmp_path):
     special = build_gemma_tokenizer_folder(folder)
     ids_ = {k: special[t] for k, t in (("bos_token_id", "<bos>"), ("pad_token_id", "<pad>"))}
     vocab = special["vocab_size"]
-    spec = dict(GEMMA4, **ids_, eos_token_id=special["<end_of_turn>"], vocab_size=vocab)
+    spec = dict(spec, **ids_, eos_token_id=special["<end_of_turn>"], vocab_size=vocab)
     gemma4_checkpoint(folder, dict(spec, vocab_size_per_layer_input=vocab))
     path = convert(folder, tmp_path / "f32.gguf")
     kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")
