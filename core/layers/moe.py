@@ -127,10 +127,20 @@ def _geglu_experts(x, ids, weights, gate_up, down) -> torch.Tensor:
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = (x[token] @ gate_up[e].T).chunk(2, dim=-1)
-        h = (F.gelu(gate, approximate="tanh") * up) @ down[e].T
+        gate, up = _expert(x[token], gate_up, e).chunk(2, dim=-1)
+        h = _expert(F.gelu(gate, approximate="tanh") * up, down, e)
         out.index_add_(0, token, h * weights[token, slot, None].to(x.dtype))
     return out
+
+
+def _expert(h: torch.Tensor, w, e: int) -> torch.Tensor:
+    """h @ expert e's (out, in) matrix of a stack: floats, GGML blocks kept on CPUs
+    (`BlockExperts`: kernels.linear of expert e's weight) or fp8 / MXFP4 kept (dequantized)."""
+    if isinstance(w, torch.Tensor):
+        return h @ w[e].T
+    if hasattr(w, "experts"):
+        return kernels.linear(h, w[e])
+    return h @ w.dequantize(e).to(h.dtype).T
 
 
 class MoE(nn.Module):

@@ -20,7 +20,9 @@ from safetensors.torch import load_file, save_file
 from core import ConfigError, load_model
 from core.config import DefaultRope, ProportionalRope
 from core.cpu_step import why_not
+from core.layers.moe import StackedLinear
 from core.plugins import registry
+from kernels.blocks import BlockExperts
 
 VOCAB = 128
 # layers 0, 2, 3 windowed (window 5 < the test sequences), 1 and 4 global (head_dim 16, not 8;
@@ -61,7 +63,7 @@ GEMMA4_MOE = dict(
     enable_moe_block=True,
     num_experts=4,
     top_k_experts=2,
-    moe_intermediate_size=16,
+    moe_intermediate_size=32,  # whole Q8_0 blocks: GGUF keeps the experts in them
     intermediate_size=24,
 )
 
@@ -307,12 +309,21 @@ def test_gguf_file_from_llama_cpps_converter_equals_the_checkpoint(tmp_path, spe
     vocab = special["vocab_size"]
     spec = dict(spec, **ids_, eos_token_id=special["<end_of_turn>"], vocab_size=vocab)
     gemma4_checkpoint(folder, dict(spec, vocab_size_per_layer_input=vocab))
-    path = convert(folder, tmp_path / "f32.gguf")
+    path = convert(folder, tmp_path / "f32.gguf", also={"q8_0": tmp_path / "q8_0.gguf"})
     kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")
     ours, theirs = load_model(path, **kw), load_model(folder, **kw)
     assert ours.config == theirs.config
     x = ids(vocab, 2, 24)
     assert rel_err(ours.forward(x), theirs.forward(x)) < 1e-5
+    # the Q8_0 file kept in its blocks (the MoE's experts too: the GeGLU loop reads them)
+    # gives the greedy tokens of the same file dequantized
+    kept = load_model(tmp_path / "q8_0.gguf", max_seq_len=64)
+    floats = load_model(tmp_path / "q8_0.gguf", max_seq_len=64, dequantize=True)
+    stacked = [m.weight for m in kept.net.modules() if isinstance(m, StackedLinear)]
+    assert all(isinstance(w, BlockExperts) for w in stacked)
+    prompt = x[0, :8].tolist()
+    want = floats.generate(prompt, max_new_tokens=6).token_ids
+    assert kept.generate(prompt, max_new_tokens=6).token_ids == want
     text = "The quick brown fox: why is the sky blue? Because air scatters light.\n"
     assert ours.tokenizer.encode(text) == theirs.tokenizer.encode(text)
     chat = [{"role": "user", "content": text}]
