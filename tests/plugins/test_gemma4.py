@@ -247,6 +247,17 @@ def to_runtime(raw: dict):
     return registry().architecture(raw["model_type"]).config.from_dict(raw).to_runtime()
 
 
+def test_tensor_parallelism_refuses_gemma4_blocks():
+    """No split rule for per-layer inputs, shared K/V or the dense + routed MLP yet: tp=2 is
+    refused with the reason, not run wrong."""
+    from core.parallel import tp
+
+    with pytest.raises(ConfigError, match="shared K/V"):
+        tp.check(to_runtime(GEMMA4), 2, "config.json")
+    with pytest.raises(ConfigError, match="K = V attention"):
+        tp.check(to_runtime(GEMMA4_MOE), 2, "config.json")
+
+
 def test_bad_configs_name_the_field():
     with pytest.raises(ConfigError, match="top_k_experts"):
         to_runtime(dict(GEMMA4_MOE, top_k_experts=None))
