@@ -73,7 +73,8 @@ class GQAAttention(nn.Module):
             kv = shared[0]
         else:
             k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-            v = k if s.k_eq_v else v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            # K = V: a copy, since the rope kernel may turn k in place
+            v = k.clone() if s.k_eq_v else v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
             if s.qk_norm is not None:
                 k = self.k_norm(k)
             if s.v_norm is not None:  # weightless, in fp32
