@@ -129,7 +129,8 @@ def _geglu_experts(x, ids, weights, gate_up, down) -> torch.Tensor:
         token, slot = (ids == e).nonzero(as_tuple=True)
         gate, up = _expert(x[token], gate_up, e).chunk(2, dim=-1)
         h = _expert(F.gelu(gate, approximate="tanh") * up, down, e)
-        out.index_add_(0, token, h * weights[token, slot, None].to(x.dtype))
+        # weighted in fp32, then rounded, as transformers' Gemma4TextExperts
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
     return out
 
 
