@@ -52,7 +52,8 @@ def build(spec: Any, *args: Any) -> nn.Module:
 class DecoderBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). With `post_norms` each
     sub-block's output is normed too before its residual add (Gemma 2 / 3):
-    h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))."""
+    h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h))). Gemma 4 then adds the layer's
+    per-layer input (`cfg.per_layer_input`) and multiplies by a learned `layer_scalar`."""
 
     def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
@@ -174,7 +175,8 @@ class CausalLM(nn.Module):
         ]
 
     def ignored_checkpoint_names(self) -> IgnoredNames:
-        """Checkpoint tensors that are expected but not loaded: a tied head's copy, MTP layers."""
+        """Checkpoint tensors that are expected but not loaded: a tied head's copy, MTP layers,
+        the K/V projections and norms of layers that read another layer's K/V."""
         cfg = self.config
         names = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         for i, spec in enumerate(cfg.attention_layers):  # checkpoints may keep their unused K/V
