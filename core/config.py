@@ -80,6 +80,16 @@ class LongRope(DefaultRope):
     attention_factor: float = 1.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProportionalRope(DefaultRope):
+    """Gemma 4's global layers: the whole head (`dim`) is rotated in halves (i, i + dim/2), but
+    only the first `rotated` frequencies turn, theta ** (-2i / dim); the others are 0 (cos 1,
+    sin 0: those dims pass through). Differs from a partial rope (Phi-3): the turning pairs
+    are spread over both halves of the head, and the exponent divides by the whole head_dim."""
+
+    rotated: int  # frequencies that turn, of dim / 2
+
+
 RopeSpec = DefaultRope  # every kind is a DefaultRope subclass
 
 
@@ -105,7 +115,7 @@ class RMSNormSpec:
 
     eps: float
     offset: float = 0.0
-    # OLMo 2 / 3: the weight multiplies the fp32 normed x and the product is cast back (the
+    # OLMo 2 / 3, Gemma 4: the weight multiplies the fp32 normed x and the product is cast back (the
     # Gemma path with offset 0), where Llama casts back before scaling
     fp32_scale: bool = False
     # DeepSeek V4: besides, the weight is kept in fp32 whatever the model's dtype (fp32_scale)
@@ -175,6 +185,14 @@ class GQASpec:
     qk_norm_all_heads: bool = False
     query_scale: QueryScale | None = None  # None: q is not scaled
     chunk: int | None = None  # None: no chunking
+    # Gemma 4: v normed per head over head_dim by a weightless RMSNorm of this eps (None: not)
+    v_norm: float | None = None
+    # Gemma 4's MoE models' global layers: no v_proj; the values are k_proj's output (before
+    # the k norm and rope)
+    k_eq_v: bool = False
+    # Gemma 4's last layers: no k/v projections and no cache of their own; they attend over
+    # the keys and values layer `kv_source` (an earlier layer of the same kind) attended over
+    kv_source: int | None = None
 
     def __post_init__(self):
         for name in ("window", "softcap", "softmax_scale", "chunk"):
@@ -195,7 +213,9 @@ class GQASpec:
     def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
         """What one layer caches, in the order forward() takes it: K and V per kv head, for
         every position (full) or the last `window` ones (a ring buffer: position p in slot
-        p % window)."""
+        p % window). A layer reading another's (kv_source) caches nothing."""
+        if self.kv_source is not None:
+            return {}
         if self.window is not None:
             seq = min(seq, self.window)
         shape = (batch, self.num_kv_heads, seq, self.head_dim)  # (B, H_kv, S, D)
@@ -464,6 +484,32 @@ class MoESpec:
         return DenseMLPSpec(self.shared_width, self.shared_bias)
 
 
+@dataclass(frozen=True)
+class DenseMoESpec:
+    """Gemma 4's MoE layers: a dense MLP and routed experts side by side, each with norms of its
+    own, summed: post_1(mlp(x)) + post_2(experts(pre_2(h), route(h))), x the block's pre-MLP
+    norm of its residual stream h. The router reads h itself: weightless-norm(h) * scale *
+    hidden ** -0.5 @ W, softmax, top-k renormalised, each weight times its expert's learned
+    scale (parameters router.scale (hidden,), router.per_expert_scale (E,))."""
+
+    dense: DenseMLPSpec
+    moe: MoESpec  # routing and the experts' shapes; `act` is the experts' activation
+    norm: Any  # the spec of the three norms
+
+
+@dataclass(frozen=True)
+class PerLayerInputSpec:
+    """Gemma 4's per-layer embeddings (PLE): each layer gets a `dim`-wide input of its own,
+    (norm(x0 @ W_proj * hidden ** -0.5) + E_ple[token] * sqrt(dim)) / sqrt(2) for the token's
+    embedding x0 (E_ple: vocab_size x (layers * dim), scale rounded to the model dtype); after
+    its MLP a block adds norm(proj(act(gate(h)) * that input)) to h."""
+
+    dim: int
+    vocab_size: int
+    norm: Any  # the norm spec of the projection's norm and the block's post norm
+    act: Literal["gelu_tanh"] = "gelu_tanh"
+
+
 # --- the whole model -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -505,6 +551,12 @@ class RuntimeConfig:
     # DeepSeek V4: the residual is several streams mixed by hyper-connections (the blocks are
     # core.layers.hyper's); None: the plain residual of DecoderBlock
     hyper_connections: HyperConnectionSpec | None = None
+    # one MLP spec per layer where they differ (Gemma 4's double-wide last layers, its
+    # DenseMoESpec layers); () = `mlp` on every layer; the layers of `moe` still take it
+    mlp_layers: tuple[Any, ...] = ()
+    per_layer_input: PerLayerInputSpec | None = None  # Gemma 4's per-layer embeddings
+    # each block's output is multiplied by a learned scalar (parameter layer_scalar, (1,))
+    layer_scalar: bool = False
 
     def __post_init__(self):
         if not self.attention_layers:
@@ -526,7 +578,9 @@ class RuntimeConfig:
 
     def layer_mlp(self, i: int) -> DenseMLPSpec | MoESpec:
         """The MLP kind of layer i."""
-        return self.moe if self.moe is not None and i in self.moe.layers else self.mlp
+        if self.moe is not None and i in self.moe.layers:
+            return self.moe
+        return self.mlp_layers[i] if self.mlp_layers else self.mlp
 
     def kv_bytes(self, itemsize: int, seq_len: int, batch: int = 1) -> int:
         """Bytes the cache holds for `batch` sequences of `seq_len` tokens, all layers

@@ -47,6 +47,8 @@ def why_not(net: CausalLM) -> str | None:
             return f"block {i} is {type(layer).__name__}"
         if layer.reduce is not None:
             return f"block {i} sums its outputs over tensor-parallel ranks"
+        if layer.per_layer_input is not None or layer.layer_scalar is not None:
+            return f"block {i} has per-layer inputs or a layer scalar (Gemma 4)"
         attn, mlp = layer.self_attn, layer.mlp
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
@@ -77,6 +79,8 @@ def why_not(net: CausalLM) -> str | None:
                     return f"block {i}'s MLA {name} is a {type(norm).__name__}"
             if net.rope_of_layer[i] is None:
                 return f"block {i} is MLA without rope"
+        elif attn_kind is GQAAttention and (why := _gqa_why_not(attn.spec)):
+            return f"block {i} {why}"
         elif attn_kind is GQAAttention and attn.spec.qk_norm:
             for norm in (attn.q_norm, attn.k_norm):
                 if type(norm) is not RMSNorm:
@@ -95,6 +99,16 @@ def why_not(net: CausalLM) -> str | None:
             why = f"activation is {mlp.act}"
         if why:
             return f"block {i}'s {why}"
+    return None
+
+
+def _gqa_why_not(s) -> str | None:
+    """Why the C step cannot run a GQA layer of this spec for Gemma 4's features (None: it
+    can, as far as they go)."""
+    if s.kv_source is not None:
+        return f"reads the keys and values of layer {s.kv_source} (no cache of its own)"
+    if s.v_norm is not None or s.k_eq_v:
+        return "norms its values, or takes them from k_proj (Gemma 4)"
     return None
 
 

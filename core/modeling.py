@@ -18,6 +18,7 @@ from core.config import RuntimeConfig
 from core.errors import ZooError
 from core.kv_cache import StaticKVCache
 from core.layers import LMHead, RotaryEmbedding
+from core.layers.per_layer import PerLayerEmbeddings
 from core.plugins import registry
 
 
@@ -52,7 +53,9 @@ class DecoderBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). With `post_norms` each
     sub-block's output is normed too before its residual add (Gemma 2 / 3):
     h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h))). Without `pre_norms` (OLMo 2 / 3)
-    only the outputs are normed: h = x + norm(attn(x)); out = h + norm(mlp(h))."""
+    only the outputs are normed: h = x + norm(attn(x)); out = h + norm(mlp(h)). Gemma 4 then
+    adds the layer's per-layer input (`cfg.per_layer_input`) and multiplies by a learned
+    `layer_scalar`."""
 
     def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
@@ -73,22 +76,46 @@ class DecoderBlock(nn.Module):
         if cfg.post_norms:  # the hub's post_attention_layernorm / post_feedforward_layernorm
             self.attn_out_layernorm = build(cfg.norm, h, cfg.norm)
             self.post_feedforward_layernorm = build(cfg.norm, h, cfg.norm)
+        # Gemma 4: this block adds its per-layer input after the MLP, and scales its output
+        self.per_layer_input = None
+        if cfg.per_layer_input is not None:
+            self.per_layer_input = build(cfg.per_layer_input, h, cfg.per_layer_input)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalar else None
 
     def forward(
-        self, x, cos, sin, cache: tuple[torch.Tensor, ...], start_pos, end: int, lengths=None
+        self,
+        x,
+        cos,
+        sin,
+        cache: tuple[torch.Tensor, ...],
+        start_pos,
+        end: int,
+        lengths=None,
+        per_layer: torch.Tensor | None = None,
+        shared: list | None = None,
     ):
         """`cache`: this layer's cache tensors, as its attention kind lays them out;
         `start_pos`: an int or per-row (B,) positions; `end`: max(start_pos) + T; `lengths`:
-        None, or (B,) real tokens per row of a right-padded prefill."""
+        None, or (B,) real tokens per row of a right-padded prefill. `per_layer`: this layer's
+        per-layer input (B, T, dim), Gemma 4; `shared`: the K/V this layer hands to later
+        layers or reads from an earlier one (GQAAttention's `shared`), None if neither."""
+        more = {} if shared is None else {"shared": shared}
+        if shared is not None and not cache:  # a kv_source layer: no cache tensors of its own
+            cache = (None, None)
         a = self.input_layernorm(x) if self.pre_norms else x
-        a = self.self_attn(a, cos, sin, *cache, start_pos, end, lengths)
+        a = self.self_attn(a, cos, sin, *cache, start_pos, end, lengths, **more)
         if self.reduce is not None:
             a = self.reduce(a)
         h = x + (self.attn_out_layernorm(a) if self.post_norms else a)
-        m = self.mlp(self.post_attention_layernorm(h) if self.pre_norms else h)
+        m = self.post_attention_layernorm(h) if self.pre_norms else h
+        # an MLP kind that also reads the un-normed stream (Gemma 4's DenseMoE: its router)
+        m = self.mlp(m, h) if getattr(self.mlp, "residual_input", False) else self.mlp(m)
         if self.reduce is not None:
             m = self.reduce(m)
-        return h + (self.post_feedforward_layernorm(m) if self.post_norms else m)
+        out = h + (self.post_feedforward_layernorm(m) if self.post_norms else m)
+        if self.per_layer_input is not None:
+            out = self.per_layer_input(out, per_layer)
+        return out if self.layer_scalar is None else out * self.layer_scalar
 
 
 class IgnoredNames:
@@ -128,6 +155,11 @@ class Decoder(nn.Module):
             if hasattr(block.self_attn, "selection_from"):
                 block.self_attn.selection_from([b.self_attn for b in self.layers[:i]])
         self.norm = build(cfg.norm, cfg.hidden_size, cfg.norm)
+        self.per_layer_embed = None  # Gemma 4's per-layer inputs, made once per forward
+        if cfg.per_layer_input is not None:
+            self.per_layer_embed = PerLayerEmbeddings(
+                cfg.hidden_size, cfg.num_layers, cfg.per_layer_input
+            )
 
 
 class CausalLM(nn.Module):
@@ -148,11 +180,23 @@ class CausalLM(nn.Module):
         ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
         self.rope_specs = list(dict.fromkeys(r for r in ropes if r is not None))
         self.rope_of_layer = [None if r is None else self.rope_specs.index(r) for r in ropes]
+        # K/V handed between layers (GQASpec.kv_source): per layer, the layer whose list it
+        # appends to or reads (its own index for a source); None: neither
+        sources = {getattr(a, "kv_source", None) for a in cfg.attention_layers} - {None}
+        self.kv_lists = [
+            i if i in sources else getattr(a, "kv_source", None)
+            for i, a in enumerate(cfg.attention_layers)
+        ]
 
     def ignored_checkpoint_names(self) -> IgnoredNames:
-        """Checkpoint tensors that are expected but not loaded: a tied head's copy, MTP layers."""
+        """Checkpoint tensors that are expected but not loaded: a tied head's copy, MTP layers,
+        the K/V projections and norms of layers that read another layer's K/V."""
         cfg = self.config
         names = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        for i, spec in enumerate(cfg.attention_layers):  # checkpoints may keep their unused K/V
+            if getattr(spec, "kv_source", None) is not None:
+                part = f"model.layers.{i}.self_attn"
+                names |= {f"{part}.{m}.weight" for m in ("k_proj", "v_proj", "k_norm", "v_norm")}
         return IgnoredNames(names, range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers))
 
     def setup_caches(
@@ -226,12 +270,20 @@ class CausalLM(nn.Module):
         hc = self.config.hyper_connections
         if hc is not None:  # every stream starts as the embedding: (B, T, N, hidden)
             x = x.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
+        per_layer = None
+        if self.model.per_layer_embed is not None:
+            per_layer = self.model.per_layer_embed(input_ids, x)  # (B, T, layers, dim)
         tables = [rotary(start_pos, t, end, lengths) for rotary in self.rotaries]
+        shared: dict[int, list] = {}
         for i, layer in enumerate(self.model.layers):
-            j = self.rope_of_layer[i]
+            j, k = self.rope_of_layer[i], self.kv_lists[i]
             cos, sin = (None, None) if j is None else tables[j]
-            more = (input_ids,) if getattr(layer, "takes_ids", False) else ()  # hash routing
-            x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths, *more)
+            more = {} if k is None else {"shared": shared.setdefault(k, [])}
+            if per_layer is not None:
+                more["per_layer"] = per_layer[:, :, i]
+            if getattr(layer, "takes_ids", False):  # hash routing (DeepSeek V4)
+                more["ids"] = input_ids
+            x = layer(x, cos, sin, cache.layer(i), start_pos, end, lengths, **more)
         return x if hc is None else self.model.hc_head(x)
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:

@@ -65,6 +65,7 @@ BUILTIN_PLUGINS = (
     "plugins.smollm3",
     "plugins.phi3",
     "plugins.gemma",
+    "plugins.gemma4",
     "plugins.deepseek",
     "plugins.deepseek_v32",
     "plugins.mixtral",

@@ -7,12 +7,14 @@ listing plugins and models never imports torch.
 from core.config import (
     CompressedAttentionSpec,
     DenseMLPSpec,
+    DenseMoESpec,
     EmbeddingSpec,
     GatedDeltaNetSpec,
     GQASpec,
     L2NormSpec,
     MLASpec,
     MoESpec,
+    PerLayerInputSpec,
     RMSNormSpec,
     SparseMLASpec,
 )
@@ -31,3 +33,5 @@ def zoo_register_layers(registry):
     registry.add_layer(L2NormSpec, "core.layers.norm:L2Norm")
     registry.add_layer(SparseMLASpec, "core.layers.dsa:SparseMLAAttention")
     registry.add_layer(CompressedAttentionSpec, "core.layers.compressed:CompressedAttention")
+    registry.add_layer(PerLayerInputSpec, "core.layers.per_layer:PerLayerInput")
+    registry.add_layer(DenseMoESpec, "core.layers.dense_moe:DenseMoE")

@@ -59,7 +59,8 @@ def _decode_path(m) -> str:
 
 
 def _layer_kinds(c) -> str:
-    """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9';
+    """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9' (and
+    'shared K/V x 20': layers reading an earlier layer's keys and values);
     linear-attention layers by their spec's name ('GatedDeltaNetSpec x 36, full x 12')."""
     kinds: dict[str, int] = {}
     for i in range(c.num_layers):
@@ -79,6 +80,8 @@ def _layer_kinds(c) -> str:
         kinds[kind] = kinds.get(kind, 0) + 1
         if c.layer_rope(i) is None:
             kinds["NoPE"] = kinds.get("NoPE", 0) + 1
+        if getattr(spec, "kv_source", None) is not None:  # Gemma 4: no cache of its own
+            kinds["shared K/V"] = kinds.get("shared K/V", 0) + 1
     return ", ".join(f"{k} x {n}" for k, n in kinds.items())
 
 

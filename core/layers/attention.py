@@ -31,15 +31,19 @@ class GQAAttention(nn.Module):
         self.interleaved = rope_interleaved
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         gated = 2 if spec.output_gate else 1  # q_proj's rows per head: [q_h | gate_h]
-        self.sizes = (gated * hq * d, hkv * d, hkv * d)
-        parts = dict(zip(("q", "k", "v"), self.sizes, strict=True))
+        # a layer reading another's K/V (kv_source) projects q alone; k_eq_v: q and k
+        own_k, own_v = spec.kv_source is None, spec.kv_source is None and not spec.k_eq_v
+        sizes = {"q": gated * hq * d, "k": hkv * d if own_k else 0, "v": hkv * d if own_v else 0}
+        self.sizes = tuple(sizes.values())
+        parts = {name: n for name, n in sizes.items() if n}
         self.qkv_proj = FusedLinear(hidden, parts, bias=spec.qkv_bias)
         self.o_proj = Linear(hq * d, hidden, bias=spec.o_bias)
         if spec.qk_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
             norm = registry().layer(spec.qk_norm)
-            whole = spec.qk_norm_all_heads  # over all heads at once (MiniMax M2)
+            whole = spec.qk_norm_all_heads  # over all heads at once (OLMo 2 / 3, MiniMax M2)
             self.q_norm = norm(hq * d if whole else d, spec.qk_norm)
-            self.k_norm = norm(hkv * d if whole else d, spec.qk_norm)
+            if own_k:
+                self.k_norm = norm(hkv * d if whole else d, spec.qk_norm)
         if spec.sinks:  # one logit per query head (gpt-oss)
             self.sinks = nn.Parameter(torch.zeros(hq))
 
@@ -53,48 +57,75 @@ class GQAAttention(nn.Module):
         start_pos: int | torch.Tensor,  # an int, or (B,) per-row positions
         end: int,  # max(start_pos) + T: how much of the cache attention reads
         lengths: torch.Tensor | None = None,  # (B,) real tokens per row in x (right padding)
+        shared: list | None = None,  # K/V handed between layers (kv_source), see below
     ) -> torch.Tensor:
+        """`shared`: on a layer others read (Gemma 4), an empty list this layer appends what it
+        attended over to, (keys, values, positions, window); on a `kv_source` layer, that
+        list: it attends over the same, with its own queries."""
         b, t, _ = x.shape
         s = self.spec
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        if s.k_eq_v:  # K = V: a copy, since the norms and the rope kernel may turn k in place
+            v = k.clone()
+        per_head = s.qk_norm is not None and not s.qk_norm_all_heads
         if s.qk_norm_all_heads:  # (B, T, H * D), before the split into heads
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+            k = self.k_norm(k) if s.kv_source is None else k
         if s.output_gate:  # (B, T, Hq, 2D) -> q and the output gate, (B, T, Hq, D) each
             q, gate = q.view(b, t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
         q = q.reshape(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if s.qk_norm is not None and not s.qk_norm_all_heads:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:
-            q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
+        if per_head:
+            q = self.q_norm(q)
+        if s.kv_source is not None:
+            if cos is not None:  # the rope op turns q and k together: no k here, one dummy head
+                dummy = q.new_zeros(b, 1, t, s.head_dim)
+                q, _ = kernels.apply_rope(q, dummy, cos, sin, self.interleaved)
+            kv = shared[0]
+        else:
+            k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+            v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            if per_head:
+                k = self.k_norm(k)
+            if s.v_norm is not None:  # weightless, in fp32
+                vf = v.float()
+                v = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + s.v_norm)).to(v.dtype)
+            if cos is not None:
+                q, k = kernels.apply_rope(q, k, cos, sin, self.interleaved)
+            kv = self._cached(q, k, v, k_cache, v_cache, start_pos, end, lengths)
+            if shared is not None:
+                shared.append(kv)
         if s.query_scale is not None:
             q = self._scale_queries(q, start_pos)
+        keys, values, pos, window = kv
         extra = dict(softcap=s.softcap, sinks=self.sinks if s.sinks else None)
         if s.chunk is not None:
-            o = self._chunked(q, k, v, k_cache, v_cache, start_pos, end, extra)
-        elif s.window is None:
-            keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
-            values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
-            o = kernels.attention(q, keys, values, start_pos, s.scale, **extra)
-        elif t == 1:
-            r = k_cache.shape[2]  # ring slots
-            cache_write(k_cache, k, start_pos % r, 1, seq_dim=2)
-            cache_write(v_cache, v, start_pos % r, 1, seq_dim=2)
-            n = min(end, r)  # slots any row may read; each row reads 0..min(pos, r - 1)
-            keys, values = as_compute(k_cache[:b, :, :n], q), as_compute(v_cache[:b, :, :n], q)
-            rel = (
-                start_pos.clamp(max=r - 1) if torch.is_tensor(start_pos) else min(start_pos, r - 1)
-            )
-            o = kernels.attention(q, keys, values, rel, s.scale, **extra)
+            o = self._chunked(q, keys, values, start_pos, end, extra)
         else:
-            o = self._ring_prefill(q, k, v, k_cache, v_cache, start_pos, lengths, extra)
+            o = kernels.attention(q, keys, values, pos, s.scale, window=window, **extra)
         o = o.transpose(1, 2).reshape(b, t, s.num_heads * s.head_dim)
         if s.output_gate:
             o = o * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(o)
 
-    def _ring_prefill(self, q, k, v, k_cache, v_cache, start_pos, lengths, extra):
+    def _cached(self, q, k, v, k_cache, v_cache, start_pos, end, lengths):
+        """Write the new k, v into the cache -> (keys, values, positions, window): what the
+        queries attend over, as kernels.attention takes them."""
+        b, t = q.shape[0], q.shape[2]
+        if self.spec.window is None:
+            keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
+            values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
+            return keys, values, start_pos, None
+        if t > 1:
+            return self._ring_prefill(q, k, v, k_cache, v_cache, start_pos, lengths)
+        r = k_cache.shape[2]  # ring slots
+        cache_write(k_cache, k, start_pos % r, 1, seq_dim=2)
+        cache_write(v_cache, v, start_pos % r, 1, seq_dim=2)
+        n = min(end, r)  # slots any row may read; each row reads 0..min(pos, r - 1)
+        keys, values = as_compute(k_cache[:b, :, :n], q), as_compute(v_cache[:b, :, :n], q)
+        rel = start_pos.clamp(max=r - 1) if torch.is_tensor(start_pos) else min(start_pos, r - 1)
+        return keys, values, rel, None
+
+    def _ring_prefill(self, q, k, v, k_cache, v_cache, start_pos, lengths):
         """T > 1 new tokens on a sliding layer: attend over [the ring's keys before start, in
         position order | the new keys], then store each row's last real positions."""
         b, _, t, _ = q.shape
@@ -123,7 +154,7 @@ class GQAAttention(nn.Module):
             idx = keep[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[3])
             cache[:b].copy_(both.gather(2, idx))
         rel_pos = rel.view(b) if per_row else int(rel[0, 0])
-        return kernels.attention(q, *outs, rel_pos, self.spec.scale, window=w, **extra)
+        return *outs, rel_pos, w
 
     def _scale_queries(self, q: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, D) times the spec's `QueryScale` factor at each query's position."""
@@ -134,11 +165,9 @@ class GQAAttention(nn.Module):
         f = f[:, None, :, None]  # (1 or B, 1, T, 1)
         return q * f.to(q.dtype) if qs.round_factor else (q * f).to(q.dtype)
 
-    def _chunked(self, q, k, v, k_cache, v_cache, start_pos, end, extra):
-        """Chunked attention over the full cache: each query sees its own chunk only."""
+    def _chunked(self, q, keys, values, start_pos, end, extra):
+        """Chunked attention over the full cache's keys: each query sees its own chunk only."""
         c = self.spec.chunk
-        keys = as_compute(cache_write(k_cache, k, start_pos, end, seq_dim=2), q)
-        values = as_compute(cache_write(v_cache, v, start_pos, end, seq_dim=2), q)
         if not torch.is_tensor(start_pos):
             return self._chunk_pieces(q, keys, values, start_pos, extra)
         if q.shape[2] > 1:  # several tokens at per-row positions: row by row

@@ -110,7 +110,7 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         i, b = spec.intermediate_size, spec.bias
-        self.glu, self.scale_input = spec.glu, spec.scale_input
+        self.glu, self.scale_input, self.act = spec.glu, spec.scale_input, spec.act
         self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i}, b)
         self.down_proj = StackedLinear(spec.num_experts, i, hidden, b)
 
@@ -125,11 +125,35 @@ class Experts(nn.Module):
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k w_k * expert_k(x): the experts' kernel."""
         gate_up, down = self.gate_up_proj, self.down_proj
+        if self.act == "gelu_tanh":  # GeGLU experts (Gemma 4): no kernel of their own yet
+            return _geglu_experts(x, ids, weights, gate_up.weight, down.weight)
         if self.glu is None and not hasattr(gate_up, "bias"):
             return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight)
         clamp = None if self.glu is None else (self.glu.alpha, self.glu.limit)
         biases = (getattr(gate_up, "bias", None), getattr(down, "bias", None))
         return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight, *biases, clamp)
+
+
+def _geglu_experts(x, ids, weights, gate_up, down) -> torch.Tensor:
+    """kernels.moe_experts' loop with GELU (tanh) in place of SiLU: (N, H) in x's dtype."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = _expert(x[token], gate_up, e).chunk(2, dim=-1)
+        h = _expert(F.gelu(gate, approximate="tanh") * up, down, e)
+        # weighted in fp32, then rounded, as transformers' Gemma4TextExperts
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+def _expert(h: torch.Tensor, w, e: int) -> torch.Tensor:
+    """h @ expert e's (out, in) matrix of a stack: floats, GGML blocks kept on CPUs
+    (`BlockExperts`: kernels.linear of expert e's weight) or fp8 / MXFP4 kept (dequantized)."""
+    if isinstance(w, torch.Tensor):
+        return h @ w[e].T
+    if hasattr(w, "experts"):
+        return kernels.linear(h, w[e])
+    return h @ w.dequantize(e).to(h.dtype).T
 
 
 class MoE(nn.Module):

@@ -31,8 +31,8 @@ class RMSNorm(nn.Module):
         if not self.offset and not self.fp32_scale:
             return kernels.rms_norm(x, self.weight, self.eps)
         # Gemma: (offset + w) and the product in fp32, cast back once (the kernel's rounding
-        # casts before scaling); in fp32 the two agree. OLMo, DeepSeek V4 (fp32_scale): the same,
-        # offset 0
+        # casts before scaling); in fp32 the two agree. OLMo, Gemma 4, DeepSeek V4 (fp32_scale):
+        # the same with offset 0
         return kernels.rms_norm(x.float(), self.scale(), self.eps).to(x.dtype)
 
 

@@ -17,6 +17,7 @@ from core.config import (
     LinearRope,
     Llama3Rope,
     LongRope,
+    ProportionalRope,
     RopeSpec,
     YarnRope,
 )
@@ -49,6 +50,9 @@ def inv_freq(spec: RopeSpec, seq_len: int | None = None) -> torch.Tensor:
         ext = torch.tensor(spec.long_factor if long else spec.short_factor, dtype=torch.float32)
         shape = torch.arange(0, spec.dim, 2, dtype=torch.int64).float() / spec.dim
         return 1.0 / (ext * spec.theta**shape)
+    if isinstance(spec, ProportionalRope):  # the first `rotated` frequencies; the rest 0
+        inv = _base_inv_freq(spec.theta, spec.dim)
+        return torch.cat((inv[: spec.rotated], torch.zeros(spec.dim // 2 - spec.rotated)))
     if type(spec) is DefaultRope:
         return _base_inv_freq(spec.theta, spec.dim)
     raise TypeError(f"no inverse frequencies for rope spec {type(spec).__name__}")

@@ -27,11 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import GQASpec, MLASpec, RuntimeConfig, SparseMLASpec
+from core.config import DenseMLPSpec, GQASpec, MLASpec, RuntimeConfig, SparseMLASpec
 from core.errors import ConfigError, RequestError
 from core.layers.embedding import Embedding, LMHead
 from core.parallel import distributed
 from core.parallel.slices import ShardedCheckpoint, Sharding
+
+SPLIT = "a kind tensor parallelism splits"
 
 
 def _problems(cfg: RuntimeConfig, n: int) -> list[tuple[str, int, str]]:
@@ -45,14 +47,19 @@ def _problems(cfg: RuntimeConfig, n: int) -> list[tuple[str, int, str]]:
                 out.append(("num_key_value_heads", a.num_kv_heads, "a multiple or divisor of tp"))
             if a.qk_norm_all_heads and n > 1:  # OLMo 2 / 3: the norm spans every rank's heads
                 out.append((f"layer {i}'s q/k norm over all heads", 0, "a kind tp splits"))
+            if a.kv_source is not None or a.k_eq_v:  # Gemma 4: no split rule yet
+                out.append((f"layer {i}'s shared K/V or K = V attention", 0, SPLIT))
         elif isinstance(a, SparseMLASpec):  # the indexer and its selection are not split
-            what = f"layer {i}'s DeepSeek sparse attention"
-            out.append((what, 0, "a kind tensor parallelism splits"))
+            out.append((f"layer {i}'s DeepSeek sparse attention", 0, SPLIT))
         elif isinstance(a, MLASpec):
             if a.num_heads % n:
                 out.append(("num_attention_heads", a.num_heads, "divisible by tp"))
         else:
-            out.append((f"layer {i}'s {type(a).__name__}", 0, "a kind tensor parallelism splits"))
+            out.append((f"layer {i}'s {type(a).__name__}", 0, SPLIT))
+    if cfg.per_layer_input is not None:
+        out.append(("the per-layer inputs (hidden_size_per_layer_input)", 0, SPLIT))
+    if any(type(m) is not DenseMLPSpec for m in cfg.mlp_layers):
+        out.append(("an MLP kind of mlp_layers (Gemma 4's dense + routed experts)", 0, SPLIT))
     sizes = [("intermediate_size", cfg.mlp.intermediate_size)]
     if cfg.moe is not None:
         sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))

@@ -213,6 +213,9 @@ class GGUFCheckpoint:
         dim = self._meta("rope.dimension_count") or cfg.get("head_dim")
         dim = dim or cfg.get("hidden_size", 0) // heads
         factors = self.file.read(ROPE_FREQS).double().numpy()
+        if self.spec.proportional_rope:  # the share of frequencies that turn (factor 1)
+            turning = float((factors < 1e29).sum()) / len(factors)
+            return {"rope_type": "proportional", "partial_rotary_factor": turning}
         return llama3_rope_scaling(factors, cfg.get("rope_theta", 10000.0), dim, self.path)
 
     def _longrope(self, cfg: dict[str, Any]) -> dict[str, Any]:

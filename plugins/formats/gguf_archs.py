@@ -61,6 +61,9 @@ class Arch:
     # the config key that says whether q and k are normed, set from the file's attn_q_norm
     # tensors where the metadata does not store it (GLM-4.5: `use_qk_norm`)
     qk_norm_key: str | None = None
+    # rope_freqs.weight marks the frequencies that turn (1) and those that stand still (1e30):
+    # Gemma 4's proportional rope on its global layers, not Llama 3.1's scaling factors
+    proportional_rope: bool = False
 
 
 # llama.cpp tensor name (layer index as {}) -> hub name; unlisted names pass through unchanged
@@ -370,6 +373,67 @@ def _glm4moe(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[
     return {**cfg, "norm_topk_prob": norm, "num_nextn_predict_layers": mtp}
 
 
+GEMMA4 = {  # Gemma 2/3's norms, the per-layer inputs, the layer scalar
+    **GEMMA2_NORMS,
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+    "blk.{}.inp_gate": "model.layers.{}.per_layer_input_gate",
+    "blk.{}.proj": "model.layers.{}.per_layer_projection",
+    "blk.{}.post_norm": "model.layers.{}.post_per_layer_input_norm",
+    "blk.{}.layer_output_scale.weight": "model.layers.{}.layer_scalar",  # whole name
+    # the MoE models' router, stacked experts (E, out, in), as transformers names them
+    "blk.{}.ffn_gate_inp": "model.layers.{}.router.proj",
+    "blk.{}.ffn_gate_inp.scale": "model.layers.{}.router.scale",
+    "blk.{}.ffn_down_exps.scale": "model.layers.{}.router.per_expert_scale",
+    "blk.{}.ffn_gate_up_exps.weight": "model.layers.{}.experts.gate_up_proj",
+    "blk.{}.ffn_down_exps.weight": "model.layers.{}.experts.down_proj",
+    "blk.{}.post_ffw_norm_1": "model.layers.{}.post_feedforward_layernorm_1",
+    "blk.{}.pre_ffw_norm_2": "model.layers.{}.pre_feedforward_layernorm_2",
+    "blk.{}.post_ffw_norm_2": "model.layers.{}.post_feedforward_layernorm_2",
+}
+GEMMA4_KEYS = {
+    **GEMMA2_KEYS,
+    "expert_count": "num_experts",
+    "expert_used_count": "top_k_experts",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
+
+
+def _gemma4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 4's config.json from llama.cpp's gemma4 metadata: per-layer arrays where the hub
+    has one value and a flag (feed_forward_length: double-wide MLPs on the K/V-sharing layers;
+    head_count_kv: the global layers' own kv heads, which transformers has only with K = V),
+    the window layers' head_dim in key_length_swa (key_length: the global layers'), the
+    window pattern as booleans, and one rope block per layer kind."""
+    windows = meta("attention.sliding_window_pattern") or []
+    kinds = ["sliding_attention" if w else "full_attention" for w in windows]
+    ff, kv = cfg.get("intermediate_size"), cfg.get("num_key_value_heads")
+    if isinstance(ff, list):
+        cfg.update(intermediate_size=ff[0], use_double_wide_mlp=any(x != ff[0] for x in ff))
+    if isinstance(kv, list):
+        full = kinds.index("full_attention")
+        local = kinds.index("sliding_attention") if "sliding_attention" in kinds else full
+        cfg.update(num_key_value_heads=kv[local], num_global_key_value_heads=kv[full])
+        cfg["attention_k_eq_v"] = True
+    full_rope = cfg.pop("rope_scaling", None) or {"rope_type": "default"}
+    local_theta = meta("rope.freq_base_swa", 10000.0)
+    return {
+        **cfg,
+        "layer_types": kinds,
+        "head_dim": meta("attention.key_length_swa") or cfg.get("head_dim"),
+        "global_head_dim": meta("attention.key_length"),
+        "rope_parameters": {
+            "full_attention": {**full_rope, "rope_theta": cfg.pop("rope_theta", 1e6)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "num_kv_shared_layers": meta("attention.shared_kv_layers", 0),
+        "hidden_size_per_layer_input": meta("embedding_length_per_layer_input", 0),
+        "vocab_size_per_layer_input": cfg.get("vocab_size"),
+        "enable_moe_block": bool(meta("expert_count")),
+    }
+
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -462,6 +526,15 @@ ARCHITECTURES = {
         },
         defaults={"rope_theta": 10000.0},
         configure=_gemma3,
+    ),
+    # Gemma 4 (E2B, E4B, 31B, 26B-A4B): norms stored as they are (w, not 1 + w); what differs
+    # from gemma3 in its metadata is read by _gemma4
+    "gemma4": Arch(
+        "gemma4_text",
+        tensors=GEMMA4,
+        config=GEMMA4_KEYS,
+        configure=_gemma4,
+        proportional_rope=True,
     ),
     # llama.cpp's graph hard-codes gpt-oss's SwiGLU (alpha 1.702, clamped at 7) and slides every
     # even layer (set_swa_pattern(2): GptOssConfig's default without layer_types). Its yarn

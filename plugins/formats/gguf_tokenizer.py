@@ -65,7 +65,7 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer | None:
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if kind == "gpt2":
         tok, spelled = _byte_level(meta, tokens)
-    elif kind == "llama":
+    elif kind in ("llama", "gemma4"):  # gemma4: the same BPE with byte fallback
         tok, spelled = _sentencepiece(meta, tokens, path), None
     else:
         raise ConfigError(

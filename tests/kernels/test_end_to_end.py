@@ -90,6 +90,8 @@ SUITES = {
     "tests/plugins/test_deepseek_v32.py": PREFILL_DECODE,
     # hyper-connections, compressed MQA (its attention in torch), hash-routed clamped experts
     "tests/plugins/test_deepseek_v4.py": PREFILL_DECODE,
+    # Gemma 4: per-layer inputs, K/V shared between layers, v norms, proportional rope
+    "tests/plugins/test_gemma4.py": PREFILL_DECODE,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }
