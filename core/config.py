@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from core.config_kinds import HyperConnectionSpec, PerLayerInputSpec
 
 
 # --- rotary position embeddings: one frozen spec per kind -------------------------------------
@@ -249,163 +252,6 @@ class MLASpec:
         }
 
 
-@dataclass(frozen=True, kw_only=True)
-class SparseMLASpec(MLASpec):
-    """MLA with DeepSeek sparse attention (DSA: DeepSeek V3.2, GLM-5): each query attends only
-    to the `index_topk` earlier keys a lightning indexer scores highest.
-
-    The indexer: q = wq_b(q_a_layernorm(q_a_proj(x))) (index_heads x index_head_dim), one key
-    k = LayerNorm(wk(x)) (index_head_dim) per token, both roped on their first
-    qk_rope_head_dim dims; score(t, s) = sum_h w_h(t) relu(q_h(t) . k(s) / sqrt(D)) with
-    w = weights_proj(x) / sqrt(index_heads), in fp32. A layer with `shared_selection` has no
-    indexer: it attends to the keys the previous indexer layer selected (GLM-5's shared
-    layers), and caches no indexer keys.
-    """
-
-    index_heads: int
-    index_head_dim: int
-    index_topk: int
-    index_rope_interleaved: bool  # V3.2: half-split pairs; GLM-5: interleaved, as MLA's rope
-    shared_selection: bool = False
-
-    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
-        """MLA's latent and k_pe, then the indexer's roped key per token (`index_k`)."""
-        layout = super().cache_layout(batch, seq)
-        if not self.shared_selection:
-            layout["index_k"] = (batch, seq, self.index_head_dim)
-        return layout
-
-
-@dataclass(frozen=True)
-class GatedDeltaNetSpec:
-    """A gated DeltaNet layer (linear attention: Qwen3-Next, Qwen3.5), in place of attention.
-
-    x -> in_proj -> q, k (num_k_heads x head_k_dim), v, z (num_v_heads x head_v_dim), b, a
-    (num_v_heads); q|k|v through a causal depthwise conv1d of `conv_kernel` taps and SiLU; q and
-    k L2-normed; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule
-    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T and
-    o_t = S_t^T q_t / sqrt(dk); then o = RMSNorm(o) * silu(z) per v head, and out_proj. Value
-    head j reads key head j // (num_v_heads / num_k_heads).
-
-    What it caches is a fixed size per row, not per token (`recurrent`): the conv's last
-    conv_kernel - 1 inputs and the (head_k_dim x head_v_dim) state per value head, in fp32.
-    `layout`: how the checkpoint packs in_proj: "flat" (Qwen3.5: in_proj_qkv | z | b | a) or
-    "grouped" (Qwen3-Next: in_proj_qkvz and in_proj_ba, rows grouped per key head).
-    """
-
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int
-    norm_eps: float
-    layout: Literal["flat", "grouped"] = "flat"
-    rope: Literal["none"] = "none"  # no rotary embedding
-    recurrent: ClassVar[bool] = True  # a fixed-size state per row: no per-token cache
-
-    def __post_init__(self):
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(
-                f"GatedDeltaNetSpec: num_v_heads ({self.num_v_heads}) must be a multiple of "
-                f"num_k_heads ({self.num_k_heads})"
-            )
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim  # q | k | v
-
-    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
-        """The per-row state (seq is not used): the conv's last inputs (B, conv_dim, K - 1)
-        and the delta-rule state (B, H_v, D_k, D_v)."""
-        return {
-            "conv": (batch, self.conv_dim, self.conv_kernel - 1),
-            "state": (batch, self.num_v_heads, self.head_k_dim, self.head_v_dim),
-        }
-
-    def cache_dtypes(self) -> dict[str, str]:
-        """Tensors kept in another dtype than the model's: the state accumulates in fp32."""
-        return {"state": "float32"}
-
-
-@dataclass(frozen=True)
-class CompressedAttentionSpec:
-    """DeepSeek V4's attention: one shared key=value head (MQA), q through q_a -> norm -> q_b
-    and an unweighted per-head RMSNorm, interleaved rope on each head's LAST `rope_dim` dims
-    (undone on the output, as V = K), a learned sink per head, and a grouped low-rank output
-    projection (o_groups x o_lora_rank). Every query sees the last `sliding_window` tokens;
-    with `compress_rate` > 0 it also sees compressed entries, one per closed window of
-    `compress_rate` tokens (a softmax-gated sum of the window's projections): HCA
-    (`index_heads` 0) sees every closed one, CSA (`index_heads` > 0: windows overlap by one,
-    and a lightning indexer keeps the `index_topk` best) only those picked for it.
-
-    The cache keeps each token's key=value and, for compressed layers, each token's
-    compressor (and indexer) projections; the compressed entries are rebuilt from them on
-    every forward, so a row's state is its positions alone (rows copy and roll back freely).
-    """
-
-    num_heads: int
-    head_dim: int
-    q_lora_rank: int
-    rope_dim: int
-    o_groups: int
-    o_lora_rank: int
-    sliding_window: int
-    norm_eps: float
-    rope: RopeSpec  # main rope (sliding layers) or the compress rope (CSA / HCA layers)
-    compress_rate: int = 0  # 0: sliding window only
-    index_heads: int = 0  # 0: no indexer (HCA or sliding); CSA: the indexer's heads
-    index_head_dim: int = 0
-    index_topk: int = 0
-
-    @property
-    def kind(self) -> str:
-        """For `zoo info`: 'window 128', 'window 128 + CSA 4 (top 512)', 'window 128 + HCA 128'."""
-        window = f"window {self.sliding_window}"
-        if not self.compress_rate:
-            return window
-        if self.index_heads:
-            return f"{window} + CSA {self.compress_rate} (top {self.index_topk})"
-        return f"{window} + HCA {self.compress_rate}"
-
-    @property
-    def overlap(self) -> int:
-        """Projections per token per compressed series: 2 (CSA's overlapping windows) or 1."""
-        return 2 if self.index_heads else 1
-
-    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
-        """kv: the roped key=value per token; ckv / cgate: the compressor's projections per
-        token (compressed layers); ikv / igate: the indexer's (CSA)."""
-        out = {"kv": (batch, seq, self.head_dim)}
-        if self.compress_rate:
-            width = self.overlap * self.head_dim
-            out |= {"ckv": (batch, seq, width), "cgate": (batch, seq, width)}
-        if self.index_heads:
-            width = 2 * self.index_head_dim
-            out |= {"ikv": (batch, seq, width), "igate": (batch, seq, width)}
-        return out
-
-
-@dataclass(frozen=True)
-class HyperConnectionSpec:
-    """Manifold-constrained hyper-connections (DeepSeek V4): the residual is `mult` streams;
-    each sub-block reads a weighted sum of them (pre), and the streams become
-    post * out + comb^T @ streams, with comb made doubly stochastic by `sinkhorn_iters`
-    Sinkhorn-Knopp steps; the final streams collapse to one before the last norm."""
-
-    mult: int
-    sinkhorn_iters: int
-    eps: float  # added to pre and comb, and to the Sinkhorn denominators
-    norm_eps: float  # the unweighted RMSNorm over the flattened streams
-
-
 AttentionSpec = GQASpec | MLASpec
 
 
@@ -482,32 +328,6 @@ class MoESpec:
     @property
     def shared(self) -> DenseMLPSpec:
         return DenseMLPSpec(self.shared_width, self.shared_bias)
-
-
-@dataclass(frozen=True)
-class DenseMoESpec:
-    """Gemma 4's MoE layers: a dense MLP and routed experts side by side, each with norms of its
-    own, summed: post_1(mlp(x)) + post_2(experts(pre_2(h), route(h))), x the block's pre-MLP
-    norm of its residual stream h. The router reads h itself: weightless-norm(h) * scale *
-    hidden ** -0.5 @ W, softmax, top-k renormalised, each weight times its expert's learned
-    scale (parameters router.scale (hidden,), router.per_expert_scale (E,))."""
-
-    dense: DenseMLPSpec
-    moe: MoESpec  # routing and the experts' shapes; `act` is the experts' activation
-    norm: Any  # the spec of the three norms
-
-
-@dataclass(frozen=True)
-class PerLayerInputSpec:
-    """Gemma 4's per-layer embeddings (PLE): each layer gets a `dim`-wide input of its own,
-    (norm(x0 @ W_proj * hidden ** -0.5) + E_ple[token] * sqrt(dim)) / sqrt(2) for the token's
-    embedding x0 (E_ple: vocab_size x (layers * dim), scale rounded to the model dtype); after
-    its MLP a block adds norm(proj(act(gate(h)) * that input)) to h."""
-
-    dim: int
-    vocab_size: int
-    norm: Any  # the norm spec of the projection's norm and the block's post norm
-    act: Literal["gelu_tanh"] = "gelu_tanh"
 
 
 # --- the whole model -------------------------------------------------------------------------

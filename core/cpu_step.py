@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from core.config import SparseMLASpec
+from core.config_kinds import SparseMLASpec
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
 from core.layers.mla import MLAAttention

@@ -5,17 +5,19 @@ listing plugins and models never imports torch.
 """
 
 from core.config import (
-    CompressedAttentionSpec,
     DenseMLPSpec,
-    DenseMoESpec,
     EmbeddingSpec,
-    GatedDeltaNetSpec,
     GQASpec,
     L2NormSpec,
     MLASpec,
     MoESpec,
-    PerLayerInputSpec,
     RMSNormSpec,
+)
+from core.config_kinds import (
+    CompressedAttentionSpec,
+    DenseMoESpec,
+    GatedDeltaNetSpec,
+    PerLayerInputSpec,
     SparseMLASpec,
 )
 from core.hookspecs import hookimpl

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from core.config import SparseMLASpec
+from core.config_kinds import SparseMLASpec
 from core.errors import ConfigError
 from core.hookspecs import hookimpl
 from plugins.deepseek import WEIGHT_MAP, DeepseekV3Config

@@ -14,14 +14,8 @@ from typing import Any, Literal
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
-from core.config import (
-    CompressedAttentionSpec,
-    HyperConnectionSpec,
-    MoESpec,
-    RMSNormSpec,
-    RopeSpec,
-    RuntimeConfig,
-)
+from core.config import MoESpec, RMSNormSpec, RopeSpec, RuntimeConfig
+from core.config_kinds import CompressedAttentionSpec, HyperConnectionSpec
 from core.errors import ConfigError
 from core.hfconfig import DecoderConfig, validation_error
 from core.hfrope import ROPE_KINDS

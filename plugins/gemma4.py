@@ -25,15 +25,14 @@ from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 from core.config import (
     DefaultRope,
     DenseMLPSpec,
-    DenseMoESpec,
     GQASpec,
     MoESpec,
-    PerLayerInputSpec,
     ProportionalRope,
     RMSNormSpec,
     RopeSpec,
     RuntimeConfig,
 )
+from core.config_kinds import DenseMoESpec, PerLayerInputSpec
 from core.errors import ConfigError
 from core.hfconfig import text_model
 from core.hookspecs import hookimpl

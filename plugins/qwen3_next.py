@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
-from core.config import GatedDeltaNetSpec, GQASpec, MoESpec, RMSNormSpec
+from core.config import GQASpec, MoESpec, RMSNormSpec
+from core.config_kinds import GatedDeltaNetSpec
 from core.errors import ConfigError
 from core.hfconfig import every_layer_moe, text_model
 from core.hookspecs import hookimpl

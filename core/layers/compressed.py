@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import CompressedAttentionSpec, RMSNormSpec, RopeSpec
+from core.config import RMSNormSpec, RopeSpec
+from core.config_kinds import CompressedAttentionSpec
 from core.kv_cache import as_compute, cache_write
 from core.layers.hyper import unweighted_rms_norm
 from core.layers.linear import Linear

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from core.config import GatedDeltaNetSpec
+from core.config_kinds import GatedDeltaNetSpec
 from core.layers.linear import FusedLinear, Linear
 
 

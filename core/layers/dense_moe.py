@@ -4,7 +4,7 @@ between norms of its own, the router reading the block's un-normed residual stre
 import torch
 from torch import nn
 
-from core.config import DenseMoESpec
+from core.config_kinds import DenseMoESpec
 from core.layers.linear import Linear
 from core.layers.mlp import GatedMLP
 from core.layers.moe import Experts, route

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from core.config import SparseMLASpec
+from core.config_kinds import SparseMLASpec
 from core.kv_cache import as_compute, cache_write
 from core.layers.linear import Linear
 from core.layers.mla import MLAAttention

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import HyperConnectionSpec, RuntimeConfig
+from core.config import RuntimeConfig
+from core.config_kinds import HyperConnectionSpec
 from core.layers.hash_moe import HashMoE
 from core.plugins import registry
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import EmbeddingSpec, PerLayerInputSpec
+from core.config import EmbeddingSpec
+from core.config_kinds import PerLayerInputSpec
 from core.layers.embedding import Embedding
 from core.layers.linear import Linear
 from core.plugins import registry

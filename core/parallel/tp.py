@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import DenseMLPSpec, GQASpec, MLASpec, RuntimeConfig, SparseMLASpec
+from core.config import DenseMLPSpec, GQASpec, MLASpec, RuntimeConfig
+from core.config_kinds import SparseMLASpec
 from core.errors import ConfigError, RequestError
 from core.layers.embedding import Embedding, LMHead
 from core.parallel import distributed

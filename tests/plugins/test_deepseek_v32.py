@@ -20,7 +20,7 @@ from parity import ParitySuite, check_prefill, ids, rel_err
 from test_deepseek import hub_tensors, set_correction_bias
 
 from core import ConfigError, load_model
-from core.config import SparseMLASpec
+from core.config_kinds import SparseMLASpec
 from core.cpu_step import why_not
 from plugins.deepseek_v32 import DeepseekV32Config, GlmMoeDsaConfig
 

@@ -22,7 +22,8 @@ from parity import ParitySuite, check_prefill, ids, rel_err
 from safetensors.torch import load_file, save_file
 
 from core import load_model
-from core.config import CompressedAttentionSpec, YarnRope
+from core.config import YarnRope
+from core.config_kinds import CompressedAttentionSpec
 from plugins.deepseek_v4 import DeepseekV4Config
 
 VOCAB = 128
@@ -277,7 +278,7 @@ def test_hyper_connection_matches_transformers_module():
     from transformers import AutoConfig
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-    from core.config import HyperConnectionSpec
+    from core.config_kinds import HyperConnectionSpec
     from core.layers.hyper import HyperConnection, HyperHead
 
     config = AutoConfig.for_model("deepseek_v4", **dict(SPEC, hc_mult=4, hc_sinkhorn_iters=20))

@@ -45,7 +45,7 @@ GLM_TOKENIZER = dataclasses.replace(
     tokenizer_class="PreTrainedTokenizerFast",
 )
 # YaRN's mscale equal to mscale_all_dim, as in V3.2's config: llama.cpp stores the one and
-# runs both as it (see gguf_archs._deepseek2)
+# runs both as it (see gguf_families.configure_deepseek2)
 V32_FILE = dict(V32, rope_parameters=dict(V32["rope_parameters"], mscale_all_dim=1.0))
 # name: (spec, tokenizer, its pre-tokenizer name, the file's general.architecture)
 CASES = {

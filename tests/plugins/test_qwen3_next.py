@@ -25,7 +25,8 @@ from parity import ParitySuite, check_prefill, ids, rel_err
 from safetensors.torch import load_file, save_file
 
 from core import CheckpointError, ConfigError, load_model
-from core.config import GatedDeltaNetSpec, GQASpec
+from core.config import GQASpec
+from core.config_kinds import GatedDeltaNetSpec
 from kernels import dispatch
 from kernels.dispatch import triton_op
 from plugins.qwen3_next import Qwen3NextConfig
