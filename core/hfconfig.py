@@ -69,6 +69,21 @@ def text_model(raw: Any, source: str, model_type: str) -> dict[str, Any]:
     return {**gaps, **text, **top, "model_type": model_type}
 
 
+def text_model_weights(base: dict[str, Any], towers: tuple[str, ...]) -> dict[str, Any]:
+    """A multimodal checkpoint's weight map: the text model's (`base`) under the hub's names
+    (language_model.model.*, language_model.lm_head.*) and transformers 5's
+    (model.language_model.*); the other parts (`towers`: vision_tower, multi_modal_projector,
+    ...), at the top level or under model., are not loaded."""
+    skipped = {f"{where}{tower}.*": None for tower in towers for where in ("", "model.")}
+    return {
+        **base,
+        "language_model.model.*": "model.*",
+        "language_model.lm_head.*": "lm_head.*",
+        "model.language_model.*": "model.*",
+        **skipped,
+    }
+
+
 def every_layer_moe(cfg: DecoderConfig, experts_field: str, width: int, **extra: Any) -> MoESpec:
     """Routed experts on every layer, no shared ones, softmax top-k renormalised (Mixtral's
     MoE; `extra`: the MoESpec fields a family adds): `experts_field` names the config key that

@@ -17,7 +17,7 @@ from pydantic import PositiveFloat, PositiveInt
 
 from core.config import DefaultRope, DenseMLPSpec, EmbeddingSpec, GQASpec, RMSNormSpec, RopeSpec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig, text_model
+from core.hfconfig import DecoderConfig, text_model, text_model_weights
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
@@ -160,16 +160,7 @@ GEMMA2_WEIGHT_MAP = {
 
 # a gemma3 checkpoint's text model under the hub's names (language_model.model.*) or
 # transformers 5's (model.language_model.*); the vision tower and projector are not run
-GEMMA3_WEIGHT_MAP = {
-    **GEMMA2_WEIGHT_MAP,
-    "language_model.model.*": "model.*",
-    "language_model.lm_head.*": "lm_head.*",
-    "model.language_model.*": "model.*",
-    "vision_tower.*": None,
-    "multi_modal_projector.*": None,
-    "model.vision_tower.*": None,
-    "model.multi_modal_projector.*": None,
-}
+GEMMA3_WEIGHT_MAP = text_model_weights(GEMMA2_WEIGHT_MAP, ("vision_tower", "multi_modal_projector"))
 
 
 @hookimpl

@@ -34,7 +34,7 @@ from core.config import (
 )
 from core.config_kinds import DenseMoESpec, PerLayerInputSpec
 from core.errors import ConfigError
-from core.hfconfig import text_model
+from core.hfconfig import text_model, text_model_weights
 from core.hookspecs import hookimpl
 from plugins.gemma import GEMMA2_WEIGHT_MAP, Gemma3TextConfig
 
@@ -259,14 +259,9 @@ WEIGHT_MAP = {
 }
 
 # a gemma4 checkpoint's text model (model.language_model.*); towers and embedders not run
-GEMMA4_WEIGHT_MAP = {
-    **WEIGHT_MAP,
-    "model.language_model.*": "model.*",
-    "model.vision_tower.*": None,
-    "model.audio_tower.*": None,
-    "model.embed_vision.*": None,
-    "model.embed_audio.*": None,
-}
+GEMMA4_WEIGHT_MAP = text_model_weights(
+    WEIGHT_MAP, ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+)
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from core.errors import ConfigError
-from core.hfconfig import text_model
+from core.hfconfig import text_model, text_model_weights
 from core.hookspecs import hookimpl
 from plugins.deepseek import WEIGHT_MAP as DEEPSEEK_WEIGHT_MAP
 from plugins.deepseek import DeepseekV3Config
@@ -54,14 +54,9 @@ class KimiK25Config(KimiK2Config):
 
 
 # K2.5's text model under language_model.*; its vision tower and projector are not run
-KIMI_K25_WEIGHT_MAP = {
-    **DEEPSEEK_WEIGHT_MAP,
-    "language_model.model.*": "model.*",
-    "language_model.lm_head.*": "lm_head.*",
-    "vision_tower.*": None,
-    "mm_projector.*": None,
-    "multi_modal_projector.*": None,
-}
+KIMI_K25_WEIGHT_MAP = text_model_weights(
+    DEEPSEEK_WEIGHT_MAP, ("vision_tower", "mm_projector", "multi_modal_projector")
+)
 
 
 @hookimpl

@@ -23,7 +23,7 @@ from pydantic import AliasChoices, Field, NonNegativeInt, PositiveFloat, Positiv
 
 from core.config import DenseMLPSpec, L2NormSpec, MoESpec, QueryScale, RopeSpec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig, routed_top_k, text_model
+from core.hfconfig import DecoderConfig, routed_top_k, text_model, text_model_weights
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
@@ -178,16 +178,7 @@ WEIGHT_MAP = {
     f"{_F}.experts.down_proj": (f"{_L}.mlp.experts.down_proj.weight", "T"),
 }
 # a llama4 repo: the text model under language_model.*; the vision side is not run
-MULTIMODAL_WEIGHT_MAP = {
-    **WEIGHT_MAP,
-    "language_model.model.*": "model.*",
-    "language_model.lm_head.*": "lm_head.*",
-    "model.language_model.*": "model.*",
-    "vision_model.*": None,
-    "multi_modal_projector.*": None,
-    "model.vision_model.*": None,
-    "model.multi_modal_projector.*": None,
-}
+MULTIMODAL_WEIGHT_MAP = text_model_weights(WEIGHT_MAP, ("vision_model", "multi_modal_projector"))
 
 
 @hookimpl

@@ -18,7 +18,7 @@ from pydantic import NonNegativeInt, PositiveInt
 
 from core.config import GQASpec, QueryScale
 from core.errors import ConfigError
-from core.hfconfig import text_model
+from core.hfconfig import text_model, text_model_weights
 from core.hookspecs import hookimpl
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 from plugins.mistral import MistralConfig
@@ -115,16 +115,9 @@ class Mistral3Config(Ministral3Config):
 
 # a mistral3 checkpoint's text model under the hub's names (language_model.model.*) or
 # transformers 5's (model.language_model.*); the vision tower and projector are not run
-MISTRAL3_WEIGHT_MAP = {
-    **LLAMA3_WEIGHT_MAP,
-    "language_model.model.*": "model.*",
-    "language_model.lm_head.*": "lm_head.*",
-    "model.language_model.*": "model.*",
-    "vision_tower.*": None,
-    "multi_modal_projector.*": None,
-    "model.vision_tower.*": None,
-    "model.multi_modal_projector.*": None,
-}
+MISTRAL3_WEIGHT_MAP = text_model_weights(
+    LLAMA3_WEIGHT_MAP, ("vision_tower", "multi_modal_projector")
+)
 
 
 @hookimpl

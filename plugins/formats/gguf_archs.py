@@ -8,7 +8,7 @@ storing it (defaults, and `configure` functions for what takes more than a renam
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,18 @@ TENSOR_NAMES = {
     "blk.{}.ffn_up": "model.layers.{}.mlp.up_proj",
     "blk.{}.ffn_down": "model.layers.{}.mlp.down_proj",
 }
+# DeepSeek V2 / V3 / R1 (MLA, its kv_b_proj split in two by llama.cpp), V3.2 and GLM-5's base
+DEEPSEEK2_ARCH = Arch(
+    "deepseek_v2",
+    tensors=DEEPSEEK2,
+    config={
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+    },
+    joins={f"{ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), join_kv_b)},
+    configure=configure_deepseek2,
+)
+
 ARCHITECTURES = {
     # Llama 2/3, SmolLM2, Mistral; with experts, Mixtral (llama.cpp writes both as `llama`)
     "llama": Arch(
@@ -147,36 +159,13 @@ ARCHITECTURES = {
         partial_rope=True,
     ),
     # DeepSeek V2 / V2-Lite / V3 / R1: MLA, MoE with shared experts after leading dense layers
-    "deepseek2": Arch(
-        "deepseek_v2",
-        tensors=DEEPSEEK2,
-        config={
-            "expert_used_count": "num_experts_per_tok",
-            "expert_feed_forward_length": "moe_intermediate_size",
-        },
-        joins={f"{ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), join_kv_b)},
-        configure=configure_deepseek2,
-    ),
+    "deepseek2": DEEPSEEK2_ARCH,
     # DeepSeek V3.2 and GLM-5: deepseek2 plus DSA's indexer (its model_type: from the arch)
-    "deepseek32": Arch(
-        "deepseek_v32",
-        tensors=DSA,
-        config={
-            "expert_used_count": "num_experts_per_tok",
-            "expert_feed_forward_length": "moe_intermediate_size",
-        },
-        joins={f"{ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), join_kv_b)},
-        configure=configure_dsa,
+    "deepseek32": replace(
+        DEEPSEEK2_ARCH, model_type="deepseek_v32", tensors=DSA, configure=configure_dsa
     ),
-    "glm-dsa": Arch(
-        "glm_moe_dsa",
-        tensors=DSA,
-        config={
-            "expert_used_count": "num_experts_per_tok",
-            "expert_feed_forward_length": "moe_intermediate_size",
-        },
-        joins={f"{ATTN}.kv_b_proj": Join(("blk.{}.attn_k_b", "blk.{}.attn_v_b"), join_kv_b)},
-        configure=configure_dsa,
+    "glm-dsa": replace(
+        DEEPSEEK2_ARCH, model_type="glm_moe_dsa", tensors=DSA, configure=configure_dsa
     ),
     # Gemma's norms are (1 + w). The Gemma 1/2 converters store no rope base: llama.cpp runs its
     # default, 10000. llama.cpp windows Gemma 2's layers 1 in 2 and Gemma 3's 5 in 6 (unless the
