@@ -17,10 +17,10 @@ SHAPED = {name: e for name, e in named_models().items() if "shape" in e}
 
 
 def as_written(count: int, like: str) -> str:
-    """`count` written as `like` is ('1.24B', '494M', '30.5B'): its unit and decimals."""
-    m = re.fullmatch(r"(\d+)(?:\.(\d+))?([MB])", like)
-    assert m, f"params {like!r} is not written as 494M or 1.24B"
-    scale = 1e9 if m[3] == "B" else 1e6
+    """`count` written as `like` is ('1.24B', '494M', '30.5B', '1.03T'): its unit and decimals."""
+    m = re.fullmatch(r"(\d+)(?:\.(\d+))?([MBT])", like)
+    assert m, f"params {like!r} is not written as 494M, 1.24B or 1.03T"
+    scale = {"M": 1e6, "B": 1e9, "T": 1e12}[m[3]]
     return f"{count / scale:.{len(m[2] or '')}f}{m[3]}"
 
 
@@ -28,6 +28,7 @@ def test_as_written_can_fail():
     assert as_written(1_236_000_000, "1.24B") == "1.24B"
     assert as_written(1_246_000_000, "1.24B") != "1.24B"
     assert as_written(494_032_768, "494M") == "494M"
+    assert as_written(1_026_470_000_000, "1.03T") == "1.03T"
 
 
 @pytest.mark.parametrize("name", sorted(SHAPED))
