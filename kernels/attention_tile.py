@@ -34,6 +34,9 @@ def attend(
     n_end,  # keys at n >= n_end are masked (padding of the last tile)
     pos,  # (ROWS,) the queries' positions, when CAUSAL: key n is visible up to pos
     window,  # keys n > pos - window are visible, when CAUSAL and HAS_WINDOW
+    keep_base,  # when HAS_KEEP: row r reads key n only if keep_base[rows_keep[r] + n] != 0
+    rows_keep,  # (ROWS,) offsets of the rows' selections (decode: all 0, one query)
+    rows_mask,  # (ROWS,) the real rows: padding rows read no selection
     sk_s,
     skp_s,
     sv_s,
@@ -49,6 +52,7 @@ def attend(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr,
@@ -75,8 +79,16 @@ def attend(
             visible = visible & (offs_n[None, :] <= pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        if HAS_KEEP:  # DeepSeek sparse attention: only the selected keys (uint8, 1 = kept)
+            sel = tl.load(
+                keep_base + rows_keep[:, None] + offs_n[None, :],
+                mask=rows_mask[:, None] & n_mask[None, :],
+                other=0,
+            )
+            visible = visible & (sel != 0)
         scores = tl.where(visible, scores, float("-inf"))
-        # a window may hide a whole tile from a row: keep its maximum finite (no inf - inf)
+        # a window or a selection may hide a whole tile from a row: keep its maximum finite
+        # (no inf - inf)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - m_new[:, None])

@@ -7,7 +7,8 @@ partial output and its log-sum-exp. Stage 2 merges the splits. Splits let a sing
 the GPU; per-row lengths (`seq_lens`) leave a row's tail of the cache unread.
 
 MLA is the same kernel with one kv "head" (the latent cache, read once as both K and V) and an
-extra rope score term (q_pe . k_pe).
+extra rope score term (q_pe . k_pe); DeepSeek sparse attention adds a key selection (`keep`) that
+masks the scores of the keys it leaves out (their tiles are still read).
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import triton.language as tl
 
 from kernels.attention_tile import attend, load_rows
 from kernels.casting import round_to
-from kernels.dispatch import check_features, check_operands, interpreting, require, softcap_factors
+from kernels.dispatch import (
+    check_features,
+    check_keep,
+    check_operands,
+    interpreting,
+    require,
+    softcap_factors,
+)
 
 INTERPRETED = interpreting()
 LOG2E = 1.4426950408889634
@@ -70,6 +78,7 @@ def _decode_split_kernel(
     V,  # (B, Hkv, S, DV); ignored when V_IS_K
     LENS,  # (B,) int32, when HAS_LENS
     SINKS,  # (Hq,) per-head sink logits, when HAS_SINKS (read here only when DIRECT)
+    KEEP,  # (B, S) uint8 key selection (1 = read), last dim contiguous, when HAS_KEEP
     O_PART,  # (B, Hq, NS, DV) fp32; with DIRECT (one split) the output (B, Hq, DV) itself
     LSE_PART,  # (B, Hq, NS) fp32, log2 domain; unused with DIRECT
     sq_b,
@@ -89,6 +98,7 @@ def _decode_split_kernel(
     so_s,
     sl_b,
     sl_h,
+    skeep_b,
     group,  # query heads per kv head
     n_gblocks,  # cdiv(group, BLOCK_G)
     seq_len,
@@ -107,6 +117,7 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -124,11 +135,13 @@ def _decode_split_kernel(
     qpe = q  # unread without HAS_PE
     if HAS_PE:
         qpe = load_rows(QPE + b * sqp_b, heads * sqp_h, g_mask, DPE, BLOCK_DPE)
-    # keys [start, end) are all visible: the query sits at length - 1, past the window's start
+    # keys [start, end) are all visible: the query sits at length - 1, past the window's start;
+    # with a selection (one query: one row of it for every head), only the selected ones
     acc, m_i, l_i = attend(
         q, qpe, K + b * sk_b + kvh * sk_h, KPE + b * skp_b, V + b * sv_b + kvh * sv_h,
-        start, end, end, g, window, sk_s, skp_s, sv_s, qk_scale, cap_in, cap_out, D, DPE, DV,
-        BLOCK_G, HAS_PE, V_IS_K, False, HAS_WINDOW, HAS_SOFTCAP,  # CAUSAL: no
+        start, end, end, g, window, KEEP + b * skeep_b, tl.zeros_like(g), g_mask,
+        sk_s, skp_s, sv_s, qk_scale, cap_in, cap_out, D, DPE, DV,
+        BLOCK_G, HAS_PE, V_IS_K, False, HAS_WINDOW, HAS_SOFTCAP, HAS_KEEP,  # CAUSAL: no
         BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV,
     )  # fmt: skip
     _store_split(
@@ -224,10 +237,23 @@ def _tiling(q, hkv: int, s: int, dv: int, num_splits: int | None) -> _Tiling:
 
 
 def _split_stage(
-    q, qpe, k, kpe, v, seq_lens, sinks, o_part, lse_part, scale, window, softcap, tiling: _Tiling
+    q,
+    qpe,
+    k,
+    kpe,
+    v,
+    seq_lens,
+    sinks,
+    o_part,
+    lse_part,
+    scale,
+    window,
+    softcap,
+    tiling: _Tiling,
+    keep=None,
 ):
     """Stage 1: each split's partial output (and log-sum-exp) into o_part (and lse_part);
-    with one split, the output itself."""
+    with one split, the output itself. keep: None, or a (B, S) uint8 key selection."""
     block_g, n_gblocks, block_n, num_splits, split_len = tiling
     hkv, s = k.shape[1], k.shape[2]
     dv = k.shape[3] if v is None else v.shape[3]
@@ -245,6 +271,7 @@ def _split_stage(
         v_,
         lens,
         sinks_,
+        keep if keep is not None else o_part,
         o_part,
         lse_part,
         q.stride(0),
@@ -264,6 +291,7 @@ def _split_stage(
         o_part.stride(2),
         lse_part.stride(0),
         lse_part.stride(1),
+        keep.stride(0) if keep is not None else 0,
         q.shape[1] // hkv,
         n_gblocks,
         s,
@@ -281,6 +309,7 @@ def _split_stage(
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
+        HAS_KEEP=keep is not None,
         BLOCK_G=block_g,
         BLOCK_N=block_n,
         BLOCK_D=_p2(q.shape[2]),
@@ -318,9 +347,22 @@ def _merge_stage(o_part, lse_part, sinks, out) -> None:
 
 
 def _launch(
-    q, qpe, k, kpe, v, seq_lens, scale, num_splits, op, window=None, softcap=None, sinks=None
+    q,
+    qpe,
+    k,
+    kpe,
+    v,
+    seq_lens,
+    scale,
+    num_splits,
+    op,
+    window=None,
+    softcap=None,
+    sinks=None,
+    keep=None,
 ):
-    """q (B, Hq, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, DV)."""
+    """q (B, Hq, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, DV);
+    keep: None, or a (B, S) uint8 key selection (1: the row reads that key)."""
     bsz, hq, _ = q.shape
     hkv, s = k.shape[1], k.shape[2]
     dv = k.shape[3] if v is None else v.shape[3]
@@ -339,7 +381,7 @@ def _launch(
         o_part = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
     _split_stage(
-        q, qpe, k, kpe, v, seq_lens, sinks, o_part, lse_part, scale, window, softcap, tiling
+        q, qpe, k, kpe, v, seq_lens, sinks, o_part, lse_part, scale, window, softcap, tiling, keep
     )
     if not direct:
         _merge_stage(o_part, lse_part, sinks, o3)
@@ -395,11 +437,14 @@ def mla_decode_attention(
     scale: float,
     seq_lens: torch.Tensor | None = None,
     num_splits: int | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_lat (B, H, 1, R), q_pe (B, H, 1, Dr) over latent (B', S, R), k_pe (B', S, Dr).
 
     Returns (B, H, 1, R) = softmax(scale * (q_lat.latent + q_pe.k_pe)) @ latent; each latent
-    tile is read once and serves as both key and value.
+    tile is read once and serves as both key and value. keep (B, 1, S) bool: the keys each
+    row may read besides its length (DeepSeek sparse attention's selection); the others are
+    masked out of the scores. A row that keeps none of its keys gets 0 (the reference: NaN).
     """
     op = "mla_attention (decode)"
     require(q_lat.ndim == 4 and q_lat.shape[2] == 1, op, f"q_lat {tuple(q_lat.shape)}: T != 1")
@@ -408,6 +453,7 @@ def mla_decode_attention(
     require(latent.shape[:2] == k_pe.shape[:2], op, f"latent {latent.shape} vs k_pe {k_pe.shape}")
     require(k_pe.shape[2] == q_pe.shape[3], op, f"k_pe {k_pe.shape} vs q_pe {q_pe.shape}")
     lens = _check_lens(seq_lens, q_lat, op)
+    sel = check_keep(op, keep, q_lat, latent.shape[1])
     return _launch(
         q_lat[:, :, 0],
         q_pe[:, :, 0],
@@ -418,4 +464,5 @@ def mla_decode_attention(
         scale,
         num_splits,
         op,
+        keep=None if sel is None else sel[:, 0],
     )

@@ -3,7 +3,8 @@
 `ZOO_KERNELS` picks the policy, read on every call so tests can flip it:
 - `auto` (default): Triton for CUDA tensors where triton is installed and the GPU supports the
   dtype (bf16 needs sm80+); the torch reference everywhere else, except the small ops that
-  `kernels.cpu.ops` runs as one C call each for eager fp32 CPU tensors (rms_norm, rope).
+  `kernels.cpu.ops` runs as one C call each for eager fp32 CPU tensors (rms_norm, rope), and
+  sparse_mla_attention, whose Triton path (not yet measured on a GPU) is `triton`'s only.
 - `triton`: Triton always, also for CPU tensors under `TRITON_INTERPRET=1`; raises `KernelError`
   instead of falling back when a kernel cannot run.
 - `torch`: the references in `kernels.reference` always.
@@ -77,6 +78,21 @@ def check_operands(op, q, qpe, k, kpe, v) -> None:
             require(t.dtype == k.dtype, op, f"{name} is {t.dtype}, the cache is {k.dtype}")
 
 
+def check_keep(op, keep, q, s: int) -> torch.Tensor | None:
+    """Launcher-side check of a key selection keep (B, T, S) bool for q (B, H, T, D) over S
+    cached keys -> the uint8 view the kernels read (1 = kept), contiguous in S; None: None."""
+    if keep is None:
+        return None
+    want = (q.shape[0], q.shape[2], s)
+    require(
+        keep.shape == want and keep.dtype == torch.bool,
+        op,
+        f"keep must be {want} bool, got {tuple(keep.shape)} {keep.dtype}",
+    )
+    require(keep.device == q.device, op, f"keep on {keep.device}, q on {q.device}")
+    return (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
+
+
 def softcap_factors(scale: float, softcap: float | None) -> tuple[float, float]:
     """(cap_in, cap_out) such that the kernels' log2-domain score is cap_out * tanh(cap_in *
     q.k) = log2(e) * softcap * tanh(scale * q.k / softcap); (0, 0) without a soft-cap."""
@@ -146,6 +162,19 @@ def _mla_launcher() -> Callable:
     return mla_attention
 
 
+def _sparse_mla_launcher() -> Callable:
+    dec = kernel_module("kernels.decode_attention")
+    pre = kernel_module("kernels.prefill_attention")
+
+    def sparse_mla_attention(q_lat, q_pe, latent, k_pe, start_pos, scale, keep):
+        if q_lat.shape[2] == 1:
+            lens = _lens(start_pos)
+            return dec.mla_decode_attention(q_lat, q_pe, latent, k_pe, scale, lens, keep=keep)
+        return pre.mla_prefill_attention(q_lat, q_pe, latent, k_pe, start_pos, scale, keep)
+
+    return sparse_mla_attention
+
+
 # op -> the Triton launcher, loaded on first use
 _TRITON: dict[str, Callable[[], Callable]] = {
     "rms_norm": lambda: kernel_module("kernels.rmsnorm").rms_norm,
@@ -154,6 +183,7 @@ _TRITON: dict[str, Callable[[], Callable]] = {
     "swiglu": lambda: kernel_module("kernels.silu_mul").swiglu,
     "attention": _attention_launcher,
     "mla_attention": _mla_launcher,
+    "sparse_mla_attention": _sparse_mla_launcher,
     "moe_experts": lambda: kernel_module("kernels.moe").moe_experts,
     "quant_linear": lambda: kernel_module("kernels.quant_matmul").quant_linear,
     "gated_delta_rule": lambda: kernel_module("kernels.delta_rule").gated_delta_rule,
@@ -329,14 +359,19 @@ def sparse_mla_attention(
     scale: float,
     keep: torch.Tensor,
 ) -> torch.Tensor:
-    """`mla_attention` restricted to the keys `keep` (B, T, S) marks (DeepSeek sparse
-    attention). No Triton kernel takes a key selection yet: the torch reference (dense scores,
-    masked) runs on every device and under every ZOO_KERNELS policy, logged once."""
-    path = ("sparse_mla_attention", "torch (no Triton kernel for a key selection)")
+    """`mla_attention` restricted to the keys `keep` (B, T, S) bool marks (DeepSeek sparse
+    attention): the Triton MLA kernels masking the unselected keys under ZOO_KERNELS=triton,
+    the torch reference (dense scores, masked) under `torch` and, until the kernels are
+    measured on a GPU, under `auto` too (logged once)."""
+    if (os.environ.get(ENV) or "auto") != "auto":
+        return pick("sparse_mla_attention", q_lat)(
+            q_lat, q_pe, latent, k_pe, start_pos, scale, keep
+        )
+    path = ("sparse_mla_attention", "torch (ZOO_KERNELS=auto: the Triton path is opt-in)")
     if path not in _logged and not torch.compiler.is_compiling():
         _logged.add(path)
         log.info("zoo kernels: %s -> %s [%s %s]", *path, q_lat.device, q_lat.dtype)
-    return reference.mla_attention(q_lat, q_pe, latent, k_pe, start_pos, scale, keep)
+    return reference.sparse_mla_attention(q_lat, q_pe, latent, k_pe, start_pos, scale, keep)
 
 
 def moe_experts(

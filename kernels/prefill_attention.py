@@ -5,7 +5,8 @@ query], through an online softmax; query t sits at position start_pos + t. Query
 kv head h // (Hq / Hkv); the group's programs hit the same K/V tiles in L2.
 
 MLA prefill is the same kernel with one kv "head" (the latent cache, read once as both K and V)
-and an extra rope score term (q_pe . k_pe), as in decode_attention.py.
+and an extra rope score term (q_pe . k_pe), as in decode_attention.py; DeepSeek sparse attention
+adds a key selection (`keep` (B, T, S)) that masks the scores of the keys it leaves out.
 
 Whether this kernel or torch SDPA (cuDNN / FlashAttention-2 backends) is faster at prefill is
 pending a GPU measurement (benchmarks/kernels.py; see docs/kernels.md).
@@ -19,7 +20,14 @@ import triton.language as tl
 
 from kernels.attention_tile import attend, load_rows
 from kernels.casting import round_to
-from kernels.dispatch import check_features, check_operands, interpreting, require, softcap_factors
+from kernels.dispatch import (
+    check_features,
+    check_keep,
+    check_operands,
+    interpreting,
+    require,
+    softcap_factors,
+)
 
 INTERPRETED = interpreting()
 LOG2E = 1.4426950408889634
@@ -62,6 +70,7 @@ def _prefill_kernel(
     OUT,  # (B, Hq, T, DV)
     STARTS,  # (B,) int32 per-row start positions, when PER_ROW
     SINKS,  # (Hq,) per-head sink logits, when HAS_SINKS
+    KEEP,  # (B, T, S) uint8 key selection (1 = read), last dim contiguous, when HAS_KEEP
     sq_b,
     sq_h,
     sq_t,
@@ -79,6 +88,8 @@ def _prefill_kernel(
     so_b,
     so_h,
     so_t,
+    skeep_b,
+    skeep_t,
     n_heads,
     group,
     n_q,
@@ -97,6 +108,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -119,8 +131,9 @@ def _prefill_kernel(
     lo, hi = _block_keys(pid_m, start_pos, n_kv, window, HAS_WINDOW, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = attend(
         q, qpe, K + b * sk_b + kvh * sk_h, KPE + b * skp_b, V + b * sv_b + kvh * sv_h,
-        lo, hi, n_kv, pos, window, sk_s, skp_s, sv_s, qk_scale, cap_in, cap_out, D, DPE, DV,
-        BLOCK_M, HAS_PE, V_IS_K, True, HAS_WINDOW, HAS_SOFTCAP,  # CAUSAL: yes
+        lo, hi, n_kv, pos, window, KEEP + b * skeep_b, offs_m * skeep_t, m_mask,
+        sk_s, skp_s, sv_s, qk_scale, cap_in, cap_out, D, DPE, DV,
+        BLOCK_M, HAS_PE, V_IS_K, True, HAS_WINDOW, HAS_SOFTCAP, HAS_KEEP,  # CAUSAL: yes
         BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV,
     )  # fmt: skip
     o_rows = OUT + b * so_b + h * so_h + offs_m * so_t
@@ -153,9 +166,11 @@ def _tiles(dtype: torch.dtype, d: int, dv: int) -> tuple[int, int, bool]:
     return block_m, block_n, wide
 
 
-def _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softcap, sinks) -> None:
+def _run_kernel(
+    q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softcap, sinks, keep=None
+) -> None:
     """The kernel over q (B, Hq, T, D) into out (B, Hq, T, DV): starts, per-row positions, or
-    None and the int start_pos."""
+    None and the int start_pos; keep, None or a (B, T, S) uint8 key selection."""
     bsz, hq, t, d = q.shape
     dv = out.shape[3]
     block_m, block_n, wide = _tiles(q.dtype, d, dv)
@@ -173,6 +188,7 @@ def _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softca
         out,
         starts if starts is not None else out,  # a dummy pointer when unused
         sinks if sinks is not None else out,
+        keep if keep is not None else out,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -190,6 +206,8 @@ def _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softca
         out.stride(0),
         out.stride(1),
         out.stride(2),
+        keep.stride(0) if keep is not None else 0,
+        keep.stride(1) if keep is not None else 0,
         hq,
         hq // k.shape[1],
         t,
@@ -207,6 +225,7 @@ def _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softca
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
+        HAS_KEEP=keep is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -217,8 +236,11 @@ def _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softca
     )
 
 
-def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, sinks=None):
-    """q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, T, DV).
+def _launch(
+    q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, sinks=None, keep=None
+):
+    """q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, DV) or None (= k) -> (B, Hq, T, DV);
+    keep: None, or a (B, T, S) uint8 key selection (1: the query reads that key).
 
     start_pos: an int, or a (B,) tensor of per-row positions (then S >= max + T is the
     caller's to ensure: checking it would cost a device sync)."""
@@ -230,7 +252,7 @@ def _launch(q, qpe, k, kpe, v, start_pos, scale, op, window=None, softcap=None, 
     out = torch.empty(bsz, hq, t, dv, dtype=q.dtype, device=q.device)
     if bsz * t == 0:
         return out
-    _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softcap, sinks)
+    _run_kernel(q, qpe, k, kpe, v, out, start_pos, starts, scale, window, softcap, sinks, keep)
     return out
 
 
@@ -264,12 +286,16 @@ def mla_prefill_attention(
     k_pe: torch.Tensor,
     start_pos: int | torch.Tensor,
     scale: float,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal absorbed MLA: q_lat (B, H, T, R), q_pe (B, H, T, Dr) over latent (B', S, R) and
-    k_pe (B', S, Dr) -> (B, H, T, R) = softmax(scale * (q_lat.latent + q_pe.k_pe)) @ latent."""
+    k_pe (B', S, Dr) -> (B, H, T, R) = softmax(scale * (q_lat.latent + q_pe.k_pe)) @ latent.
+    keep (B, T, S) bool: the keys each query may read besides causality (DeepSeek sparse
+    attention's selection); a query that keeps none of its keys gets 0 (the reference: NaN)."""
     op = "mla_attention (prefill)"
     require(q_lat.ndim == 4 and q_pe.shape[:3] == q_lat.shape[:3], op, "q_lat, q_pe shapes")
     require(latent.ndim == 3 and k_pe.ndim == 3, op, "latent, k_pe must be (B, S, R), (B, S, Dr)")
     require(latent.shape[:2] == k_pe.shape[:2], op, f"latent {latent.shape} vs k_pe {k_pe.shape}")
     require(k_pe.shape[2] == q_pe.shape[3], op, f"k_pe {k_pe.shape} vs q_pe {q_pe.shape}")
-    return _launch(q_lat, q_pe, latent[:, None], k_pe, None, start_pos, scale, op)
+    sel = check_keep(op, keep, q_lat, latent.shape[1])
+    return _launch(q_lat, q_pe, latent[:, None], k_pe, None, start_pos, scale, op, keep=sel)

@@ -176,6 +176,20 @@ def mla_attention(
     return torch.einsum("bhts,bsr->bhtr", probs, latent.float()).to(q_lat.dtype)
 
 
+def sparse_mla_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    start_pos: int | torch.Tensor,
+    scale: float,
+    keep: torch.Tensor,
+) -> torch.Tensor:
+    """`mla_attention` restricted to the keys keep (B, T, S) bool marks (DeepSeek sparse
+    attention): the op `kernels.sparse_mla_attention` dispatches."""
+    return mla_attention(q_lat, q_pe, latent, k_pe, start_pos, scale, keep)
+
+
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's activation: gate_up (..., 2I) holds interleaved (gate, up) pairs; gate is
     clamped to <= limit, up to [-limit, limit]; (up + 1) * gate * sigmoid(alpha * gate)."""

@@ -85,8 +85,7 @@ SUITES = {
     "tests/plugins/test_glm4_moe.py": PREFILL_DECODE,
     # MiniMax M2: q/k norms over all heads at once, sigmoid routing with a correction bias
     "tests/plugins/test_minimax_m2.py": PREFILL_DECODE,
-    # DeepSeek sparse attention: MLA's projections and rope through Triton, the top-k masked
-    # latent attention in torch (no Triton kernel takes a key selection)
+    # DeepSeek sparse attention: the top-k masked latent attention through the MLA kernels
     "tests/plugins/test_deepseek_v32.py": PREFILL_DECODE,
     # hyper-connections, compressed MQA (its attention in torch), hash-routed clamped experts
     "tests/plugins/test_deepseek_v4.py": PREFILL_DECODE,
