@@ -261,6 +261,16 @@ def test_registry_shape_is_deepseek_v4_flash():
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "284.3B"
 
 
+def test_zoo_info_names_the_layer_kinds(v4):
+    """`zoo info`'s layer kinds: each layer's own name for its kind (V4's specs carry an
+    index_topk, as DSA's do, but are not DeepSeek sparse attention)."""
+    from core.cli.info import _layer_kinds
+
+    m, _, _ = v4
+    want = "window 6 x 1, window 6 + CSA 4 (top 2) x 1, window 6 + HCA 8 x 1"
+    assert _layer_kinds(m.config) == want
+
+
 @torch.no_grad()
 def test_queries_by_chunks_match(v4, monkeypatch):
     """A prompt longer than the attention's query chunk (made 3 here) gives the same logits."""
