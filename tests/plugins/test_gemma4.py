@@ -258,6 +258,19 @@ def test_tensor_parallelism_refuses_gemma4_blocks():
         tp.check(to_runtime(GEMMA4_MOE), 2, "config.json")
 
 
+def test_tensor_parallelism_cuts_the_per_layer_mlps():
+    """A Gemma 4 of plain blocks (no per-layer inputs, shared K/V nor K = V) splits: each
+    rank's per-layer MLPs are its cut of the model's, as the checkpoint's rows are cut (they
+    were built whole: the load failed on every MLP weight); tests/core/test_tp.py runs it."""
+    from core.parallel import tp
+
+    cfg = to_runtime(dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0))
+    assert len(cfg.mlp_layers) == 5
+    tp.check(cfg, 2, "config.json")
+    local = tp.local_config(cfg, 2)
+    assert [local.layer_mlp(i).intermediate_size for i in range(5)] == [24] * 5
+
+
 def test_bad_configs_name_the_field():
     with pytest.raises(ConfigError, match="top_k_experts"):
         to_runtime(dict(GEMMA4_MOE, top_k_experts=None))
