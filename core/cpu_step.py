@@ -69,9 +69,6 @@ def why_not(net: CausalLM) -> str | None:
         for part, kind in kinds:
             if type(part) is not kind:  # a subclass may compute more
                 return f"block {i} has a {type(part).__name__} where it takes a {kind.__name__}"
-        why = _gqa_why_not(attn.spec) if attn_kind is GQAAttention else None
-        if why:
-            return f"block {i} {why}"
         if attn_kind is MLAAttention:
             for name in ("q_a_layernorm", "kv_a_layernorm"):  # (no q_a: a plain q_proj)
                 norm = getattr(attn, name, None)
@@ -102,16 +99,6 @@ def why_not(net: CausalLM) -> str | None:
     return None
 
 
-def _gqa_why_not(s) -> str | None:
-    """Why the C step cannot run a GQA layer of this spec for Gemma 4's features (None: it
-    can, as far as they go)."""
-    if s.kv_source is not None:
-        return f"reads the keys and values of layer {s.kv_source} (no cache of its own)"
-    if s.v_norm is not None or s.k_eq_v:
-        return "norms its values, or takes them from k_proj (Gemma 4)"
-    return None
-
-
 def kinds(net: CausalLM) -> str:
     """The blocks by kind, for `zoo info`: '3 x GatedDeltaNet + MoE, 1 x GQAAttention + MoE'."""
     counts: dict[str, int] = {}
@@ -124,7 +111,12 @@ def kinds(net: CausalLM) -> str:
 
 
 def _gqa_why_not(s) -> str | None:
-    """Why the C step cannot run this GQA spec (None: it can): Llama 4's attention features."""
+    """Why the C step cannot run this GQA spec (None: it can): Gemma 4's shared K/V, value
+    norms and K = V, Llama 4's chunked attention. (Query scales: `why_not` itself.)"""
+    if s.kv_source is not None:
+        return f"reads the keys and values of layer {s.kv_source} (no cache of its own)"
+    if s.v_norm is not None or s.k_eq_v:
+        return "norms its values, or takes them from k_proj (Gemma 4)"
     if s.chunk is not None:
         return f"has chunked attention ({s.chunk}) (the fused step: full or sliding)"
     return None

@@ -122,6 +122,11 @@ def random_model(
             net = CausalLM(cfg)
             for p in net.parameters():
                 p.normal_(0.0, 0.02)
+            for m in net.modules():  # DeepSeek V4's hash routing: each token's k distinct
+                table = getattr(m, "tid2eid", None)  # expert ids (noise would send all to 0),
+                if table is not None:  # in fp32 as the loader keeps them (exact past 256)
+                    draw = torch.rand(table.shape[0], m.spec.num_experts).argsort(dim=-1)
+                    table.data = draw[:, : table.shape[1]].to(torch.float32)
     finally:
         torch.set_default_dtype(default)
     net.setup_caches(max_batch_size, max_seq_len)

@@ -62,6 +62,8 @@ def _layer_kinds(c) -> str:
     """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9' (and
     'shared K/V x 20': layers reading an earlier layer's keys and values);
     linear-attention layers by their spec's name ('GatedDeltaNetSpec x 36, full x 12')."""
+    from core.config_kinds import SparseMLASpec
+
     kinds: dict[str, int] = {}
     for i in range(c.num_layers):
         spec = c.layer_attention(i)
@@ -73,10 +75,11 @@ def _layer_kinds(c) -> str:
         kind = "full" if window is None else f"window {window}"
         if getattr(spec, "chunk", None) is not None:
             kind = f"chunk {spec.chunk}"
-        top_k = getattr(spec, "index_topk", None)
-        if top_k is not None:  # DeepSeek sparse attention: its own indexer's keys, or reused
-            kind = f"sparse top-{top_k}" + (" (shared selection)" if spec.shared_selection else "")
-        kind = getattr(spec, "kind", kind)  # a kind that names itself (DeepSeek V4's)
+        if isinstance(spec, SparseMLASpec):  # DSA: its own indexer's keys, or reused
+            shared = " (shared selection)" if spec.shared_selection else ""
+            kind = f"sparse top-{spec.index_topk}{shared}"
+        # a kind that names itself (DeepSeek V4's, whose spec has an index_topk of its own)
+        kind = getattr(spec, "kind", kind)
         kinds[kind] = kinds.get(kind, 0) + 1
         if c.layer_rope(i) is None:
             kinds["NoPE"] = kinds.get("NoPE", 0) + 1

@@ -95,8 +95,13 @@ class SparseMLAAttention(MLAAttention):
         if spec.q_lora_rank is None:
             raise ValueError("SparseMLASpec: the indexer reads q_a; q_lora_rank must be set")
         self.indexer = None if spec.shared_selection else Indexer(hidden, spec)
-        self.selected: torch.Tensor | None = None  # this step's selection, for sharing layers
-        self._source: list[SparseMLAAttention] = []  # not a submodule: no parameters twice
+        # this forward's selection, (B, T, S) booleans, kept for the layers that share it until
+        # the last of them has read it (a prefill's would otherwise stay, one per layer)
+        self.selected: torch.Tensor | None = None
+        # plain lists, not submodules (no parameters twice): the indexer layer this one reads;
+        # the layers reading this one's, in order
+        self._source: list[SparseMLAAttention] = []
+        self._readers: list[SparseMLAAttention] = []
 
     def selection_from(self, earlier: list[nn.Module]) -> None:
         """A sharing layer reads the selection of the last indexer layer in `earlier`."""
@@ -106,6 +111,7 @@ class SparseMLAAttention(MLAAttention):
         if not owners:
             raise ValueError("SparseMLASpec: a shared_selection layer has no indexer before it")
         self._source = [owners[-1]]
+        owners[-1]._readers.append(self)
 
     def forward(self, x, cos, sin, *cache_and_positions):
         """(x, cos, sin, latent, k_pe[, index_k], start_pos, end, lengths): layers with an
@@ -116,10 +122,13 @@ class SparseMLAAttention(MLAAttention):
             x, q_in, cos, sin, cache[0], cache[1], start_pos, end
         )
         if self.indexer is not None:
-            self.selected = self.indexer(x, q_in, cos, sin, cache[2], start_pos, end)
-            keep = self.selected
+            keep = self.indexer(x, q_in, cos, sin, cache[2], start_pos, end)
+            self.selected = keep if self._readers else None
         else:
-            keep = self._source[0].selected
+            source = self._source[0]
+            keep = source.selected
+            if source._readers[-1] is self:  # its last reader: let the selection go
+                source.selected = None
         o_lat = kernels.sparse_mla_attention(
             q_lat, q_pe, latents, k_pes, start_pos, self.spec.scale, keep
         )

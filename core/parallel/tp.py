@@ -62,6 +62,9 @@ def _problems(cfg: RuntimeConfig, n: int) -> list[tuple[str, int, str]]:
     if any(type(m) is not DenseMLPSpec for m in cfg.mlp_layers):
         out.append(("an MLP kind of mlp_layers (Gemma 4's dense + routed experts)", 0, SPLIT))
     sizes = [("intermediate_size", cfg.mlp.intermediate_size)]
+    # per-layer MLP widths (Gemma 4's double-wide layers): each cut as the model's
+    sizes += [(f"layer {i}'s MLP width", m.intermediate_size)
+              for i, m in enumerate(cfg.mlp_layers) if type(m) is DenseMLPSpec]  # fmt: skip
     if cfg.moe is not None:
         sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
     out += [(f, v, "divisible by tp") for f, v in sizes if v % n]
@@ -114,8 +117,16 @@ def local_config(cfg: RuntimeConfig, n: int) -> RuntimeConfig:
     if moe is not None:  # shared experts: num_shared * intermediate_size, so / n too
         moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // n)
     layers = tuple(_local_attention(a, n) for a in cfg.attention_layers)
+    mlps = tuple(  # per-layer MLPs (only dense ones pass `check`): cut as `mlp`
+        dataclasses.replace(m, intermediate_size=m.intermediate_size // n) for m in cfg.mlp_layers
+    )
     return dataclasses.replace(
-        cfg, attention=_local_attention(cfg.attention, n), attention_layers=layers, mlp=mlp, moe=moe
+        cfg,
+        attention=_local_attention(cfg.attention, n),
+        attention_layers=layers,
+        mlp=mlp,
+        moe=moe,
+        mlp_layers=mlps,
     )
 
 

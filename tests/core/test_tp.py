@@ -101,6 +101,77 @@ PHI3 = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# tests/plugins/test_gemma4.py's, less its per-layer inputs and shared K/V: per-layer MLPs
+# (mlp_layers), layer scalars, v norms, 4 kv heads on the global layers' wider head_dim
+GEMMA4_PLAIN = dict(
+    model_type="gemma4_text",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_global_key_value_heads=4,
+    head_dim=8,
+    global_head_dim=16,
+    max_position_embeddings=128,
+    sliding_window=5,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    final_logit_softcapping=3.0,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+RAW = {"gemma4"}  # saved as transformers 5 writes it
+# Llama 4: chunked attention on the roped layers, a NoPE layer with query temperature, L2 q/k
+# norms, experts weighting their input (every other layer) beside a shared expert
+LLAMA4 = dict(
+    model_type="llama4_text",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=24,
+    intermediate_size_mlp=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=4,
+    floor_scale=2,
+    attn_scale=0.5,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# GLM-4.5: per-head q/k norms, half the head dims roped, sigmoid noaux_tc routing, a shared expert
+GLM45 = dict(
+    model_type="glm4_moe",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    use_qk_norm=True,
+    partial_rotary_factor=0.5,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # llama3.2: 2 KV heads split; llama3.1: 1 KV head, replicated on both ranks, untied head;
 # mixtral-stacked: experts stored as transformers 5 holds them, (E, 2I, H) and (E, H, I)
 SPECS = {
@@ -111,6 +182,9 @@ SPECS = {
     "deepseek_v3": DEEPSEEK_V3,
     "mixtral": MIXTRAL,
     "mixtral-stacked": MIXTRAL,
+    "gemma4": GEMMA4_PLAIN,
+    "llama4": LLAMA4,
+    "glm4_moe": GLM45,
 }
 
 
@@ -137,7 +211,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     folders, refs = {}, {}
     for name, spec in SPECS.items():
-        folder, ref = make_checkpoint(root / name, spec, rope_key="type")
+        folder, ref = make_checkpoint(root / name, spec, rope_key="type", raw=name in RAW)
         if name.endswith("-stacked"):
             assert "model.layers.0.mlp.experts.gate_up_proj" in save_in_memory_names(folder, ref)
         folders[name] = str(folder)

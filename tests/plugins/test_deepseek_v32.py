@@ -150,6 +150,16 @@ def test_fused_cpu_step_refuses_sparse_attention(dsa):
 
 
 @torch.no_grad()
+def test_no_layer_keeps_its_selection_after_a_forward(dsa):
+    """A selection is (B, T, S) booleans per indexer layer (64 MiB for an 8k prompt; V3.2 has
+    61 layers): only a layer that shares it keeps it, and only until its last reader ran."""
+    m = dsa[0]
+    m.forward(ids(VOCAB, 1, 12))
+    kept = [i for i, b in enumerate(m.net.model.layers) if b.self_attn.selected is not None]
+    assert kept == []
+
+
+@torch.no_grad()
 def test_top_k_selection_moves_the_logits(dsa, tmp_path):
     """With index_topk >= the prompt, DSA is plain MLA (equal to transformers' V3 on the same
     weights); at 5 of 20 keys the logits move, and both still match transformers."""

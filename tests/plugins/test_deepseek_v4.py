@@ -261,6 +261,27 @@ def test_registry_shape_is_deepseek_v4_flash():
     assert f"{sum(p.numel() for p in net.parameters()) / 1e9:.1f}B" == entry["params"] == "284.3B"
 
 
+def test_zoo_info_names_the_layer_kinds(v4):
+    """`zoo info`'s layer kinds: each layer's own name for its kind (V4's specs carry an
+    index_topk, as DSA's do, but are not DeepSeek sparse attention)."""
+    from core.cli.info import _layer_kinds
+
+    m, _, _ = v4
+    want = "window 6 x 1, window 6 + CSA 4 (top 2) x 1, window 6 + HCA 8 x 1"
+    assert _layer_kinds(m.config) == want
+
+
+def test_bench_random_weights_route_hash_layers_by_expert_ids():
+    """`zoo bench --random-weights`: the hash table holds k distinct expert ids per token, not
+    noise (which truncated to expert 0 for every token and slot)."""
+    from core.cli.bench import random_model
+
+    shape = dict(SPEC, model_type="deepseek_v4")
+    m = random_model(shape, device="cpu", dtype="float32", max_seq_len=16, max_batch_size=1)
+    table = m.net.model.layers[0].mlp.gate.tid2eid.long()  # (vocab, top_k)
+    assert (table[:, 0] != table[:, 1]).all() and set(table.unique().tolist()) == set(range(8))
+
+
 @torch.no_grad()
 def test_queries_by_chunks_match(v4, monkeypatch):
     """A prompt longer than the attention's query chunk (made 3 here) gives the same logits."""
