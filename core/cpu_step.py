@@ -53,8 +53,6 @@ def why_not(net: CausalLM) -> str | None:
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
         spec = getattr(attn, "spec", None)
-        if getattr(spec, "query_scale", None) is not None:
-            return f"block {i} scales queries by position (the fused step: no query scale)"
         if isinstance(spec, SparseMLASpec):
             k = spec.index_topk
             return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
@@ -112,13 +110,15 @@ def kinds(net: CausalLM) -> str:
 
 def _gqa_why_not(s) -> str | None:
     """Why the C step cannot run this GQA spec (None: it can): Gemma 4's shared K/V, value
-    norms and K = V, Llama 4's chunked attention. (Query scales: `why_not` itself.)"""
+    norms and K = V, Llama 4's chunked attention, Ministral 3's and Llama 4's query scales."""
     if s.kv_source is not None:
         return f"reads the keys and values of layer {s.kv_source} (no cache of its own)"
     if s.v_norm is not None or s.k_eq_v:
         return "norms its values, or takes them from k_proj (Gemma 4)"
     if s.chunk is not None:
         return f"has chunked attention ({s.chunk}) (the fused step: full or sliding)"
+    if s.query_scale is not None:
+        return "scales queries by position (the fused step: no query scale)"
     return None
 
 
