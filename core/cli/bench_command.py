@@ -5,6 +5,7 @@ figures measured and printed (core/cli/bench.py), and the comparison with anothe
 from __future__ import annotations
 
 import argparse
+import sys
 
 from core.cli.common import load, prompt_ids, ranks
 
@@ -111,6 +112,17 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
         if not shape:
             known = ", ".join(n for n, e in named_models().items() if e.get("shape"))
             raise RequestError(f"no shape for {name!r} in registry.yaml; known shapes: {known}")
+        dev, weights = bench.check_shape_fits(
+            name, shape, device=args.device, dtype=args.dtype, **sizes
+        )
+        note = dev.type == "cpu" and bench.slow_run_note(
+            weights,
+            batches=bench.parse_ints(args.batches, "batches"),
+            decode_tokens=args.decode_tokens,
+            repeat=args.repeat,
+        )
+        if note:
+            print(note, file=sys.stderr)
         if args.compare:
             path = str(bench.random_checkpoint(shape, tmp, device=args.device, dtype=args.dtype))
             shape = None

@@ -123,6 +123,40 @@ def test_bench_unknown_shape_is_one_line(tmp_path):
     assert out.returncode == 1 and "known shapes: smollm2" in out.stderr
 
 
+def test_bench_refuses_a_shape_larger_than_free_memory(monkeypatch, capsys):
+    """A 284B shape on a machine with 8 GiB free: one line naming the shape, its size and the
+    shapes that fit, before a byte of weights is drawn (which would fill the RAM page by page)."""
+    from core import api
+    from core.cli import bench
+    from core.cli import commands as cli
+
+    def drawn(*args, **kw):
+        raise AssertionError("random weights drawn")
+
+    monkeypatch.setattr(api, "available_memory", lambda device: 8 << 30)
+    monkeypatch.setattr(bench, "random_model", drawn)
+    monkeypatch.setattr(bench, "random_checkpoint", drawn)
+    for more in ([], ["--compare", "transformers"]):
+        argv = ["bench", "--shape", "deepseek-v4", "--random-weights", "--device", "cpu", *more]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("zoo: error: --random-weights 'deepseek-v4': 284.3B parameters need ")
+        assert "in float32" in err and "only 8.0 GiB is free on cpu" in err
+        assert "bench a smaller shape (smollm2, llama3, " in err and "gemma4" not in err
+
+
+def test_bench_notes_a_long_cpu_run_before_it_starts():
+    """Gemma 4 E2B's 17 GiB of fp32 weights at the default figures: 768 decode steps, at least
+    4 min even at 50 GB/s, said with the flags of a short run; a short run says nothing."""
+    from core.cli.bench import slow_run_note
+
+    e2b = 4_630_000_000 * 4
+    note = slow_run_note(e2b, batches=[1, 4, 16], decode_tokens=64, repeat=3)
+    assert note.startswith("zoo bench: note: 17.2 GiB of weights on the CPU, read by each of 768 ")
+    assert "at least 5 min at 50 GB/s; --prompt-lens 128 --batches 1 " in note
+    assert slow_run_note(e2b, batches=[1], decode_tokens=8, repeat=1) == ""
+
+
 def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):
     """Compiled, each batch size is a graph of its own: it is built in a warm-up, not timed."""
     import torch._dynamo.utils
