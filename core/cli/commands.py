@@ -127,9 +127,14 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _check_room(model, prompt: list[int] | str, max_new: int) -> None:
-    """Prompt + --max-tokens within the context the model was loaded with, or one line with
-    the flag that fixes it (where load_model's own error names load_model's arguments)."""
-    n = len(prompt if isinstance(prompt, list) else model.encode_prompt(prompt))
+    """The prompt's ids in the model's vocabulary (else its tokenizer is another model's), and
+    prompt + --max-tokens within the context the model was loaded with, or one line with the
+    flag that fixes it (where load_model's own error names load_model's arguments)."""
+    ids = prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
+    bad = [i for i in ids if i >= model.config.vocab_size]  # (chat-templated ids)
+    if bad:
+        raise RequestError(model.foreign_tokenizer(bad))
+    n = len(ids)
     if n + max_new <= model.max_seq_len:
         return
     room = model.max_seq_len - n

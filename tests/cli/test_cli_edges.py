@@ -108,6 +108,23 @@ def test_run_past_the_context_names_the_flag_that_fits(tmp_path):
     assert out.returncode == 1 and out.stderr.endswith("; shorten the prompt\n"), out.stderr
 
 
+def test_another_models_tokenizer_is_named(checkpoint):
+    """A vocabulary of 96 beside a Llama 3 tokenizer of 300+ ids: `zoo run` (chat-templated or
+    --raw) and Model.generate on text say the tokenizer is not the model's, not 'token ids
+    outside the vocabulary' (ids the user never typed)."""
+    from fixtures.chat_tokenizers import build_tokenizer_folder
+
+    root, _ = checkpoint(LLAMA32)
+    build_tokenizer_folder(root, "llama3")
+    want = f"zoo: error: the tokenizer of {root} gives token id(s) ["
+    for raw in ([], ["--raw"]):
+        out = zoo("run", str(root), "hi", "--max-tokens", "2", *raw)
+        assert out.returncode == 1 and out.stderr.startswith(want), out.stderr
+        assert "past the model's vocabulary (vocab_size 96): it is not this model's" in out.stderr
+    with pytest.raises(RequestError, match="it is not this model's tokenizer"):
+        load_model(root, max_seq_len=16).generate("hi", max_new_tokens=1)
+
+
 def chat(typed: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "core.cli", "chat", "--max-new-tokens", "8"],
