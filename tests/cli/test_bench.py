@@ -10,14 +10,20 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import LLAMA31
+from conftest import LLAMA31, chat_llama_folder
 
 from core.errors import ZooError
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def bench(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`zoo bench` in `cwd`, running this checkout's code (in another folder `-m core.cli` would
+    import the installed one: the main checkout's, for a git worktree's tests)."""
+    env = {**(env or os.environ), "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "core.cli", "bench", *args],
         capture_output=True, text=True, timeout=600, cwd=cwd, env=env,
@@ -157,6 +163,21 @@ def test_bench_notes_a_long_cpu_run_before_it_starts():
     assert note.startswith("zoo bench: note: 17.2 GiB of weights on the CPU, read by each of 768 ")
     assert "at least 5 min at 50 GB/s; --prompt-lens 128 --batches 1 " in note
     assert slow_run_note(e2b, batches=[1], decode_tokens=8, repeat=1) == ""
+
+
+def test_compare_prompt_past_the_cache_is_one_line_before_the_figures(tmp_path):
+    """Llama 3's chat template makes --prompt some 100 tokens, past the 64 + 2 that
+    --prompt-lens 8 sizes: said before any figure, with the --prompt-lens that holds it (it
+    was load_model's error, after the figures, naming load_model's max_seq_len)."""
+    root = chat_llama_folder(tmp_path / "m")
+    small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "2", "--repeat", "1"]
+    out = bench(str(root), *small, "--compare", "transformers", cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("zoo: error: --compare: the chat-templated --prompt is "), out.stderr
+    n = int(line.split(" is ")[1].split()[0])
+    assert f"that is {n + 2}, past the cache of 66 that --prompt-lens sizes" in line
+    assert line.endswith(f"pass --prompt-lens {n} or more, or a shorter --prompt")
 
 
 def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):
