@@ -179,11 +179,21 @@ class Model:
         if not ids:
             raise RequestError("prompt is empty; pass some text or at least one token id")
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad and isinstance(prompt, str):
+            raise RequestError(self.foreign_tokenizer(bad))
         if bad:
             raise RequestError(
                 f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})"
             )
         return ids
+
+    def foreign_tokenizer(self, bad: list[int]) -> str:
+        """The message for ids the model's own tokenizer gave past its vocabulary."""
+        return (
+            f"the tokenizer of {self.path} gives token id(s) {bad[:5]} past the model's "
+            f"vocabulary (vocab_size {self.config.vocab_size}): it is not this model's tokenizer; "
+            "put the checkpoint's own tokenizer files beside its weights"
+        )
 
     def _start(
         self, prompts: list[Prompt], params: dict[str, Any]

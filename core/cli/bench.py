@@ -133,6 +133,75 @@ def random_model(
     return Model(net.eval(), None, Path(f"<random {cfg.model_type}>"), compile=compile)
 
 
+def check_shape_fits(
+    name: str, shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int
+) -> tuple[torch.device, int]:
+    """Refuse, before allocating anything, a registry shape whose random weights and KV cache
+    do not fit in the free memory of the device (a 284B shape would otherwise fill a machine's
+    RAM page by page as the weights are drawn, until the kernel kills a process). The margin
+    is load_model's: a tenth of the free memory and 512 MiB kept for everything else.
+    Returns the device and the bytes of the weights."""
+    from core.api import FIT_SHARE, FIT_SPARE, available_memory, resolve_device_dtype
+    from core.modeling import CausalLM
+    from core.plugins import registry
+
+    arch = registry().architecture(shape.get("model_type"), source="registry shape")
+    cfg = arch.config.from_dict(shape, source="registry shape").to_runtime()
+    dev, dt = resolve_device_dtype(device, dtype, "bfloat16")
+    with torch.device("meta"):
+        net = CausalLM(cfg)
+    params = sum(p.numel() for p in net.parameters())
+    weights = params * dt.itemsize
+    cache = cfg.kv_bytes(dt.itemsize, max_seq_len, max_batch_size)
+    free = available_memory(dev)
+    if free is None or weights + cache <= FIT_SHARE * free - FIT_SPARE:
+        return dev, weights
+    gib = 2**30
+    room = FIT_SHARE * free - FIT_SPARE  # for the weights of the shapes suggested
+    fits = [n for n, e in _named_shapes().items() if _params(e) * dt.itemsize < room]
+    raise RequestError(
+        f"--random-weights {name!r}: {params / 1e9:.1f}B parameters need {weights / gib:.1f} GiB "
+        f"in {str(dt).removeprefix('torch.')} (+ {cache / gib:.2f} GiB of KV cache), but only "
+        f"{free / gib:.1f} GiB is free on {dev}; bench a smaller shape"
+        + (f" ({', '.join(fits)})" if fits else "")
+        + " or on a device with more memory"
+    )
+
+
+# A generous CPU memory bandwidth (GB/s), which few CPUs reach: a floor on a decode step's time
+CPU_FAST_GBPS = 50.0
+
+
+def slow_run_note(weights: int, *, batches: list[int], decode_tokens: int, repeat: int) -> str:
+    """A note for stderr where the decode figures alone take over a minute on a CPU (each step
+    reads every weight; each figure runs repeat + 1 times, the first untimed); else ''."""
+    steps = len(batches) * decode_tokens * (repeat + 1)
+    floor = steps * weights / (CPU_FAST_GBPS * 1e9)
+    if floor < 60:
+        return ""
+    return (
+        f"zoo bench: note: {weights / 2**30:.1f} GiB of weights on the CPU, read by each of "
+        f"{steps} decode steps: at least {floor / 60:.0f} min at {CPU_FAST_GBPS:g} GB/s; "
+        "--prompt-lens 128 --batches 1 --decode-tokens 8 --repeat 1 for a short run"
+    )
+
+
+def _named_shapes() -> dict[str, dict[str, Any]]:
+    from core.catalog import named_models
+
+    return {n: e for n, e in named_models().items() if e.get("shape")}
+
+
+def _params(entry: dict[str, Any]) -> float:
+    """registry.yaml's `params` ('135M', '4.63B', '1026B') as a number (inf when unreadable)."""
+    text = str(entry.get("params", ""))
+    scale = {"M": 1e6, "B": 1e9, "T": 1e12}.get(text[-1:])
+    try:
+        return float(text[:-1]) * scale if scale else float("inf")
+    except ValueError:
+        return float("inf")
+
+
 def random_checkpoint(shape: dict[str, Any], folder: Path, *, device, dtype, seed: int = 0) -> Path:
     """Write a registry shape with random weights as a hub-style checkpoint (config.json and
     safetensors, by transformers' `save_pretrained`), for `--random-weights --compare`: Zoo and

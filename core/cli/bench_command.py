@@ -5,6 +5,7 @@ figures measured and printed (core/cli/bench.py), and the comparison with anothe
 from __future__ import annotations
 
 import argparse
+import sys
 
 from core.cli.common import load, prompt_ids, ranks
 
@@ -33,6 +34,10 @@ def bench_command(args: argparse.Namespace) -> None:
     sizes = {"max_seq_len": max(max(lens), 64) + args.decode_tokens, "max_batch_size": max(batches)}
     with tempfile.TemporaryDirectory(prefix="zoo-bench-") as tmp:
         model, load_s = _bench_model(args, Path(tmp), sizes)
+        compare_ids = None
+        if args.compare == "transformers":  # said before the figures are measured
+            compare_ids = _compare_prompt(model, args)
+            _check_compare_room(model, args, len(compare_ids))
         report = bench.measure(
             model,
             prompt_lens=lens,
@@ -46,7 +51,7 @@ def bench_command(args: argparse.Namespace) -> None:
             report.model = f"<random {model.config.model_type}>"
         if args.compare == "transformers":
             report.compare = bench.compare_transformers(
-                model, model.path, prompt=_compare_prompt(model, args),
+                model, model.path, prompt=compare_ids,
                 decode_tokens=args.decode_tokens, repeat=args.repeat, compile_hf=args.hf_compile,
             )  # fmt: skip
         elif args.compare == "llama.cpp":
@@ -77,6 +82,20 @@ def _compare_prompt(model, args: argparse.Namespace, length: int = 0) -> list[in
     if len(prompt) < length:
         prompt += bench.random_prompt(model.config.vocab_size, 1, length - len(prompt))[0]
     return prompt
+
+
+def _check_compare_room(model, args: argparse.Namespace, n: int) -> None:
+    """The chat-templated --prompt and --decode-tokens within the cache that --prompt-lens
+    sized, or one line with the --prompt-lens that holds them."""
+    from core.errors import RequestError
+
+    need = n + args.decode_tokens
+    if need > model.max_seq_len:
+        raise RequestError(
+            f"--compare: the chat-templated --prompt is {n} tokens; with --decode-tokens "
+            f"{args.decode_tokens} that is {need}, past the cache of {model.max_seq_len} "
+            f"that --prompt-lens sizes; pass --prompt-lens {n} or more, or a shorter --prompt"
+        )
 
 
 def _check_gguf(args: argparse.Namespace) -> None:
@@ -111,6 +130,17 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
         if not shape:
             known = ", ".join(n for n, e in named_models().items() if e.get("shape"))
             raise RequestError(f"no shape for {name!r} in registry.yaml; known shapes: {known}")
+        dev, weights = bench.check_shape_fits(
+            name, shape, device=args.device, dtype=args.dtype, **sizes
+        )
+        note = dev.type == "cpu" and bench.slow_run_note(
+            weights,
+            batches=bench.parse_ints(args.batches, "batches"),
+            decode_tokens=args.decode_tokens,
+            repeat=args.repeat,
+        )
+        if note:
+            print(note, file=sys.stderr)
         if args.compare:
             path = str(bench.random_checkpoint(shape, tmp, device=args.device, dtype=args.dtype))
             shape = None

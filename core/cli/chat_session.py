@@ -89,10 +89,13 @@ class Session:
                 break
             if len(self.history) <= 1:
                 self.history.clear()
+                fits, also = self.model.max_seq_len - n, ""
+                if fits > 0:
+                    also = f", or start zoo chat with --max-new-tokens {fits} or fewer"
                 raise RequestError(
                     f"the message ({n} tokens) leaves no room for an answer of "
                     f"{self.max_new} tokens in the context ({self.model.max_seq_len}); shorten "
-                    "it or pass --max-new-tokens lower"
+                    f"it{also}"
                 )
             self.history = self.history[2:]  # the oldest user message and its answer
             dropped += 2

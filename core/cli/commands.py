@@ -122,7 +122,27 @@ def _run(args: argparse.Namespace) -> None:
         {"role": "user", "content": text}
     ]
     prompt = prompt_ids(model, messages, text if args.raw else None)
+    _check_room(model, prompt, args.max_new_tokens)
     _answer(model, prompt, params, not args.raw, args.hide_reasoning, cut=cut)
+
+
+def _check_room(model, prompt: list[int] | str, max_new: int) -> None:
+    """The prompt's ids in the model's vocabulary (else its tokenizer is another model's), and
+    prompt + --max-tokens within the context the model was loaded with, or one line with the
+    flag that fixes it (where load_model's own error names load_model's arguments)."""
+    ids = prompt if isinstance(prompt, list) else model.encode_prompt(prompt)
+    bad = [i for i in ids if i >= model.config.vocab_size]  # (chat-templated ids)
+    if bad:
+        raise RequestError(model.foreign_tokenizer(bad))
+    n = len(ids)
+    if n + max_new <= model.max_seq_len:
+        return
+    room = model.max_seq_len - n
+    fix = f"pass --max-tokens {room} or fewer" if room > 0 else "shorten the prompt"
+    raise RequestError(
+        f"prompt ({n} tokens) + --max-tokens {max_new} = {n + max_new} exceeds the context of "
+        f"{model.max_seq_len} tokens this model runs with; {fix}"
+    )
 
 
 def _chat(args: argparse.Namespace) -> None:

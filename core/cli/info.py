@@ -19,9 +19,8 @@ def info(args: argparse.Namespace) -> None:
     print(f"architecture {c.model_type}")
     print(f"parameters   {params:,}")
     print(f"layers       {c.num_layers} x hidden {c.hidden_size}, vocab {c.vocab_size}")
-    a = c.attention
-    print(f"attention    {type(a).__name__}: {a.num_heads} heads, " + _attention_detail(a))
-    print(f"rope         {type(c.rope).__name__} theta={c.rope.theta:g}")
+    print(f"attention    {type(c.attention).__name__}: {_attention_detail(c)}")
+    print(f"rope         {_ropes(c)}")
     print(f"dtype        {c.dtype} (loaded as {str(m.dtype).removeprefix('torch.')})")
     print(f"layer kinds  {_layer_kinds(c)}")
     kv = m.net.kv_cache.dtype
@@ -88,10 +87,38 @@ def _layer_kinds(c) -> str:
     return ", ".join(f"{k} x {n}" for k, n in kinds.items())
 
 
-def _attention_detail(a) -> str:
+def _ropes(c) -> str:
+    """The rope of every layer: 'DefaultRope theta=10000' where all layers share one, else each
+    with its count: 'DefaultRope theta=10000 x 28, ProportionalRope theta=1e+06 x 7' (Gemma 4's
+    window and full layers; 'none' for NoPE layers; linear-attention layers have none to count)."""
+    counts: dict[str, int] = {}
+    for i in range(c.num_layers):
+        if getattr(c.layer_attention(i), "recurrent", False):
+            continue
+        rope = c.layer_rope(i)
+        name = "none" if rope is None else f"{type(rope).__name__} theta={rope.theta:g}"
+        counts[name] = counts.get(name, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{k} x {n}" for k, n in counts.items())
+
+
+def _attention_detail(c) -> str:
+    """The model's attention spec, each field with its values over the layers of that kind
+    where they differ ('head_dim 8/16': Gemma 4's window and full layers); nested specs (a
+    layer's rope: the rope line) and unset fields left out."""
+    a = c.attention
+    same = [s for s in c.attention_layers if type(s) is type(a)]
+
+    def values(key: str) -> str:
+        seen = list(dict.fromkeys(getattr(s, key) for s in same))
+        return "/".join(f"{v:g}" if isinstance(v, float) else str(v) for v in seen)
+
     if hasattr(a, "num_kv_heads"):
-        return f"{a.num_kv_heads} kv heads, head_dim {a.head_dim}"
-    return ", ".join(f"{k} {v}" for k, v in vars(a).items() if k != "num_heads")
+        kv, dim = values("num_kv_heads"), values("head_dim")
+        return f"{a.num_heads} heads, {kv} kv heads, head_dim {dim}"
+    keys = [k for k, v in vars(a).items() if k != "num_heads" and isinstance(v, int | float | str)]
+    return ", ".join([f"{a.num_heads} heads"] + [f"{k} {values(k)}" for k in keys])
 
 
 def list_models(args: argparse.Namespace) -> None:

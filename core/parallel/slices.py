@@ -69,6 +69,8 @@ class Sharding:
         if m is None:
             return None
         layer, module, leaf = int(m[1]), m[2], m[3]
+        if layer >= self.cfg.num_layers:  # a layer the model skips (GLM-4.5's MTP module)
+            return None
         if module.endswith(("o_proj", "down_proj")) and leaf == "bias":
             return None if self.rank == 0 else Cut(zero=True)  # added once, by the all-reduce
         if module == "self_attn.qkv_proj":

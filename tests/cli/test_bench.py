@@ -10,14 +10,20 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import LLAMA31
+from conftest import LLAMA31, chat_llama_folder
 
 from core.errors import ZooError
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def bench(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`zoo bench` in `cwd`, running this checkout's code (in another folder `-m core.cli` would
+    import the installed one: the main checkout's, for a git worktree's tests)."""
+    env = {**(env or os.environ), "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "core.cli", "bench", *args],
         capture_output=True, text=True, timeout=600, cwd=cwd, env=env,
@@ -115,12 +121,63 @@ def test_bench_compares_random_weights_of_a_registry_shape(tmp_path):
     assert compare["same_tokens"] == 6  # identical weights: fp32 greedy tokens agree throughout
     assert report["model"] == "<random llama>" and report["params"] == 134_515_008
     assert "the first 6 of 6" in out.stdout
-    assert list(scratch.iterdir()) == []  # the temporary checkpoint is gone
+    # the temporary checkpoint is gone (transformers' from_pretrained leaves torch inductor's
+    # cache folder, torchinductor_USER, in TMPDIR: not Zoo's)
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 def test_bench_unknown_shape_is_one_line(tmp_path):
     out = bench("--shape", "nope", "--random-weights", cwd=tmp_path)
     assert out.returncode == 1 and "known shapes: smollm2" in out.stderr
+
+
+def test_bench_refuses_a_shape_larger_than_free_memory(monkeypatch, capsys):
+    """A 284B shape on a machine with 8 GiB free: one line naming the shape, its size and the
+    shapes that fit, before a byte of weights is drawn (which would fill the RAM page by page)."""
+    from core import api
+    from core.cli import bench
+    from core.cli import commands as cli
+
+    def drawn(*args, **kw):
+        raise AssertionError("random weights drawn")
+
+    monkeypatch.setattr(api, "available_memory", lambda device: 8 << 30)
+    monkeypatch.setattr(bench, "random_model", drawn)
+    monkeypatch.setattr(bench, "random_checkpoint", drawn)
+    for more in ([], ["--compare", "transformers"]):
+        argv = ["bench", "--shape", "deepseek-v4", "--random-weights", "--device", "cpu", *more]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("zoo: error: --random-weights 'deepseek-v4': 284.3B parameters need ")
+        assert "in float32" in err and "only 8.0 GiB is free on cpu" in err
+        assert "bench a smaller shape (smollm2, llama3, " in err and "gemma4" not in err
+
+
+def test_bench_notes_a_long_cpu_run_before_it_starts():
+    """Gemma 4 E2B's 17 GiB of fp32 weights at the default figures: 768 decode steps, at least
+    4 min even at 50 GB/s, said with the flags of a short run; a short run says nothing."""
+    from core.cli.bench import slow_run_note
+
+    e2b = 4_630_000_000 * 4
+    note = slow_run_note(e2b, batches=[1, 4, 16], decode_tokens=64, repeat=3)
+    assert note.startswith("zoo bench: note: 17.2 GiB of weights on the CPU, read by each of 768 ")
+    assert "at least 5 min at 50 GB/s; --prompt-lens 128 --batches 1 " in note
+    assert slow_run_note(e2b, batches=[1], decode_tokens=8, repeat=1) == ""
+
+
+def test_compare_prompt_past_the_cache_is_one_line_before_the_figures(tmp_path):
+    """Llama 3's chat template makes --prompt some 100 tokens, past the 64 + 2 that
+    --prompt-lens 8 sizes: said before any figure, with the --prompt-lens that holds it (it
+    was load_model's error, after the figures, naming load_model's max_seq_len)."""
+    root = chat_llama_folder(tmp_path / "m")
+    small = ["--prompt-lens", "8", "--batches", "1", "--decode-tokens", "2", "--repeat", "1"]
+    out = bench(str(root), *small, "--compare", "transformers", cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("zoo: error: --compare: the chat-templated --prompt is "), out.stderr
+    n = int(line.split(" is ")[1].split()[0])
+    assert f"that is {n + 2}, past the cache of 66 that --prompt-lens sizes" in line
+    assert line.endswith(f"pass --prompt-lens {n} or more, or a shorter --prompt")
 
 
 def test_bench_compiles_nothing_inside_a_timed_run(checkpoint):

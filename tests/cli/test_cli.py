@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import LLAMA32
 
 
@@ -58,6 +59,45 @@ def test_info_counts_sliding_layers_by_their_window(checkpoint):
     # 308 positions: 3 full layers x 100 + the window of 8
     want = f"{3 * per_token:,} per token (full layers, float32), {per_token * 308:,} per sequence"
     assert want in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "attention", "rope", "kinds"),
+    [
+        (
+            "deepseek-v4",  # each layer's spec has index_topk (0: none): no DSA layer
+            "compress_rate 0/4/128, index_heads 0/64",
+            "DefaultRope theta=10000 x 2, YarnRope theta=160000 x 41",
+            "window 128 x 2, window 128 + CSA 4 (top 512) x 21, window 128 + HCA 128 x 20",
+        ),
+        ("deepseek-v3.2", "index_topk 2048", "YarnRope theta=10000", "sparse top-2048 x 61"),
+        (
+            "gemma4",  # window layers: head_dim 256 and the default rope; full: 512, proportional
+            "8 heads, 1 kv heads, head_dim 256/512",
+            "DefaultRope theta=10000 x 28, ProportionalRope theta=1e+06 x 7",
+            "window 512 x 28, full x 7, shared K/V x 20",
+        ),
+        (
+            "llama4-scout",
+            "40 heads, 8 kv heads, head_dim 128",
+            "Llama3Rope theta=500000 x 36, none x 12",
+            "chunk 8192 x 36, full x 12, NoPE x 12",
+        ),
+        ("glm-4.6", "96 heads, 8 kv heads, head_dim 128", "DefaultRope theta=1e+06", "full x 92"),
+    ],
+)
+def test_info_lines_of_the_2026_families(name, attention, rope, kinds):
+    """`zoo info`'s attention, rope and layer-kind lines for the registry shapes (config
+    only): every layer's kind, the ropes and head dims that differ between layers."""
+    from core.catalog import named_models
+    from core.cli.info import _attention_detail, _layer_kinds, _ropes
+    from core.plugins import registry
+
+    shape = named_models()[name]["shape"]
+    cfg = registry().architecture(shape["model_type"]).config.from_dict(shape).to_runtime()
+    assert attention in _attention_detail(cfg)
+    assert _ropes(cfg) == rope
+    assert _layer_kinds(cfg) == kinds
 
 
 def test_info_reports_the_state_of_linear_attention_layers(checkpoint):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import LLAMA32
+from conftest import LLAMA32, chat_llama_folder
 from test_cli import QUESTION, zoo
 
 from core import load_model
@@ -89,6 +89,40 @@ def test_a_json_answer_cut_by_the_limit_is_warned_about():
     assert out.returncode == 0, out.stderr
     assert "zoo: warning: the answer reached --max-new-tokens (4 tokens)" in out.stderr
     assert "JSON is cut off" in out.stderr
+
+
+def test_run_past_the_context_names_the_flag_that_fits(tmp_path):
+    """A Llama 3.2 of 256 positions: the prompt and --max-tokens over them is one line with the
+    --max-tokens that fits (not load_model's max_seq_len, which the command has no flag for)."""
+    from tokenizers import Tokenizer
+
+    root = str(chat_llama_folder(tmp_path))
+    out = zoo("run", root, "hi", "--raw", "--max-tokens", "300")
+    n = len(Tokenizer.from_file(f"{root}/tokenizer.json").encode("hi").ids)  # with the BOS
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (
+        f"zoo: error: prompt ({n} tokens) + --max-tokens 300 = {n + 300} exceeds the context of "
+        f"256 tokens this model runs with; pass --max-tokens {256 - n} or fewer\n"
+    )
+    out = zoo("run", root, "hi " * 300, "--max-tokens", "1")
+    assert out.returncode == 1 and out.stderr.endswith("; shorten the prompt\n"), out.stderr
+
+
+def test_another_models_tokenizer_is_named(checkpoint):
+    """A vocabulary of 96 beside a Llama 3 tokenizer of 300+ ids: `zoo run` (chat-templated or
+    --raw) and Model.generate on text say the tokenizer is not the model's, not 'token ids
+    outside the vocabulary' (ids the user never typed)."""
+    from fixtures.chat_tokenizers import build_tokenizer_folder
+
+    root, _ = checkpoint(LLAMA32)
+    build_tokenizer_folder(root, "llama3")
+    want = f"zoo: error: the tokenizer of {root} gives token id(s) ["
+    for raw in ([], ["--raw"]):
+        out = zoo("run", str(root), "hi", "--max-tokens", "2", *raw)
+        assert out.returncode == 1 and out.stderr.startswith(want), out.stderr
+        assert "past the model's vocabulary (vocab_size 96): it is not this model's" in out.stderr
+    with pytest.raises(RequestError, match="it is not this model's tokenizer"):
+        load_model(root, max_seq_len=16).generate("hi", max_new_tokens=1)
 
 
 def chat(typed: str) -> subprocess.CompletedProcess:

@@ -81,6 +81,10 @@ def test_commands_and_a_history_kept_within_the_context(capsys):
     assert "dropped the" in capsys.readouterr().err
     assert s.command("/reset") == "" and s.history == []
     s.history.append({"role": "user", "content": "x" * 80})  # alone past the room
-    with pytest.raises(RequestError, match="leaves no room"):
+    with pytest.raises(RequestError, match=r"leaves no room .*; shorten it$"):
+        s.prompt(render)
+    s.history.append({"role": "user", "content": "x" * 70})  # past it with its answer
+    n = len(render(s.messages()))
+    with pytest.raises(RequestError, match=f"or start zoo chat with --max-new-tokens {100 - n} "):
         s.prompt(render)
     assert s.command("/system") == "" and s.system is None

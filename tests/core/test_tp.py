@@ -365,6 +365,28 @@ def test_a_rank_reads_its_slices_through_get_slice(tmp_path, monkeypatch):
     assert torch.equal(ckpt.read(norm), full[norm])
 
 
+def test_a_layer_past_the_model_is_left_whole(tmp_path):
+    """A checkpoint with one more layer than the model runs (GLM-4.5's MTP module, which the
+    loader skips) splits without asking the config for that layer (an IndexError once)."""
+    from safetensors.torch import load_file, save_file
+
+    from core.plugins import registry
+    from plugins.formats.safetensors import SafetensorsCheckpoint
+
+    folder, _ = make_checkpoint(tmp_path / "m", LLAMA31)
+    path = folder / "model.safetensors"
+    full = load_file(path)
+    n = LLAMA31["num_hidden_layers"]
+    mtp = {k.replace("layers.0.", f"layers.{n}."): v.clone() for k, v in full.items() if ".0." in k}
+    save_file({**full, **mtp}, path, metadata={"format": "pt"})
+    cfg = LlamaConfig.from_dict(json.loads((folder / "config.json").read_text())).to_runtime()
+    weight_map = registry().architecture("llama", source="test").weight_map
+    sharding = tp_mod.Sharding(cfg, 1, 2)
+    ckpt = tp_mod.ShardedCheckpoint(SafetensorsCheckpoint(folder), weight_map, sharding)
+    q = f"model.layers.{n}.self_attn.q_proj.weight"
+    assert sharding.cut(q, None, (64, 64)) is None and ckpt.shape(q) == tuple(mtp[q].shape)
+
+
 def test_a_gguf_rank_dequantizes_then_slices():
     """GGUF has no read_slice: rank 2 of 3 reads SmolLM2's quantized q_proj whole, decodes
     it, keeps its 3 heads' rows (9 heads of 64); down_proj's last third of columns."""
