@@ -16,6 +16,8 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import hub_style, randomize
+from fixtures.families import DEEPSEEK_V32 as V32
+from fixtures.families import GLM5 as GLM
 from parity import ParitySuite, check_prefill, ids, rel_err
 from test_deepseek import hub_tensors, set_correction_bias
 
@@ -25,57 +27,7 @@ from core.cpu_step import why_not
 from plugins.deepseek_v32 import DeepseekV32Config, GlmMoeDsaConfig
 
 VOCAB = 128
-TOPK = 5
-V32 = dict(
-    model_type="deepseek_v32",
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=24,
-    num_hidden_layers=3,
-    first_k_dense_replace=1,  # layer 0 dense, layers 1-2 MoE
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=24,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    index_topk=TOPK,
-    index_n_heads=8,  # enough heads that no two keys tie at a zero score
-    index_head_dim=16,
-    max_position_embeddings=128,
-    # YaRN with mscale != mscale_all_dim: cos/sin scaled, which the indexer's rope reads too
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        original_max_position_embeddings=32,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=1.0,
-        mscale_all_dim=0.8,
-    ),
-    bos_token_id=0,
-    eos_token_id=1,
-)
-# GLM-5.1: layers 1 and 3 reuse the top-k of layers 0 and 2 (index_topk_freq 2, offset 1)
-GLM = dict(
-    V32,
-    model_type="glm_moe_dsa",
-    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    num_hidden_layers=4,
-    n_group=1,
-    topk_group=1,
-    rms_norm_eps=1e-5,
-    index_topk_freq=2,
-    index_skip_topk_offset=1,
-)
+TOPK = V32["index_topk"]
 HUB = {
     "deepseek_v32": dict(scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1),
     "glm_moe_dsa": dict(

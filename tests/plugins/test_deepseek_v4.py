@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 from conftest import randomize
+from fixtures.families import DEEPSEEK_V4 as SPEC
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from parity import ParitySuite, check_prefill, ids, rel_err
@@ -27,41 +28,6 @@ from core.config_kinds import CompressedAttentionSpec
 from plugins.deepseek_v4 import DeepseekV4Config
 
 VOCAB = 128
-SPEC = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    head_dim=32,
-    q_lora_rank=32,
-    qk_rope_head_dim=8,
-    num_experts_per_tok=2,
-    n_routed_experts=8,
-    sliding_window=6,
-    o_groups=2,
-    o_lora_rank=16,
-    index_n_heads=8,  # relu(q . k) is 0 on every head less often: fewer ties at the top-k
-    index_head_dim=16,
-    index_topk=2,
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    layer_types=[
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-    ],
-    mlp_layer_types=["hash_moe", "moe", "moe"],
-    hc_mult=3,
-    hc_sinkhorn_iters=5,
-    swiglu_limit=0.5,
-    max_position_embeddings=256,
-    rope_parameters={
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "rope_theta": 10000.0,
-    },
-)
 # what the hub's config.json says instead of transformers 5's keys
 HUB_CONFIG = dict(
     compress_ratios=[0, 4, 128, 0],  # one more: the MTP layer's

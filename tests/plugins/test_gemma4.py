@@ -14,6 +14,7 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import make_checkpoint, randomize
+from fixtures.families import GEMMA4_TEXT as TEXT
 from parity import ParitySuite, check_decode, check_prefill, ids, rel_err
 from safetensors.torch import load_file, save_file
 
@@ -25,29 +26,6 @@ from core.plugins import registry
 from kernels.blocks import BlockExperts
 
 VOCAB = 128
-# layers 0, 2, 3 windowed (window 5 < the test sequences), 1 and 4 global (head_dim 16, not 8;
-# a quarter of its frequencies turn); layers 3 and 4 share the K/V of layers 2 and 1
-TEXT = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    global_head_dim=16,
-    max_position_embeddings=128,
-    sliding_window=5,
-    layer_types=[("full_attention" if i in (1, 4) else "sliding_attention") for i in range(5)],
-    num_kv_shared_layers=2,
-    use_double_wide_mlp=True,
-    vocab_size_per_layer_input=VOCAB,
-    hidden_size_per_layer_input=8,
-    final_logit_softcapping=3.0,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=1,
-)
 GEMMA4 = dict(TEXT, model_type="gemma4_text")
 # 26B-A4B in miniature: no per-layer inputs nor shared K/V; the global layer has one kv head
 # whose values are its keys (k_eq_v); each layer's MLP beside 4 GeGLU experts, 2 per token

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import hub_style, make_checkpoint, randomize
+from fixtures.families import LLAMA4_SCOUT as SCOUT
 from parity import ParitySuite, check_decode, check_prefill, ids, rel_err
 
 from core import ConfigError, load_model
@@ -24,36 +25,6 @@ from core.cpu_step import why_not
 from plugins.llama4 import Llama4Config, Llama4TextConfig
 
 VOCAB = 128
-SCOUT = dict(
-    model_type="llama4_text",
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=24,
-    intermediate_size_mlp=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_local_experts=4,
-    num_experts_per_tok=1,
-    interleave_moe_layer_step=1,
-    attention_chunk_size=4,
-    floor_scale=2,
-    attn_scale=0.5,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=128,
-    rope_parameters={
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 16.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 1.0,
-        "original_max_position_embeddings": 8,
-    },
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
 MAVERICK = dict(
     SCOUT,
     interleave_moe_layer_step=2,

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from conftest import LLAMA32, make_checkpoint
+from fixtures.families import DEEPSEEK_V4, GEMMA4_TEXT, GLM5, LLAMA4_SCOUT
 
 from core import load_model
 from core.embedding import Pooling
@@ -67,121 +68,21 @@ QWEN35_HYBRID = dict(  # tests/plugins/test_qwen3_next.py's Qwen3.5, one gated-D
     layer_types=["linear_attention", "full_attention"],
     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
 )
-# tests/plugins/test_gemma4.py's: layers 0, 2, 3 slide over 5 positions, 1 and 4 are global;
-# layers 3 and 4 have no cache, they read layer 2's and 1's K/V; per-layer inputs
-GEMMA4_SHARED_KV = dict(
-    model_type="gemma4_text",
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    global_head_dim=16,
-    max_position_embeddings=128,
-    sliding_window=5,
-    layer_types=[("full_attention" if i in (1, 4) else "sliding_attention") for i in range(5)],
-    num_kv_shared_layers=2,
-    vocab_size_per_layer_input=128,
-    hidden_size_per_layer_input=8,
-    final_logit_softcapping=3.0,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=1,
-)
-# tests/plugins/test_deepseek_v32.py's GLM-5: MLA with the lightning indexer's keys cached
-# (`index_k`) on layers 0 and 2, layers 1 and 3 reuse their top-5 selection
-GLM5_SPARSE = dict(
-    model_type="glm_moe_dsa",
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=24,
-    num_hidden_layers=4,
-    first_k_dense_replace=1,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=24,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=4,
-    n_group=1,
-    topk_group=1,
-    index_topk=5,
-    index_n_heads=8,
-    index_head_dim=16,
-    index_topk_freq=2,
-    index_skip_topk_offset=1,
-    max_position_embeddings=128,
-    bos_token_id=0,
-    eos_token_id=1,
-)
-# tests/plugins/test_deepseek_v4.py's: hyper-connected streams, a sliding window of 6 and
-# compressed (CSA, HCA) layers whose cache keeps every position, hash-routed experts
-DSV4_COMPRESSED = dict(
-    model_type="deepseek_v4",
-    vocab_size=128,
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    head_dim=32,
-    q_lora_rank=32,
-    qk_rope_head_dim=8,
-    num_experts_per_tok=2,
-    n_routed_experts=8,
-    sliding_window=6,
-    o_groups=2,
-    o_lora_rank=16,
-    index_n_heads=8,
-    index_head_dim=16,
-    index_topk=2,
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    layer_types=[
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-    ],
-    mlp_layer_types=["hash_moe", "moe", "moe"],
-    hc_mult=3,
-    max_position_embeddings=256,
-)
-# tests/plugins/test_llama4.py's Scout: chunks of 4 positions on the roped layers, NoPE layers
-# with query temperature, experts weighting their input
-LLAMA4_CHUNKED = dict(
-    model_type="llama4_text",
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=24,
-    intermediate_size_mlp=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_local_experts=4,
-    num_experts_per_tok=1,
-    interleave_moe_layer_step=1,
-    attention_chunk_size=4,
-    floor_scale=2,
-    attn_scale=0.5,
-    max_position_embeddings=128,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+# the 2026 families' parity models (tests/fixtures/families.py): Gemma 4's last layers read
+# earlier layers' K/V (no cache of their own) beside per-layer inputs; GLM-5 caches the
+# lightning indexer's keys (`index_k`) and layers 1 and 3 reuse a top-5 selection; DeepSeek V4's
+# hyper-connected streams over window and compressed layers whose cache keeps every position;
+# Llama 4's chunks of 4 on the roped layers and query temperature on the NoPE ones
+GEMMA4_SHARED_KV = dict(GEMMA4_TEXT, model_type="gemma4_text")
+DSV4_COMPRESSED = dict(DEEPSEEK_V4, model_type="deepseek_v4")
 SPECS = {
     "llama": LLAMA32,
     "qwen3-sliding": QWEN3_SLIDING,
     "qwen3.5-recurrent": QWEN35_HYBRID,
     "gemma4-shared-kv": GEMMA4_SHARED_KV,
-    "glm5-sparse": GLM5_SPARSE,
+    "glm5-sparse": GLM5,
     "dsv4-compressed": DSV4_COMPRESSED,
-    "llama4-chunked": LLAMA4_CHUNKED,
+    "llama4-chunked": LLAMA4_SCOUT,
 }
 RAW = {"qwen3.5-recurrent", "gemma4-shared-kv", "glm5-sparse", "dsv4-compressed"}  # see folder
 
