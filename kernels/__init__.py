@@ -3,9 +3,10 @@
 Each op dispatches (kernels/dispatch.py) to its Triton launcher on CUDA, or to its torch
 reference (kernels/reference.py) elsewhere; `ZOO_KERNELS=auto|triton|torch` overrides.
 Triton launchers live one op per file: rmsnorm.py, rope.py, silu_mul.py, decode_attention.py,
-prefill_attention.py, moe.py, quant_matmul.py (quantized weights); CPU fast paths of plain
-torch ops and the C kernels live in kernels/cpu/. (No file is named after an op: importing a
-submodule `kernels.x` would overwrite the op function `kernels.x` that the layers call.)
+prefill_attention.py, moe.py, quant_matmul.py (quantized weights), delta_rule.py (gated
+DeltaNet), ssd.py (Mamba2's scan); CPU fast paths of plain torch ops and the C kernels live in
+kernels/cpu/. (No file is named after an op: importing a submodule `kernels.x` would
+overwrite the op function `kernels.x` that the layers call.)
 """
 
 from kernels.dispatch import (
@@ -20,6 +21,7 @@ from kernels.dispatch import (
     rms_norm,
     rms_norm_residual,
     sparse_mla_attention,
+    ssd_scan,
     swiglu,
 )
 
@@ -35,5 +37,6 @@ __all__ = [
     "rms_norm",
     "rms_norm_residual",
     "sparse_mla_attention",
+    "ssd_scan",
     "swiglu",
 ]

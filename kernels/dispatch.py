@@ -187,6 +187,7 @@ _TRITON: dict[str, Callable[[], Callable]] = {
     "moe_experts": lambda: kernel_module("kernels.moe").moe_experts,
     "quant_linear": lambda: kernel_module("kernels.quant_matmul").quant_linear,
     "gated_delta_rule": lambda: kernel_module("kernels.delta_rule").gated_delta_rule,
+    "ssd_scan": lambda: kernel_module("kernels.ssd").ssd_scan,
 }
 OPS = tuple(_TRITON)
 
@@ -406,6 +407,21 @@ def gated_delta_rule(
     which is overwritten with the state after them (see reference); Triton routes T == 1 to
     the recurrent step, T > 1 to the chunked kernel."""
     return pick("gated_delta_rule", v)(q, k, v, g, beta, state, scale)
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    bm: torch.Tensor,
+    cm: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """Mamba2's state-space scan over T tokens from `state` (B, H, P, N) fp32, which is
+    overwritten with the state after them (see reference); returns y (B, T, H, P) fp32, without
+    the D skip. Triton routes T == 1 to the single-step kernel, T > 1 to the chunked scan."""
+    return pick("ssd_scan", x)(x, dt, a, bm, cm, state, chunk)
 
 
 def quant_linear(

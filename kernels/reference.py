@@ -325,3 +325,36 @@ def _delta_chunked(q, k, v, g, beta, state: torch.Tensor, c: int) -> torch.Tenso
         s = s * gc[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
     state.copy_(s)
     return out.view(b, h, n * c, -1)[:, :, :t]
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    bm: torch.Tensor,
+    cm: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """Mamba2's state-space scan without the D skip, per row and head h (group h // (H / G)):
+
+        h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,  y_t = h_t C_t
+
+    x (B, T, H, P); dt (B, T, H) fp32, softplus'd and clamped (0 on padding, which leaves the
+    state as it is); A (H,) fp32 (-exp(A_log)); B, C (B, T, G, N); state (B, H, P, N) fp32,
+    overwritten in place with the state after the last token. Returns y (B, T, H, P) fp32.
+    A plain loop over the tokens (`chunk` is the chunked form's length, unused here).
+    """
+    rep = x.shape[2] // bm.shape[2]
+    bm, cm = (m.repeat_interleave(rep, dim=2).float() for m in (bm, cm))  # (B, T, H, N)
+    s = state
+    ys = []
+    for t in range(x.shape[1]):
+        d = dt[:, t].float()  # (B, H)
+        s = (
+            s * (d * a).exp()[..., None, None]
+            + (d[..., None] * x[:, t].float())[..., None] * bm[:, t, :, None, :]
+        )
+        ys.append(torch.einsum("bhpn,bhn->bhp", s, cm[:, t]))
+    state.copy_(s)
+    return torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape, dtype=torch.float32)
