@@ -1,13 +1,13 @@
 """A decode step's decoder blocks as one C call on CPUs (kernels/cpu/decode.c, and for the
-blocks' MoE MLPs, gated DeltaNet layers and MLA moe.c, delta.c, mla.c through the views of
-moe.py, delta.py, mla.py here).
+blocks' MoE MLPs, gated DeltaNet layers, Mamba2 layers and MLA moe.c, delta.c, mamba.c, mla.c
+through the views of moe.py, delta.py, mamba.py, mla.py here).
 
 For a few rows (one token per sequence) of a small model, an eager step spends more time
-dispatching its ~20 ops per block and forking and joining threads for each product than in
-the products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C
-function runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static
-cache with rope, optional q/k norms and output gate, DeepSeek's MLA over its latent cache
-(mla.c) or a gated DeltaNet layer (delta.c); a gated SiLU / GELU MLP or a MoE (moe.c:
+dispatching its ~20 ops per block and forking and joining threads for each product than in the
+products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C function
+runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static cache with
+rope, optional q/k norms and output gate, DeepSeek's MLA over its latent cache (mla.c), a gated
+DeltaNet layer (delta.c) or a Mamba2 layer (mamba.c); a gated SiLU / GELU MLP or a MoE (moe.c:
 any routing of core.layers.moe.route, SiLU-gated or gpt-oss's clamped experts, biases, shared
 experts); Gemma's post-norms; quantized or fp32 weights) inside one OpenMP region, with the
 arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors (built once:
@@ -23,6 +23,7 @@ import torch
 
 from kernels.cpu.build import MAX_ROWS, library
 from kernels.cpu.delta import Delta, delta_scratch, delta_view
+from kernels.cpu.mamba import Mamba, mamba_scratch, mamba_view
 from kernels.cpu.mla import Latent, mla_view
 from kernels.cpu.moe import Experts, moe_view
 from kernels.cpu.views import (
@@ -50,7 +51,7 @@ class _Block(ctypes.Structure):
         ("kv_half", I64), ("qnorm", PTR), ("knorm", PTR), ("qk_eps", F32), ("moe", PTR),
         ("delta", PTR), ("ogate", I64),
         ("post1", PTR), ("post2", PTR), ("post_eps1", F32), ("post_eps2", F32), ("mla", PTR),
-        ("qk_whole", I64),
+        ("qk_whole", I64), ("mamba", PTR),
     ]  # fmt: skip
 
 
@@ -100,9 +101,10 @@ class Block:
     post_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None
     mla: Latent | None = None  # in place of qkv and the k / v caches
     qk_whole: bool = False  # qk_norm's weights span all heads at once (MiniMax M2), not one head
+    mamba: Mamba | None = None  # in place of attention (its fields then NO_ATTENTION's)
 
 
-# a Block's attention fields where its layer is not attention (`delta`)
+# a Block's attention fields where its layer is not attention (`delta`, `mamba`)
 NO_ATTENTION = dict(
     qkv=None, qkv_bias=None, o=None, o_bias=None, k_cache=None, v_cache=None, ring=False,
     heads=0, kv_heads=0, head_dim=0, rope=None, rope_half=0, interleaved=False, scale=0.0,
@@ -169,8 +171,8 @@ def _post(c, b: Block, hidden: int, keep: list) -> bool:
     (w1, e1), (w2, e2) = b.post_norms
     if not (norm_ok((w1, e1), hidden) and norm_ok((w2, e2), hidden)):
         return False
-    if b.moe is not None or b.delta is not None:
-        return False  # (the MoE and the DeltaNet layer add their output into h themselves)
+    if b.moe is not None or b.delta is not None or b.mamba is not None:
+        return False  # (the MoE, DeltaNet and Mamba2 layers add their output into h themselves)
     keep.append((w1, w2))
     c.post1, c.post2, c.post_eps1, c.post_eps2 = w1.data_ptr(), w2.data_ptr(), e1, e2
     return True
@@ -216,14 +218,19 @@ class Blocks:
                 keep.append(head[0])
                 c_head = _Head(norm=head[0].data_ptr(), eps=head[1], head=lin)
         arr = (_Block * len(blocks))()
-        # shared by the delta layers, which run one by one
+        # shared by the delta (the Mamba2) layers, which run one by one
         scratch = delta_scratch([b.delta for b in blocks if b.delta is not None])
-        keep.append(scratch)
+        m_scratch = mamba_scratch([b.mamba for b in blocks if b.mamba is not None])
+        keep.append((scratch, m_scratch))
         for c, b in zip(arr, blocks, strict=True):
             if b.delta is not None:
                 delta = delta_view(b.delta, hidden, scratch, keep)
                 c.delta = None if delta is None else ctypes.addressof(delta)
                 fits = delta is not None
+            elif b.mamba is not None:
+                mamba = mamba_view(b.mamba, hidden, m_scratch, keep)
+                c.mamba = None if mamba is None else ctypes.addressof(mamba)
+                fits = mamba is not None
             else:
                 fits = _attention(c, b, hidden, keep)
             norms = (b.norm1, b.norm2)

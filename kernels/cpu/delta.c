@@ -20,8 +20,6 @@ int64_t zoo_delta_arena(const zdelta_t *d, int64_t M) {
     return max64(zoo_linear_bytes(&d->in, M), zoo_linear_bytes(&d->out, M));
 }
 
-static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
 // The q|k|v channel (q's key heads, then k's, then v's value heads, as the conv and its cache
 // order them) that in_proj's row n holds, or -1 for a row of z, b or a. Flat: q|k|v come first
 // in that order. Grouped (Qwen3-Next): per key head [q (dk) | k (dk) | v (r dv) | z (r dv)],
@@ -51,37 +49,37 @@ static void gates(const zdelta_t *d, int64_t v, int64_t *z, int64_t *b, int64_t 
 }
 
 // Channel c's conv for the M rows: in_proj's value x (row n of proj) joins the row's window;
-// the K taps over [window | x], then SiLU, into mixed. A row at position 0 starts from an
-// empty window (the module zeroes it). An fp16 window holds x rounded to fp16, and the module
-// convolves that rounded x too.
-static void conv_channel(const zdelta_t *d, const float *proj, int64_t N, float *mixed,
-                         int64_t C, int64_t n, int64_t c, int64_t M, const int64_t *pos,
-                         const int64_t *rows) {
-    const int64_t K = d->kernel;
-    const float *w = d->conv_w + c * K;
+// the K taps over [window | x] (plus the channel's bias), then SiLU, into mixed. A row at
+// position 0 starts from an empty window (the module zeroes it). An fp16 window holds x
+// rounded to fp16, and the module convolves that rounded x too.
+void zoo_conv_channel(const zconv_t *cv, const float *proj, int64_t N, float *mixed, int64_t C,
+                      int64_t n, int64_t c, int64_t M, const int64_t *pos, const int64_t *rows) {
+    const int64_t K = cv->kernel;
+    const float *w = cv->w + c * K;
     for (int64_t r = 0; r < M; r++) {
-        const int64_t at = (rows ? rows[r] : r) * d->conv_sb + c * (K - 1);
+        const int64_t at = (rows ? rows[r] : r) * cv->sb + c * (K - 1);
         float win[K];
         if (pos[r] == 0) {
             memset(win, 0, (K - 1) * sizeof(float));
-        } else if (d->conv_half) {
-            zoo_half_to_float((const uint16_t *)d->conv + at, win, K - 1);
+        } else if (cv->half) {
+            zoo_half_to_float((const uint16_t *)cv->cache + at, win, K - 1);
         } else {
-            memcpy(win, (const float *)d->conv + at, (K - 1) * sizeof(float));
+            memcpy(win, (const float *)cv->cache + at, (K - 1) * sizeof(float));
         }
         win[K - 1] = proj[r * N + n];
-        if (d->conv_half) {  // to fp16 and back: the value the window keeps
+        if (cv->half) {  // to fp16 and back: the value the window keeps
             uint16_t x16;
             zoo_float_to_half(&win[K - 1], &x16, 1);
             zoo_half_to_float(&x16, &win[K - 1], 1);
         }
         float acc = 0.0f;
         for (int64_t j = 0; j < K; j++) acc += w[j] * win[j];
-        mixed[r * C + c] = acc * sigmoid(acc);
-        if (d->conv_half)
-            zoo_float_to_half(win + 1, (uint16_t *)d->conv + at, K - 1);
+        if (cv->bias) acc += cv->bias[c];
+        mixed[r * C + c] = acc * zoo_sigmoid(acc);
+        if (cv->half)
+            zoo_float_to_half(win + 1, (uint16_t *)cv->cache + at, K - 1);
         else
-            memcpy((float *)d->conv + at, win + 1, (K - 1) * sizeof(float));
+            memcpy((float *)cv->cache + at, win + 1, (K - 1) * sizeof(float));
     }
 }
 
@@ -140,8 +138,8 @@ static void heads(const zdelta_t *d, const float *proj, int64_t N, const float *
         gates(d, v, &z, &b, &a);
         l2norm(m + kh * dk, q, dk, scale);
         l2norm(m + kd + kh * dk, k, dk, 1.0f);
-        const float beta = sigmoid(p[b]), x = p[a] + d->dt_bias[v];
-        const float sp = x > 20.0f ? x : log1pf(expf(x));  // softplus, torch's threshold
+        const float beta = zoo_sigmoid(p[b]), x = p[a] + d->dt_bias[v];
+        const float sp = zoo_softplus(x);
         float *S = d->state + (rows ? rows[row] : row) * d->state_sb + v * dk * dv;
         if (pos[row] == 0) memset(S, 0, dk * dv * sizeof(float));  // a fresh row's state
         float *o = out + row * hv * dv + v * dv;
@@ -149,7 +147,7 @@ static void heads(const zdelta_t *d, const float *proj, int64_t N, const float *
         zoo_rms_norm(o, NULL, NULL, d->norm, o, 1, dv, d->eps);
         for (int64_t j = 0; j < dv; j++) {
             const float zj = p[z + j];
-            o[j] *= zj * sigmoid(zj);
+            o[j] *= zj * zoo_sigmoid(zj);
         }
     }
 }
@@ -163,9 +161,10 @@ void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t 
     zoo_linear_prepare(&d->in, xn, M, px, buf);
     const int64_t n0 = share(N, t, T), n1 = share(N, t + 1, T);
     zoo_linear_rows(&d->in, px, proj, N, M, n0, n1);
+    const zconv_t cv = {d->conv_w, NULL, d->conv, d->kernel, d->conv_sb, d->conv_half};
     for (int64_t n = n0; n < n1; n++) {
         const int64_t c = channel(d, n);
-        if (c >= 0) conv_channel(d, proj, N, mixed, C, n, c, M, pos, rows);
+        if (c >= 0) zoo_conv_channel(&cv, proj, N, mixed, C, n, c, M, pos, rows);
     }
     zoo_meet(bar, T);
     heads(d, proj, N, mixed, C, out, M, pos, rows, t, T);

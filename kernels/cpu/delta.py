@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu.build import MAX_ROWS
-from kernels.cpu.views import F32, I64, PTR, CLinear, is_fp32, linear_view
+from kernels.cpu.views import F32, I64, PTR, CLinear, conv_cache_ok, is_fp32, linear_view
 
 
 class CDelta(ctypes.Structure):  # step.h's zdelta_t
@@ -81,9 +81,7 @@ def delta_view(d: Delta, hidden: int, scratch: torch.Tensor, keep: list) -> CDel
     ]  # fmt: skip
     if not all(is_fp32(t) and t.shape == shape for t, shape in shapes):
         return None
-    conv_ok = d.conv_state.is_contiguous() and d.conv_state.device.type == "cpu"
-    conv_ok = conv_ok and d.conv_state.shape[1:] == (conv_dim, k - 1)
-    if not conv_ok or d.conv_state.dtype not in (torch.float16, torch.float32):
+    if not conv_cache_ok(d.conv_state, conv_dim, k):
         return None
     if max(d.k_dim, d.v_dim) > DELTA_MAX_DIM or d.v_heads % d.k_heads or not is_fp32(d.state):
         return None

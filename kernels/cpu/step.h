@@ -1,8 +1,10 @@
 // What the fused decode step's files share (decode.c: the blocks and the driver,
-// moe.c: the MoE MLP, delta.c: gated DeltaNet layers, mla.c: latent attention):
+// moe.c: the MoE MLP, delta.c: gated DeltaNet layers, mamba.c: Mamba2 layers, mla.c: latent
+// attention):
 // linear layers of stacked parts, the threads' meeting point and their shares of a product's
 // rows.
 #pragma once
+#include <math.h>
 #include <stdatomic.h>
 
 #include "zoo_cpu.h"
@@ -43,6 +45,9 @@ void zoo_add_product(const zlinear_t *l, const float *x, float *h, float *y, int
                      const float *post, float eps, float *yn, spin_barrier_t *bar, int64_t T);
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline float zoo_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// softplus with torch's threshold (x itself above 20)
+static inline float zoo_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // A cache slot's address: element `at` of a cache of fp16 or fp32 elements.
 static inline void *slot_at(void *cache, int64_t at, int64_t half) {
@@ -119,6 +124,40 @@ int64_t zoo_delta_arena(const zdelta_t *d, int64_t M);
 // h[:, this thread's columns] += the layer's output for the normed rows xn (M, H) at
 // positions pos in the cache rows `rows` (NULL: 0..M-1); thread t of T; y (M, H) shared.
 void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t H,
+               const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
+               qx_t *px, char *buf, spin_barrier_t *bar);
+
+// A causal depthwise conv over each row's window of its last kernel - 1 inputs, kept in a cache
+// (gated DeltaNet's q|k|v, Mamba2's x|B|C): one filter (and bias) per channel, then SiLU.
+typedef struct {
+    const float *w, *bias;  // (C, kernel); (C,) or NULL
+    void *cache;            // (B, C, kernel - 1), fp16 if `half`
+    int64_t kernel, sb, half;  // sb: the cache's row stride (elements)
+} zconv_t;
+// Channel c (row n of proj (M, N)) for the M rows, into mixed (M, C); the windows updated.
+void zoo_conv_channel(const zconv_t *cv, const float *proj, int64_t N, float *mixed, int64_t C,
+                      int64_t n, int64_t c, int64_t M, const int64_t *pos, const int64_t *rows);
+
+// A Mamba2 layer (mamba.c) in place of a block's attention: in_proj of the normed rows into
+// z | x|B|C | dt, the conv of x|B|C, dt = clamp(softplus(dt + dt_bias)), per head the state
+// h = exp(dt A) h + dt x B^T and y = h C + D x, the grouped RMSNorm of y * silu(z), out_proj
+// added to h.
+typedef struct {
+    zlinear_t in, out;       // in_proj rows z (I) | x (I) | B (G N) | C (G N) | dt (heads)
+    int64_t heads, p, groups, n;  // I = heads p; head h reads group h / (heads / groups)
+    zconv_t conv;            // over x|B|C (I + 2 G N channels)
+    const float *neg_a, *dt_bias, *d;  // (heads,): -exp(A_log), dt's bias, the D skip
+    float dt_min, dt_max;    // dt's clamp (0, inf: none)
+    const float *norm;       // (I,): the grouped RMSNorm's weight, groups of I / groups
+    float eps;
+    float *state;            // (B, heads, p, n)
+    int64_t state_sb;        // its row stride (elements)
+    float *scratch;          // shared, MAX_ROWS (in.N + conv channels + I) floats
+} zmamba_t;
+
+int64_t zoo_mamba_arena(const zmamba_t *m, int64_t M);
+// h[:, this thread's columns] += the layer's output, as zoo_delta.
+void zoo_mamba(const zmamba_t *m, const float *xn, float *h, int64_t M, int64_t H,
                const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
                qx_t *px, char *buf, spin_barrier_t *bar);
 

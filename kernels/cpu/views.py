@@ -1,5 +1,5 @@
 """What the fused CPU step's Python views share (kernels/cpu/decode.py, moe.py, delta.py,
-mla.py): step.h's zlinear_t of a weight of up to MAX_PARTS parts (fp32, `BlockWeight`,
+mamba.py, mla.py): step.h's zlinear_t of a weight of up to MAX_PARTS parts (fp32, `BlockWeight`,
 or a `QuantStack` of them), and the checks of the tensors the C code reads."""
 
 from __future__ import annotations
@@ -65,3 +65,11 @@ def cache_ok(t: torch.Tensor, dims: int, half: bool) -> bool:
 
 def norm_ok(norm: tuple[torch.Tensor, float] | None, n: int) -> bool:
     return norm is not None and is_fp32(norm[0]) and norm[0].shape == (n,)
+
+
+def conv_cache_ok(t: torch.Tensor, channels: int, kernel: int) -> bool:
+    """A conv window cache (B, channels, kernel - 1) on the CPU, contiguous, fp16 or fp32."""
+    return (
+        t.is_contiguous() and t.device.type == "cpu" and t.shape[1:] == (channels, kernel - 1)
+        and t.dtype in (torch.float16, torch.float32)
+    )  # fmt: skip
