@@ -2,8 +2,8 @@
 
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
 and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
-head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, or a
-gated DeltaNet layer; a gated SiLU / GELU MLP or a MoE: any routing of
+head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, a
+gated DeltaNet or a Mamba2 layer; a gated SiLU / GELU MLP or a MoE: any routing of
 `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases,
 shared experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
@@ -21,6 +21,7 @@ import torch
 from core.config_kinds import SparseMLASpec
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
+from core.layers.mamba2 import Mamba2
 from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
@@ -28,12 +29,15 @@ from kernels.blocks import BlockWeight
 from kernels.cpu.build import MAX_ROWS, library
 from kernels.cpu.decode import NO_ATTENTION, Block, Blocks
 from kernels.cpu.delta import DELTA_MAX_DIM, Delta
+from kernels.cpu.mamba import Mamba
 from kernels.cpu.mla import Latent
 from kernels.cpu.moe import MAX_EXPERTS, Experts, SharedExperts
 from kernels.cpu.views import ACTS
 from kernels.qweight import QuantStack, QuantWeight
 
-ATTENTION = (GQAAttention, MLAAttention, GatedDeltaNet)  # the attention kinds the step takes
+# the attention kinds the step takes (the recurrent ones: RECURRENT, which add into h themselves)
+RECURRENT = (GatedDeltaNet, Mamba2)
+ATTENTION = (GQAAttention, MLAAttention, *RECURRENT)
 
 
 def why_not(net: CausalLM) -> str | None:
@@ -87,8 +91,8 @@ def why_not(net: CausalLM) -> str | None:
                     f"block {i}'s DeltaNet heads ({d.num_k_heads} x {d.head_k_dim} keys, "
                     f"{d.num_v_heads} x {d.head_v_dim} values) are not the fused step's"
                 )
-            if layer.post_norms:
-                return f"block {i} has post-norms around a DeltaNet layer"
+        if attn_kind in RECURRENT and layer.post_norms:
+            return f"block {i} has post-norms around a {attn_kind.__name__} layer"
         why = _moe_why_not(mlp) if type(mlp) is MoE else None
         if why is None and type(mlp) is GatedMLP and mlp.act not in ACTS:
             why = f"activation is {mlp.act}"
@@ -165,6 +169,8 @@ def blocks(net: CausalLM) -> Blocks | None:
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
         if type(attn) is GatedDeltaNet:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
+        elif type(attn) is Mamba2:
+            kw = dict(NO_ATTENTION, mamba=_mamba(attn, *cache))
         elif type(attn) is MLAAttention:
             kw = _latent(net, i, attn, *cache)
         else:
@@ -256,6 +262,32 @@ def _delta(attn: GatedDeltaNet, conv: torch.Tensor, state: torch.Tensor) -> Delt
     )
 
 
+def _mamba(attn: Mamba2, conv: torch.Tensor, state: torch.Tensor) -> Mamba:
+    """The C step's view of a Mamba2 layer and its cache (conv window, SSM state)."""
+    s = attn.spec
+    conv_bias = attn.conv1d.bias
+    return Mamba(
+        in_proj=attn.in_proj.weight,
+        in_bias=attn.in_proj.bias,
+        out_proj=attn.out_proj.weight,
+        out_bias=attn.out_proj.bias,
+        conv=attn.conv1d.weight.reshape(s.conv_dim, s.conv_kernel),
+        conv_bias=None if conv_bias is None else conv_bias.float(),
+        neg_a=-attn.A_log.float().exp(),  # as the module computes it (a copy, as _norm_weight's)
+        dt_bias=attn.dt_bias.float(),
+        d=attn.D.float(),
+        dt_limit=s.time_step_limit,
+        norm=attn.norm.weight,
+        eps=s.norm_eps,
+        conv_state=conv,
+        state=state,
+        heads=s.num_heads,
+        head_dim=s.head_dim,
+        groups=s.n_groups,
+        state_dim=s.state_size,
+    )
+
+
 def _latent(net: CausalLM, i: int, attn: MLAAttention, latent, k_pe) -> dict:
     """Block's attention fields for layer i's MLA: its heads in place of q|k|v, its latent
     and k_pe caches in place of k / v."""
@@ -328,7 +360,7 @@ def _experts(mlp: MoE) -> Experts:
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
     attn = net.model.layers[0].self_attn
-    w = (attn.out_proj if type(attn) is GatedDeltaNet else attn.o_proj).weight
+    w = (attn.out_proj if type(attn) in RECURRENT else attn.o_proj).weight
     while isinstance(w, QuantStack):
         w = w.parts[0]
     if isinstance(w, BlockWeight):
