@@ -14,17 +14,12 @@ on the cache content). Prints a markdown table with the machine, date and comman
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
-import torch
-
+from benchmarks.decode_context import clock_of, parser, report
 from core.cli.bench import random_model
 
 LAYERS = 8
@@ -55,65 +50,24 @@ KINDS = {
 }
 
 
-def step_ms(models: dict, pos: int, repeat: int, clock=time.perf_counter) -> list[float]:
-    """Per model, the fastest of `repeat` decode steps (1 row, eager) at position `pos`, in ms;
-    the models alternate step by step so that other load on the machine slows all alike."""
-    tok = torch.tensor([[7]])
-    best = [float("inf")] * len(models)
-    with torch.inference_mode():
-        for _ in range(repeat):
-            for i, model in enumerate(models.values()):
-                t0 = clock()
-                model.forward(tok, pos)
-                best[i] = min(best[i], clock() - t0)
-    return [b * 1e3 for b in best]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 8192])
-    ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument(
-        "--cpu-time",
-        action="store_true",
-        help="one thread, timed by its CPU time (time.thread_time): the work of a step, not "
-        "the time other processes on a shared machine take from it",
-    )
-    args = ap.parse_args()
-    clock = time.perf_counter
-    if args.cpu_time:
-        torch.set_num_threads(1)
-        clock = time.thread_time
+    args = parser(__doc__).parse_args()
+    clock = clock_of(args)
     seq = max(args.contexts) + 1
-    models = {
-        name: random_model(
-            dict(SHAPE, layer_types=kinds),
-            device="cpu",
-            dtype=args.dtype,
-            max_seq_len=seq,
-            max_batch_size=1,
+    runs = {
+        name: (
+            random_model(
+                dict(SHAPE, layer_types=kinds),
+                device="cpu",
+                dtype=args.dtype,
+                max_seq_len=seq,
+                max_batch_size=1,
+            ),
+            False,  # the modules, as measured before the fused step took DeltaNet layers
         )
         for name, kinds in KINDS.items()
     }
-    print(f"`{' '.join(['python', *sys.argv])}`")
-    print(
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, {args.dtype}, {datetime.date.today()}"
-        + (", CPU time of one thread" if args.cpu_time else ", wall time")
-    )
-    cache = {n: m.net.kv_cache.nbytes for n, m in models.items()}
-    print(
-        f"cache (KV + state) for {seq} tokens: "
-        + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in cache.items())
-    )
-    step_ms(models, max(args.contexts), 5, clock)  # warm-up: first calls build what a step needs
-    print()
-    print("| context | " + " | ".join(f"{n} (ms/step)" for n in models) + " |")
-    print("|---:|" + "---:|" * len(models))
-    for ctx in args.contexts:
-        row = [f"{ms:.2f}" for ms in step_ms(models, ctx, args.repeat, clock)]
-        print(f"| {ctx} | " + " | ".join(row) + " |", flush=True)
+    report(runs, args, clock)
 
 
 if __name__ == "__main__":
