@@ -190,6 +190,7 @@ def blocks(net: CausalLM) -> Blocks | None:
                 intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
                 moe=_experts(mlp) if type(mlp) is MoE else None,
                 post_norms=post,
+                residual_scale=getattr(layer, "residual_scale", 1.0),  # Granite's multiplier
                 **kw,
             )
         )

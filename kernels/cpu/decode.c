@@ -60,6 +60,7 @@ typedef struct {
     const zmla_t *mla;  // latent attention in place of qkv / the k, v caches (hq = hkv, d = dv)
     int64_t qk_whole;   // qnorm / knorm span all of q's (k's) heads at once (MiniMax M2)
     const zmamba_t *mamba;  // a Mamba2 layer in place of attention, or NULL
+    float rscale;           // each sub-block's output times this before its residual add (Granite)
 } zblock_t;
 
 // Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
@@ -157,7 +158,8 @@ void zoo_linear_share(const zlinear_t *l, const float *x, float *y, int64_t M, i
 
 void zoo_add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
                      int64_t H, int64_t n0, int64_t n1, qx_t *px, char *arena,
-                     const float *post, float eps, float *yn, spin_barrier_t *bar, int64_t T) {
+                     const float *post, float eps, float *yn, spin_barrier_t *bar, int64_t T,
+                     float scale) {
     zoo_linear_prepare(l, x, M, px, arena);
     zoo_linear_rows(l, px, y, H, M, n0, n1);
     if (post) {
@@ -166,7 +168,7 @@ void zoo_add_product(const zlinear_t *l, const float *x, float *h, float *y, int
         y = yn;
     }
     for (int64_t r = 0; r < M; r++)
-        for (int64_t n = n0; n < n1; n++) h[r * H + n] += y[r * H + n];
+        for (int64_t n = n0; n < n1; n++) h[r * H + n] += scale * y[r * H + n];
 }
 
 // Rotate one head (x: head_dim floats) of row r by the block's rope table for this step.
@@ -312,9 +314,9 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
             const int64_t I = b->inter;
             zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
             if (b->delta) {  // a gated DeltaNet layer (delta.c): h += its output
-                zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar);
+                zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
             } else if (b->mamba) {  // a Mamba2 layer (mamba.c): h += its output
-                zoo_mamba(b->mamba, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar);
+                zoo_mamba(b->mamba, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
             } else {
                 if (b->mla)  // mla.c: its own products, cache and heads
                     zoo_mla(b->mla, xn, att, M, pos, rows, cos[b->rope], sin[b->rope],
@@ -325,13 +327,14 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 zoo_meet(&bar, T);
                 // h += o(attention): this thread's columns of h
                 zoo_add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,
-                            &bar, T);
+                                &bar, T, b->rscale);
             }
             zoo_meet(&bar, T);
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
             if (b->moe) {
-                zoo_moe(b->moe, xn, h, M, H, t, T, logit, gu, act, y, px, buf, ebuf, &bar);
+                zoo_moe(b->moe, xn, h, M, H, t, T, logit, gu, act, y, px, buf, ebuf, &bar,
+                        b->rscale);
                 zoo_meet(&bar, T);
                 continue;
             }
@@ -344,7 +347,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                          b->act);
             zoo_meet(&bar, T);
             zoo_add_product(&b->down, act, h, y, M, H, h0, h1, px, buf, b->post2, b->post_eps2, xn,
-                        &bar, T);
+                            &bar, T, b->rscale);
             zoo_meet(&bar, T);
         }
         if (hd) {  // the vocabulary's rows split over the threads

@@ -51,7 +51,7 @@ class _Block(ctypes.Structure):
         ("kv_half", I64), ("qnorm", PTR), ("knorm", PTR), ("qk_eps", F32), ("moe", PTR),
         ("delta", PTR), ("ogate", I64),
         ("post1", PTR), ("post2", PTR), ("post_eps1", F32), ("post_eps2", F32), ("mla", PTR),
-        ("qk_whole", I64), ("mamba", PTR),
+        ("qk_whole", I64), ("mamba", PTR), ("rscale", F32),
     ]  # fmt: skip
 
 
@@ -102,6 +102,7 @@ class Block:
     mla: Latent | None = None  # in place of qkv and the k / v caches
     qk_whole: bool = False  # qk_norm's weights span all heads at once (MiniMax M2), not one head
     mamba: Mamba | None = None  # in place of attention (its fields then NO_ATTENTION's)
+    residual_scale: float = 1.0  # each sub-block's output times this before its add (Granite)
 
 
 # a Block's attention fields where its layer is not attention (`delta`, `mamba`)
@@ -168,6 +169,8 @@ def _post(c, b: Block, hidden: int, keep: list) -> bool:
     """Fill c's post-norm fields from b.post_norms (None: none); False where they do not fit."""
     if b.post_norms is None:
         return True
+    if b.residual_scale != 1.0:
+        return False  # (the modules scale before the post-norm, the C step after it)
     (w1, e1), (w2, e2) = b.post_norms
     if not (norm_ok((w1, e1), hidden) and norm_ok((w2, e2), hidden)):
         return False
@@ -239,7 +242,7 @@ class Blocks:
                 return None
             keep.append(norms)
             c.norm1, c.norm2 = b.norm1.data_ptr(), b.norm2.data_ptr()
-            c.eps1, c.eps2 = b.eps1, b.eps2
+            c.eps1, c.eps2, c.rscale = b.eps1, b.eps2, b.residual_scale
         return cls(arr, hidden, c_head, keep)
 
     def __call__(

@@ -55,7 +55,7 @@ static void heads(const zmamba_t *m, const float *proj, int64_t N, const float *
 
 void zoo_mamba(const zmamba_t *m, const float *xn, float *h, int64_t M, int64_t H,
                const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
-               qx_t *px, char *buf, spin_barrier_t *bar) {
+               qx_t *px, char *buf, spin_barrier_t *bar, float scale) {
     const int64_t N = m->in.N, I = m->heads * m->p, C = I + 2 * m->groups * m->n;
     float *proj = m->scratch, *mixed = proj + M * N, *out = mixed + M * C;
     // in_proj: this thread's rows, and the conv of those that are x|B|C channels
@@ -76,5 +76,5 @@ void zoo_mamba(const zmamba_t *m, const float *xn, float *h, int64_t M, int64_t 
     zoo_meet(bar, T);
     // h += out_proj(out): this thread's columns
     const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);
-    zoo_add_product(&m->out, out, h, y, M, H, h0, h1, px, buf, NULL, 0.0f, NULL, bar, T);
+    zoo_add_product(&m->out, out, h, y, M, H, h0, h1, px, buf, NULL, 0.0f, NULL, bar, T, scale);
 }

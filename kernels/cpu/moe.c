@@ -131,7 +131,7 @@ static void expert_up(const zmoe_t *m, int64_t e, const qx_t *one, float *gu, fl
 // this thread. logit (M, E + 1), gu, act, y: shared (step.h); px, buf, ebuf: this thread's.
 void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, int64_t t,
              int64_t T, float *logit, float *gu, float *act, float *y, qx_t *px, char *buf,
-             char *ebuf, spin_barrier_t *bar) {
+             char *ebuf, spin_barrier_t *bar, float scale) {
     const int64_t E = m->experts, K = m->topk, I = m->inter, S = m->shared_inter;
     float *glogit = logit + M * E;  // (M,): the shared experts' gate, x . shared_gate
     qx_t gpx[MAX_PARTS], spx[MAX_PARTS];
@@ -199,7 +199,7 @@ void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, i
                 sum += y[(r * K + order[j]) * H + n] * w[r * K + order[j]];
             if (S)  // out = routed + shared, the module's order
                 sum += m->shared_gate.parts ? gate * sy[r * H + n] : sy[r * H + n];
-            h[r * H + n] += sum;
+            h[r * H + n] += scale * sum;
         }
     }
 }

@@ -37,12 +37,13 @@ void zoo_meet(spin_barrier_t *b, int64_t T);
 // y (M, l->N) rows [share(N, t), share(N, t + 1)) = l(x): thread t of T's share of a product.
 void zoo_linear_share(const zlinear_t *l, const float *x, float *y, int64_t M, int64_t t,
                       int64_t T, qx_t *px, char *arena);
-// h[:, n0:n1] += l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a residual add; with
-// `post` (H,), the product's whole rows RMS-normed into yn first (a meeting: every thread's
-// columns of y are needed).
+// h[:, n0:n1] += scale l(x)[:, n0:n1] for the M rows of x, by way of y (M, H): a residual add
+// (scale: Granite's residual_multiplier, else 1); with `post` (H,), the product's whole rows
+// RMS-normed into yn first (a meeting: every thread's columns of y are needed).
 void zoo_add_product(const zlinear_t *l, const float *x, float *h, float *y, int64_t M,
                      int64_t H, int64_t n0, int64_t n1, qx_t *px, char *arena,
-                     const float *post, float eps, float *yn, spin_barrier_t *bar, int64_t T);
+                     const float *post, float eps, float *yn, spin_barrier_t *bar, int64_t T,
+                     float scale);
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline float zoo_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -93,10 +94,11 @@ typedef struct {
 // zoo_moe_ebytes and the arena of zoo_moe_arena bytes.
 int64_t zoo_moe_ebytes(const zmoe_t *m, int64_t M);
 int64_t zoo_moe_arena(const zmoe_t *m, int64_t M);
-// h[:, this thread's columns] += the MoE of the normed rows xn (M, H), thread t of T.
+// h[:, this thread's columns] += scale times the MoE of the normed rows xn (M, H), thread t
+// of T.
 void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, int64_t t,
              int64_t T, float *logit, float *gu, float *act, float *y, qx_t *px, char *buf,
-             char *ebuf, spin_barrier_t *bar);
+             char *ebuf, spin_barrier_t *bar, float scale);
 // The routing alone (as zoo_moe routes): rows' logits (M, E) -> ids (M, K), weights (M, K).
 void zoo_moe_route(const zmoe_t *m, const float *logits, int64_t M, int64_t *ids, float *w);
 
@@ -121,11 +123,11 @@ typedef struct {
 #define DELTA_MAX_DIM 512  // dk, dv at most (a thread's head buffers live on its stack)
 
 int64_t zoo_delta_arena(const zdelta_t *d, int64_t M);
-// h[:, this thread's columns] += the layer's output for the normed rows xn (M, H) at
-// positions pos in the cache rows `rows` (NULL: 0..M-1); thread t of T; y (M, H) shared.
+// h[:, this thread's columns] += scale times the layer's output for the normed rows xn (M, H)
+// at positions pos in the cache rows `rows` (NULL: 0..M-1); thread t of T; y (M, H) shared.
 void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t H,
                const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
-               qx_t *px, char *buf, spin_barrier_t *bar);
+               qx_t *px, char *buf, spin_barrier_t *bar, float scale);
 
 // A causal depthwise conv over each row's window of its last kernel - 1 inputs, kept in a cache
 // (gated DeltaNet's q|k|v, Mamba2's x|B|C): one filter (and bias) per channel, then SiLU.
@@ -159,7 +161,7 @@ int64_t zoo_mamba_arena(const zmamba_t *m, int64_t M);
 // h[:, this thread's columns] += the layer's output, as zoo_delta.
 void zoo_mamba(const zmamba_t *m, const float *xn, float *h, int64_t M, int64_t H,
                const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
-               qx_t *px, char *buf, spin_barrier_t *bar);
+               qx_t *px, char *buf, spin_barrier_t *bar, float scale);
 
 // Multi-head latent attention (mla.c; DeepSeek V2 / V3), decoded in the absorbed form:
 // q = q_proj(x) or q_b(rms_norm(q_a(x))), per head [q_nope (dn) | q_pe (dr)]; kv_a(x) =

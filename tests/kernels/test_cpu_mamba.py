@@ -2,13 +2,14 @@
 against transformers' own GraniteMoeHybridMambaLayer: two rows decoded one token at a time at
 their own positions (the second row joining later, in cache row 1) equal the layer run over each
 row's whole sequence, with its conv bias, in_proj / out_proj biases, two groups of B / C, D, and
-a dt clamp that bites; a stale cache is reset at position 0, and an fp16 conv window rounds
-as the module's does."""
+a dt clamp that bites; a stale cache is reset at position 0, an fp16 conv window rounds as the
+module's does, and Granite's residual multiplier scales both sub-blocks' outputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fixtures.fused_steps import rel_err
 
 from kernels.cpu.build import library
@@ -33,6 +34,9 @@ CONFIG = dict(
     layer_types=["mamba"],
 )
 STEPS, LATE = 9, 3  # row 1 joins at step 3
+INTER = 32  # the block's gated MLP after the layer
+MLP = [torch.randn(2 * INTER, HIDDEN, generator=torch.Generator().manual_seed(2)) * 0.2,
+       torch.randn(HIDDEN, INTER, generator=torch.Generator().manual_seed(3)) * 0.2]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -73,37 +77,42 @@ def view(mod, conv_state, state) -> Mamba:
     )
 
 
-def blocks(mamba: Mamba) -> Blocks:
-    """One block: Mamba2 in attention's place, a zero MLP (it adds nothing), unit norms."""
-    ones, zeros = torch.ones(HIDDEN), torch.zeros(8, HIDDEN)
-    b = Block(norm1=ones, eps1=1e-5, norm2=ones, eps2=1e-5, gate_up=zeros,
-              gate_up_bias=None, down=torch.zeros(HIDDEN, 4), down_bias=None,
-              act="silu", intermediate=4, mamba=mamba, **NO_ATTENTION)  # fmt: skip
+def blocks(mamba: Mamba, scale: float) -> Blocks:
+    """One block: Mamba2 in attention's place, then the gated MLP, unit norms."""
+    ones = torch.ones(HIDDEN)
+    b = Block(norm1=ones, eps1=1e-5, norm2=ones, eps2=1e-5, gate_up=MLP[0], gate_up_bias=None,
+              down=MLP[1], down_bias=None, act="silu", intermediate=INTER, mamba=mamba,
+              residual_scale=scale, **NO_ATTENTION)  # fmt: skip
     out = Blocks.build([b], HIDDEN)
     assert out is not None
     return out
 
 
-def run(layer, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both rows' layer outputs (2, STEPS(-LATE), HIDDEN) through the C step, and the module's."""
+def rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+def run(layer, half: bool, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both rows' block outputs (2, STEPS(-LATE), HIDDEN) through the C step, and the block
+    around transformers' layer: h = x + s layer(rms(x)); h + s down(silu(gate) up)(rms(h))."""
     conv_dim = HEADS * P + 2 * GROUPS * N
     conv = torch.full((2, conv_dim, K - 1), 7.0, dtype=torch.float16 if half else torch.float32)
     state = torch.full((2, HEADS, P, N), 7.0)  # stale: position 0 must reset both
-    fused = blocks(view(layer, conv, state))
+    fused = blocks(view(layer, conv, state), scale)
     x = torch.randn(2, STEPS, HIDDEN, generator=torch.Generator().manual_seed(1))
     got = torch.zeros(2, STEPS, HIDDEN)
     for t in range(STEPS):
         rows = [0] if t < LATE else [0, 1]
         pos = torch.tensor([t, t - LATE][: len(rows)])
         h = torch.stack([x[0, t], x[1, t - LATE]][: len(rows)]).contiguous()
-        before = h.clone()
         fused(h, pos, [], torch.tensor(rows))
-        got[0, t] = h[0] - before[0]
+        got[0, t] = h[0]
         if len(rows) == 2:
-            got[1, t - LATE] = h[1] - before[1]
+            got[1, t - LATE] = h[1]
     with torch.no_grad():
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-        want = torch.stack([layer(normed[:1])[0], layer(normed[1:])[0]])
+        h = x + scale * torch.cat([layer(rms(x[:1])), layer(rms(x[1:]))])
+        gate, up = (rms(h) @ MLP[0].T).chunk(2, dim=-1)
+        want = h + scale * (F.silu(gate) * up) @ MLP[1].T
     want[1, STEPS - LATE :] = 0
     return got, want
 
@@ -132,3 +141,10 @@ def test_fp16_conv_window(layer):
     """An fp16 window holds each input rounded to fp16: within fp16's rounding of the module."""
     got, want = run(layer, half=True)
     assert rel_err(got, want) < 3e-3
+
+
+def test_residual_scale(layer):
+    """Granite's residual_multiplier: each sub-block's output times it before its add."""
+    got, want = run(layer, half=False, scale=0.25)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, run(layer, half=False)[1]) > 1e-2  # the scale moves the output
