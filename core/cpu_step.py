@@ -53,6 +53,8 @@ def why_not(net: CausalLM) -> str | None:
             return f"block {i} sums its outputs over tensor-parallel ranks"
         if layer.per_layer_input is not None or layer.layer_scalar is not None:
             return f"block {i} has per-layer inputs or a layer scalar (Gemma 4)"
+        if layer.residual_scale != 1.0:
+            return f"block {i} scales its sub-blocks' outputs by residual_scale (Granite)"
         attn, mlp = layer.self_attn, layer.mlp
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
