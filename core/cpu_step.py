@@ -53,8 +53,8 @@ def why_not(net: CausalLM) -> str | None:
             return f"block {i} sums its outputs over tensor-parallel ranks"
         if layer.per_layer_input is not None or layer.layer_scalar is not None:
             return f"block {i} has per-layer inputs or a layer scalar (Gemma 4)"
-        if layer.residual_scale != 1.0:
-            return f"block {i} scales its sub-blocks' outputs by residual_scale (Granite)"
+        if layer.residual_scale != 1.0 and layer.post_norms:  # (the C step scales after them)
+            return f"block {i} scales its sub-blocks' outputs by residual_scale before post-norms"
         attn, mlp = layer.self_attn, layer.mlp
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
@@ -192,7 +192,7 @@ def blocks(net: CausalLM) -> Blocks | None:
                 intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
                 moe=_experts(mlp) if type(mlp) is MoE else None,
                 post_norms=post,
-                residual_scale=getattr(layer, "residual_scale", 1.0),  # Granite's multiplier
+                residual_scale=layer.residual_scale,  # Granite's residual_multiplier
                 **kw,
             )
         )

@@ -311,8 +311,12 @@ def test_what_the_fused_step_does_not_take(checkpoint, monkeypatch):
 
     m.net.model.layers[1].post_attention_layernorm.__class__ = Norm
     assert why_not(m.net) == "block 1 has a Norm where it takes a RMSNorm"
-    m.net.model.layers[0].residual_scale = 0.5  # Granite's residual_multiplier: not in C yet
-    assert why_not(m.net) == "block 0 scales its sub-blocks' outputs by residual_scale (Granite)"
+    # Granite's residual_multiplier is taken (tests/kernels/test_cpu_mamba.py), but not before
+    # post-norms: the modules scale the output before them, the C step after them
+    m.net.model.layers[0].residual_scale = 0.5
+    m.net.model.layers[0].post_norms = True
+    want = "block 0 scales its sub-blocks' outputs by residual_scale before post-norms"
+    assert why_not(m.net) == want
 
 
 @pytest.mark.parametrize("case", ["mistral-window", "deepseek-v2-lite", "qwen3.5"])
