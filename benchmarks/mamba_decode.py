@@ -16,48 +16,46 @@ with the machine, date and command.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 from benchmarks.decode_context import clock_of, parser, report
-from core.cli.bench import random_model_of
-from core.config_kinds import Mamba2Spec
-from plugins.llama3 import LlamaConfig
+from core.cli.bench import random_model
 
 LAYERS = 10
-# Granite 4.0-H's Mamba2 heads (64 dims, state 128, one group of B / C, conv of 4, expand 2)
-# and its attention heads (128 dims, one kv head) at a small width, with a small vocabulary so that
-# the layers are most of a step; a dense MLP (Granite 4.0-H Micro's shared MLP)
-BASE = dict(
-    model_type="llama",
+# Granite 4.0-H's heads (Mamba2: 64 dims, a state of 128, one group of B / C, a conv of 4,
+# expand 2; NoPE attention of 128 dims per head) at a small width, with a small vocabulary so
+# that the layers are most of a step; no experts (Granite 4.0-H Micro: the shared MLP alone)
+SHAPE = dict(
+    model_type="granitemoehybrid",
     vocab_size=8192,
     hidden_size=512,
     intermediate_size=1536,
+    shared_intermediate_size=1536,
     num_hidden_layers=LAYERS,
     num_attention_heads=4,
     num_key_value_heads=1,
-    head_dim=128,
+    num_local_experts=0,
+    num_experts_per_tok=0,
+    mamba_n_heads=16,
+    mamba_d_head=64,
+    mamba_d_state=128,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=256,
+    position_embedding_type="nope",
     max_position_embeddings=65536,
     rms_norm_eps=1e-5,
+    residual_multiplier=0.5,  # (Granite's multipliers cost nothing measurable; one in C)
 )
-MAMBA = Mamba2Spec(num_heads=16, head_dim=64, state_size=128, n_groups=1, conv_kernel=4,
-                   chunk_size=256, norm_eps=1e-5)  # fmt: skip
 KINDS = {
-    "mamba2": [True] * LAYERS,
-    "hybrid 9:1": [i != LAYERS // 2 for i in range(LAYERS)],
-    "attention": [False] * LAYERS,
+    "mamba2": ["mamba"] * LAYERS,
+    "hybrid 9:1": ["attention" if i == LAYERS // 2 else "mamba" for i in range(LAYERS)],
+    "attention": ["attention"] * LAYERS,
 }
-
-
-def model(mamba_layers: list[bool], args, seq: int):
-    cfg = LlamaConfig.from_dict(BASE).to_runtime()
-    kinds = tuple(MAMBA if m else cfg.attention for m in mamba_layers)
-    cfg = dataclasses.replace(cfg, attention_layers=kinds)
-    return random_model_of(cfg, device="cpu", dtype=args.dtype, max_seq_len=seq,
-                           max_batch_size=1)  # fmt: skip
 
 
 def main() -> None:
@@ -65,8 +63,9 @@ def main() -> None:
     clock = clock_of(args)
     seq = max(args.contexts) + 1
     runs = {}
-    for name, layers in KINDS.items():
-        m = model(layers, args, seq)
+    for name, kinds in KINDS.items():
+        m = random_model(dict(SHAPE, layer_types=kinds), device="cpu", dtype=args.dtype,
+                         max_seq_len=seq, max_batch_size=1)  # fmt: skip
         why = m.step.fused.why_not() if m.step.fused is not None else "not on the CPU"
         assert why is None, f"{name}: the fused step does not take it ({why})"
         runs[f"{name} (eager)"] = (m, False)

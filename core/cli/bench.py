@@ -107,26 +107,13 @@ def random_model(
     shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int, compile=False
 ):
     """A `Model` of a registry entry's shape (its config.json keys) with random weights."""
+    from core.api import resolve_device_dtype
+    from core.model import Model
+    from core.modeling import CausalLM
     from core.plugins import registry
 
     arch = registry().architecture(shape.get("model_type"), source="registry shape")
     cfg = arch.config.from_dict(shape, source="registry shape").to_runtime()
-    return random_model_of(
-        cfg,
-        device=device,
-        dtype=dtype,
-        max_seq_len=max_seq_len,
-        max_batch_size=max_batch_size,
-        compile=compile,
-    )
-
-
-def random_model_of(cfg, *, device, dtype, max_seq_len: int, max_batch_size: int, compile=False):
-    """A `Model` of a RuntimeConfig with random weights (N(0, 0.02))."""
-    from core.api import resolve_device_dtype
-    from core.model import Model
-    from core.modeling import CausalLM
-
     dev, dt = resolve_device_dtype(device, dtype, "bfloat16")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dt)
