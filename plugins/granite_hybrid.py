@@ -23,6 +23,7 @@ from core.config_kinds import Mamba2Spec
 from core.errors import ConfigError
 from core.hfconfig import DecoderConfig, every_layer_moe
 from core.hookspecs import hookimpl
+from plugins.deepseek import ROUTED_EXPERTS
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
 MAMBA, ATTENTION = ("mamba", "linear_attention"), ("attention", "full_attention")
@@ -167,6 +168,10 @@ WEIGHT_MAP = {
     f"{_MOE}.output_linear": f"{_L}.mlp.experts.down_proj",
     f"{_L}.shared_mlp.input_linear": f"{_L}.mlp.shared_experts.gate_up_proj",
     f"{_L}.shared_mlp.output_linear": f"{_L}.mlp.shared_experts.down_proj",
+    # GGUF files (llama.cpp splits gate | up): one tensor per expert, the shared MLP's parts
+    **ROUTED_EXPERTS,
+    f"{_L}.mlp.shared_experts.gate_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "gate"),
+    f"{_L}.mlp.shared_experts.up_proj": (f"{_L}.mlp.shared_experts.gate_up_proj", "up"),
 }
 _DENSE = {
     f"{_L}.shared_mlp.input_linear": f"{_L}.mlp.gate_up_proj",

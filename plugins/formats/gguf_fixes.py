@@ -195,3 +195,15 @@ QWEN3_5_FIXES = {
     "blk.{}.ssm_alpha": Fix(rows=lambda c: grouped(c, 1)),
     "blk.{}.ssm_out": Fix(cols=lambda c: grouped(c, c["linear_value_head_dim"])),
 }
+
+
+# --- Granite 4.0-H ---------------------------------------------------------------------------
+# (conversion/granite.py `GraniteHybridModel`, conversion/mamba.py `Mamba2Model`): A_log stored
+# as A = -exp(A_log) and D, both as (heads, 1); the conv1d weight squeezed to (channels,
+# kernel); the gated norm's weight as (groups, channels per group)
+GRANITE_HYBRID_FIXES = {
+    "blk.{}.ssm_a": Fix(values=lambda a: _a_log(a).reshape(-1)),
+    "blk.{}.ssm_d": Fix(values=lambda d: d.reshape(-1)),
+    "blk.{}.ssm_norm": Fix(values=lambda w: w.reshape(-1)),
+    "blk.{}.ssm_conv1d.weight": Fix(values=lambda w: w.unsqueeze(1)),  # (channels, 1, kernel)
+}
