@@ -50,9 +50,9 @@ def build(spec: Any, *args: Any) -> nn.Module:
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)) (each sub-block's output
-    times `cfg.residual_scale` first: Granite). With `post_norms` each
-    sub-block's output is normed too before its residual add (Gemma 2 / 3):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)), each sub-block's output
+    times `cfg.residual_scale` first (Granite's residual_multiplier; 1 elsewhere). With
+    `post_norms` each sub-block's output is normed too before its residual add (Gemma 2 / 3):
     h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h))). Without `pre_norms` (OLMo 2 / 3)
     only the outputs are normed: h = x + norm(attn(x)); out = h + norm(mlp(h)). Gemma 4 then
     adds the layer's per-layer input (`cfg.per_layer_input`) and multiplies by a learned

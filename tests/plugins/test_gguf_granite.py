@@ -13,15 +13,14 @@ import dataclasses
 
 import gguf
 import pytest
-import torch
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
 from fixtures.llama_cpp_convert import convert
+from test_gguf_archs import VOCAB, check_same_outputs
 from test_granite_hybrid import DENSE, GRANITE, hub_config
 
 from core import load_model
 
-VOCAB = 320  # the test tokenizer's ids fit
 SPECS = {"moe": GRANITE, "dense": DENSE}
 
 
@@ -45,9 +44,4 @@ def test_f32_file_equals_the_checkpoint(loaded):
     assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "granitehybrid"
     assert ours.config.max_position_embeddings == 2**20  # what the converter writes for NoPE
     assert ours.config == dataclasses.replace(theirs.config, max_position_embeddings=2**20)
-    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
-    want, got = theirs.forward(x), ours.forward(x)
-    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
-    prompt = x[0, :12].tolist()
-    want_ids = theirs.generate(prompt, max_new_tokens=8).token_ids
-    assert ours.generate(prompt, max_new_tokens=8).token_ids == want_ids
+    check_same_outputs(ours, theirs)
