@@ -2,7 +2,8 @@
 (tests/fixtures/llama_cpp_convert.py), from test_granite_hybrid's tiny checkpoints in the hub's
 config keys, NoPE as the released models: with routed experts + the shared MLP, and without
 experts (the Micro: the shared MLP written as the dense MLP). The F32 file loads to the
-checkpoint's config and logits (1e-4 relative) and greedy tokens.
+checkpoint's config and logits (1e-4 relative) and greedy tokens, and decodes on the fused CPU
+step.
 
 The file stores neither the context length of a NoPE hybrid (the converter writes 2**20) nor
 the scan's chunk length (read as transformers' default, 256, which these checkpoints use)."""
@@ -15,11 +16,13 @@ import gguf
 import pytest
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.fused_steps import decode, feed, rel_err
 from fixtures.llama_cpp_convert import convert
 from test_gguf_archs import VOCAB, check_same_outputs
 from test_granite_hybrid import DENSE, GRANITE, hub_config
 
 from core import load_model
+from core.cpu_step import why_not
 
 SPECS = {"moe": GRANITE, "dense": DENSE}
 
@@ -45,3 +48,13 @@ def test_f32_file_equals_the_checkpoint(loaded):
     assert ours.config.max_position_embeddings == 2**20  # what the converter writes for NoPE
     assert ours.config == dataclasses.replace(theirs.config, max_position_embeddings=2**20)
     check_same_outputs(ours, theirs)
+
+
+def test_the_file_decodes_on_the_fused_cpu_step(loaded):
+    """The file's Mamba2 layers and multipliers run in the fused C step (kernels/cpu/mamba.c),
+    equal to the modules step by step."""
+    ours = loaded[1]
+    assert why_not(ours.net) is None
+    tokens = feed()
+    for got, want in zip(decode(ours, True, tokens), decode(ours, False, tokens), strict=True):
+        assert rel_err(got, want) < 5e-5  # as test_granite_hybrid's fused check
