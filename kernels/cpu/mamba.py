@@ -92,7 +92,7 @@ def mamba_view(m: Mamba, hidden: int, scratch: torch.Tensor, keep: list) -> CMam
         return None
     if not conv_cache_ok(m.conv_state, conv_dim, k) or not is_fp32(m.state):
         return None
-    if h % m.groups or inner % m.groups:
+    if h % m.groups:  # (the grouped norm then splits inner = h * head_dim alike)
         return None
     half = m.conv_state.dtype == torch.float16
     conv = CConv(w=m.conv.data_ptr(), bias=address(m.conv_bias), cache=m.conv_state.data_ptr(),
