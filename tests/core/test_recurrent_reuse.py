@@ -4,13 +4,15 @@ whole history, from a snapshot of its state inside the shared prefix, or from an
 and answers exactly as a cold run (greedy tokens, fp32) on a model that reuses nothing.
 
 Snapshots every 16 tokens, 3 per row, so that short prompts cross several boundaries and a
-row's slots fill up and thin out."""
+row's slots fill up and thin out. The state decays slowly (fixtures/recurrent.py): a prompt
+resumed from a wrong state answers wrong."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import make_checkpoint
+from fixtures.recurrent import slow_decay
 
 from core import RequestError, load_model
 from core.engine import Engine
@@ -31,7 +33,7 @@ HYBRID = dict(
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(warm: snapshots every EVERY tokens, KEEP per row; cold: no snapshots, reuses nothing)."""
-    root = make_checkpoint(tmp_path_factory.mktemp("hybrid"), HYBRID)[0]
+    root = slow_decay(make_checkpoint(tmp_path_factory.mktemp("hybrid"), HYBRID)[0])
     warm = load_model(root, max_seq_len=SEQ, max_batch_size=ROWS)
     warm.net.setup_caches(ROWS, SEQ, snapshots=KEEP, snapshot_interval=EVERY)
     return warm, load_model(root, max_seq_len=SEQ, max_batch_size=ROWS, snapshots=0)
