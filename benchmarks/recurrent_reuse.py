@@ -31,6 +31,7 @@ import torch
 from core.cli.bench import random_model
 from core.engine import Engine
 from core.generation import Seq
+from core.kv_cache import SNAPSHOTS
 from core.sampling import SamplingParams
 
 LAYERS = 8
@@ -94,7 +95,7 @@ def main() -> None:
     shape = json.loads(args.shape.read_text()) if args.shape else SHAPE
     seq = args.history + 2 * REPLY + ADDED + 8
     model = random_model(shape, device=args.device, dtype="float32", max_seq_len=seq,
-                         max_batch_size=1)  # fmt: skip
+                         max_batch_size=1, snapshots=SNAPSHOTS)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
     history, added = draw(args.history), draw(ADDED)
