@@ -131,6 +131,11 @@ class StaticKVCache:
         )
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of one row's recurrent state (every recurrent tensor of every layer)."""
+        return sum(live[0].nbytes for live in self.live_states)
+
+    @property
     def snapshot_bytes(self) -> int:
         """Bytes of one row's snapshots (all its slots)."""
         return sum(snap[0].nbytes for _, snap in self.states)
