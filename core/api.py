@@ -11,6 +11,7 @@ import torch
 
 from core.errors import CheckpointError, RequestError
 from core.hugepages import keep_freed_memory, move_to_huge_pages
+from core.kv_cache import SNAPSHOTS
 from core.loader import load_weights, plan_load
 from core.model import Model
 from core.modeling import CausalLM, kernel_errors
@@ -136,11 +137,15 @@ def _cache_length(cfg, weights: int, kv: torch.dtype, dev, batch: int, asked: in
     return max(1, min(context, fits))
 
 
-def _check_fits(cfg, weights: int, kv: torch.dtype, device, batch: int, seq: int) -> None:
+def _check_fits(
+    cfg, weights: int, kv: torch.dtype, device, batch: int, seq: int, snapshots: int
+) -> None:
     """Refuse, before reading any weight, weights + a KV cache larger than free memory
-    (weights priced in the form they will be held: kept quantized or as floats)."""
+    (weights priced in the form they will be held: kept quantized or as floats; recurrent
+    states with their snapshots)."""
     free = available_memory(device)
     cache = cfg.kv_bytes(kv.itemsize, seq, batch)  # sliding layers: their window only
+    cache += snapshots * batch * cfg.state_bytes_per_sequence(kv.itemsize)
     if free is not None and weights + cache > free:
         gib = 2**30
         raise RequestError(
@@ -180,11 +185,13 @@ def _shard(ckpt, arch, cfg, tp: int, dev: torch.device, source: str, compile: bo
     return sharding, dev, ShardedCheckpoint(ckpt, arch.weight_map, sharding)
 
 
-def _check_positive(max_seq_len: int | None, max_batch_size: int) -> None:
+def _check_positive(max_seq_len: int | None, max_batch_size: int, snapshots: int) -> None:
     if (max_seq_len is not None and max_seq_len < 1) or max_batch_size < 1:
         raise RequestError(
             f"max_seq_len ({max_seq_len}) and max_batch_size ({max_batch_size}) must be positive"
         )
+    if snapshots < 0:
+        raise RequestError(f"snapshots ({snapshots}) must be 0 (off) or more")
 
 
 def _build_network(cfg, tp: int, sharding) -> CausalLM:
@@ -260,6 +267,7 @@ def load_model(
     quantize: str | None = None,
     tp: int = 1,
     kv_dtype: str | torch.dtype | None = None,
+    snapshots: int = SNAPSHOTS,
 ) -> Model:
     """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
@@ -277,6 +285,10 @@ def load_model(
     (core/parallel/tp.py, docs/scaling.md); every rank calls load_model with the same arguments.
     kv_dtype: the KV cache's dtype; by default float16 on CPUs where weights are kept quantized
     (or quantized at load), else the model's dtype.
+    snapshots: per cache row of a model with recurrent layers (gated DeltaNet...), how many
+    copies of its state to keep, taken every 256 tokens, from which a later prompt sharing a
+    prefix resumes (core/slots.py); 0: none, a prompt then resumes only where a row's whole
+    history is its prefix. Each costs the recurrent state's bytes per row (`zoo info`).
     """
     if quantize is not None:
         check_kind(quantize)  # before any download or read
@@ -290,7 +302,7 @@ def load_model(
         sharding = None
         if tp != 1:  # a rank's own part of the model and of the checkpoint
             sharding, dev, ckpt = _shard(ckpt, arch, cfg, tp, dev, source, compile, quantize)
-        _check_positive(max_seq_len, max_batch_size)
+        _check_positive(max_seq_len, max_batch_size, snapshots)
         t0 = time.perf_counter()
         net = _build_network(cfg, tp, sharding)
         keep = not dequantize and quantize is None and sharding is None
@@ -298,7 +310,7 @@ def load_model(
         weights, kept = held_bytes(net, ckpt, plan, dt, dev, keep)
         kv = _cache_dtype(kv_dtype, dt, dev, kept > 0 or quantize is not None)
         seq = _cache_length(net.config, weights, kv, dev, max_batch_size, max_seq_len)
-        _check_fits(net.config, weights, kv, dev, max_batch_size, seq)
+        _check_fits(net.config, weights, kv, dev, max_batch_size, seq, snapshots)
         _fill_network(net, ckpt, arch, plan, dt, dev, keep, quantize)
         if check_finite:
             _check_finite(net, path)
@@ -309,7 +321,7 @@ def load_model(
         gen_config = ckpt.generation_config()
     finally:
         ckpt.close()
-    net.setup_caches(max_batch_size, seq, kv)
+    net.setup_caches(max_batch_size, seq, kv, snapshots)
     net.eval().requires_grad_(False)  # inference only: no autograd in eager or compiled steps
     _log_loaded(path, cfg, net, dev, dt, kv, max_batch_size, seq, max_seq_len, t0)
     with kernel_errors():  # a compiled step resolves every kernel now (ZOO_KERNELS)

@@ -5,11 +5,13 @@ sequences into free rows, and each `step()`
 - decodes one token for every decoding row (the model's `DecodeStep`: the fused CPU step
   computes just those rows; otherwise rows [:k], where a row that is not decoding takes a
   placeholder token at its next position, which it has not filled yet: what it holds stays
-  intact);
+  intact, but a recurrent state would keep it, so a busy row's state is held across the step
+  and a free row's marked stale: `_placeholders`);
 - then prefills: prompts that start together at rows 0..B-1 in one right-padded forward (a
   batch given to `generate`), otherwise one chunk per prefilling row, oldest first, under a
   token budget (`chunk`, less one token per decoding row: the server's), a recurrent model's
-  prompt whole (after the decode, so no placeholder reaches a state mid-prompt);
+  prompt whole (after the decode, so no placeholder reaches a state mid-prompt), split where
+  its row snapshots its state when `reuse` (core/slots.py);
 - samples every sequence that has logits in one place (`_sample`: logit bias, grammar masks,
   penalties, each row's sampler, log-probabilities), then hands each its token (`Seq.take`:
   stop checks, text).
@@ -68,7 +70,8 @@ class Engine:
         if cache is None:  # a forward without a cache of its own (tests' references)
             self.slots = Slots(rows, rows, False)
         else:
-            self.slots = Slots(rows, cache.kept, cache.recurrent, model.net.copy_rows)
+            snaps = (cache.snapshots, cache.snapshot_interval)
+            self.slots = Slots(rows, cache.kept, cache.recurrent, model.net, *snaps)
         self.running: list[Seq] = []  # in admission order
         self.counts = self.seen = None  # penalties' per-row state, made when first needed
         self._pending: _Sampled | None = None  # sampled, not read yet (ahead)
@@ -119,7 +122,7 @@ class Engine:
                 last = _to_device([s.out[-1] for s in seqs], self.model.device)
                 logits = self._decode(seqs, last)
                 for s in seqs:
-                    self.slots.fed[s.row].append(s.out[-1])
+                    self.slots.feed(s.row, [s.out[-1]], self.reuse)
             done, first = self._prefill(prefilling)
             seqs, logits = seqs + done, _cat(logits, first)
             if seqs:
@@ -152,7 +155,7 @@ class Engine:
         self._take(last)
         for s, n in zip(seqs, taken, strict=True):  # what the rows hold, where known
             if len(s.out) > n:
-                self.slots.fed[s.row].append(s.out[-1])
+                self.slots.feed(s.row, [s.out[-1]], self.reuse)
             else:  # (it took no token: what was fed is unknown)
                 self.slots.fed[s.row].clear()
         live = [i for i, s in enumerate(seqs) if not s.finish]
@@ -166,7 +169,8 @@ class Engine:
         if not seqs:
             return [], None
         net, dev = self.model.net, self.model.device
-        if self.chunk is None and self._together(seqs):
+        snapping = self.reuse and self.slots.snapshots
+        if self.chunk is None and not snapping and self._together(seqs):
             ids, lens = right_padded([s.ids for s in seqs], dev)  # `lengths`: no padding in rings
             for s in seqs:
                 s.pos, self.slots.fed[s.row] = len(s.ids), list(s.ids)
@@ -180,15 +184,25 @@ class Engine:
             if n <= 0:
                 break
             budget -= n
-            chunk = s.ids[s.pos : s.pos + n]
-            at = torch.tensor([n - 1], device=dev)
-            logits = net(torch.tensor([chunk], device=dev), s.pos, logits_at=at, row=s.row)
-            self.slots.fed[s.row].extend(chunk)
-            s.pos += n
+            logits = self._feed(s, s.pos + n)
             if n == left:  # the prompt's last token: its logits give the first new token
                 done.append(s)
                 out.append(logits[:, 0])
         return done, torch.cat(out) if out else None
+
+    def _feed(self, s: Seq, end: int) -> torch.Tensor:
+        """Prompt tokens [s.pos, end) into s's row, split where the row snapshots its state
+        (reuse only); the logits of the last one (1, 1, V)."""
+        net, dev = self.model.net, self.model.device
+        while s.pos < end:
+            due = self.slots.due(s.row) if self.reuse else None
+            stop = end if due is None else min(end, due)
+            chunk = s.ids[s.pos : stop]
+            at = torch.tensor([len(chunk) - 1], device=dev)
+            logits = net(torch.tensor([chunk], device=dev), s.pos, logits_at=at, row=s.row)
+            self.slots.feed(s.row, chunk, self.reuse)
+            s.pos = stop
+        return logits
 
     def _together(self, seqs: list[Seq]) -> bool:
         """Whether seqs are whole fresh prompts in rows 0..B-1 and nothing else runs."""
@@ -214,11 +228,30 @@ class Engine:
         for s, p in zip(seqs, pos, strict=True):
             at[s.row] = p
         order = [s.row for s in seqs]
+        held = self._placeholders(set(range(k)) - set(order))
         if order == list(range(k)):
-            return step(tokens, _to_device(at, dev), max(at) + 1)
-        idx = _to_device(order, dev)
-        full = torch.zeros(k, dtype=torch.long, device=dev).index_copy_(0, idx, tokens)
-        return step(full, _to_device(at, dev), max(at) + 1)[idx]
+            out = step(tokens, _to_device(at, dev), max(at) + 1)
+        else:
+            idx = _to_device(order, dev)
+            full = torch.zeros(k, dtype=torch.long, device=dev).index_copy_(0, idx, tokens)
+            out = step(full, _to_device(at, dev), max(at) + 1)[idx]
+        for r, state in held:
+            self.model.net.kv_cache.put(r, state)
+        return out
+
+    def _placeholders(self, rows: set[int]) -> list[tuple[int, list[torch.Tensor]]]:
+        """Rows about to take a decode step's placeholder: a recurrent state would keep it. A
+        busy row's (a prompt about to resume from it) is held, to be put back; a free row's is
+        no longer that of what it fed (Slots.touched: its snapshots still are)."""
+        if not self.slots.recurrent:
+            return []
+        for r in rows:
+            if not self.slots.busy[r]:
+                self.slots.touched(r)
+        cache = self.model.net.kv_cache
+        return [
+            (r, cache.hold(r)) for r in sorted(rows) if self.slots.busy[r] and self.slots.fed[r]
+        ]
 
     # --- sampling: the one place -----------------------------------------------------------
     def _batch_of(self, seqs: list[Seq]) -> _Batch:

@@ -18,6 +18,13 @@ The cache also owns its row operations, which the engine's rows (core/slots.py) 
 parallelism call: `row(r)` (the cache seen as a batch of one row, views written in place),
 `copy(src, dst, n)` (a prefix of one row into another), and what a row can keep (`kept`
 positions; `recurrent`: a state that sums up every token fed, which no prefix can be cut from).
+
+Snapshots make a recurrent row's prefixes reusable all the same: `snapshots` copies per row of
+every recurrent tensor of every layer (`snap`: (max_batch_size, snapshots, *the tensor's row
+shape), in the same zero-until-written mapping), into which `snapshot(row, slot)` saves the
+row's live state and from which `restore(src, slot, dst)` puts one back into a row. Which
+position each slot holds is the engine's rows' business (core/slots.py); `snapshot_interval`
+is the spacing they take them at.
 """
 
 import mmap
@@ -27,6 +34,11 @@ import torch
 from core.config import RuntimeConfig
 
 ALIGN = 64  # bytes: each cache tensor starts on a cache line
+# Snapshots of a recurrent row's state: 8 per row, every 256 tokens (thinned evenly once full,
+# core/slots.py). 256: a snapshot costs one copy of the state, next to 256 tokens of prefill
+# (well under 1%), and a resumed prompt re-reads at most that many tokens where snapshots are
+# dense; 8: a 2,000-token chat keeps one every 256 tokens, for 8 x the state's memory per row.
+SNAPSHOTS, SNAPSHOT_INTERVAL = 8, 256
 
 
 class StaticKVCache:
@@ -45,6 +57,8 @@ class StaticKVCache:
         max_seq_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        snapshots: int = SNAPSHOTS,
+        snapshot_interval: int = SNAPSHOT_INTERVAL,
     ):
         specs = cfg.attention_layers
         layouts = [spec.cache_layout(max_batch_size, max_seq_len) for spec in specs]
@@ -54,27 +68,44 @@ class StaticKVCache:
             own = spec.cache_dtypes() if hasattr(spec, "cache_dtypes") else {}
             plan.append([(shape, getattr(torch, own[n]) if n in own else dtype)
                          for n, shape in layout.items()])  # fmt: skip
-        self._area: mmap.mmap | None = None
-        if torch.device(device).type == "cpu":
-            self.layers = self._mapped(plan)
-        else:
-            self.layers = [tuple(torch.zeros(shape, dtype=dt, device=device) for shape, dt in ts)
-                           for ts in plan]  # fmt: skip
-        self.dtype = dtype
-        self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
         # per layer, per tensor: its position dim, or None (a ring, or a recurrent state)
         self.seq_dims = [
             tuple(_grows(spec, max_seq_len, name) for name in names)
             for spec, names in zip(specs, self.names, strict=True)
         ]
         windows = [getattr(spec, "window", None) for spec in specs]
+        # per layer, per tensor: whether it is a recurrent state (no position dim, no window)
+        states = [
+            tuple(w is None and d is None for d in dims)
+            for w, dims in zip(windows, self.seq_dims, strict=True)
+        ]
+        # a layer caching neither positions nor a window: a state of everything fed so far
+        self.recurrent = any(any(s) for s in states)
+        self.snapshots = snapshots if self.recurrent else 0
+        self.snapshot_interval = snapshot_interval
+        # each recurrent tensor's snapshots: (max_batch_size, snapshots, *its row shape)
+        each = [(shape, dt) for ts, st in zip(plan, states, strict=True)
+                for (shape, dt), s in zip(ts, st, strict=True) if s]  # fmt: skip
+        plan.append([((max_batch_size, self.snapshots, *shape[1:]), dt)
+                     for shape, dt in each if self.snapshots])  # fmt: skip
+        self._area: mmap.mmap | None = None
+        if torch.device(device).type == "cpu":
+            *self.layers, snap = self._mapped(plan)
+        else:
+            *self.layers, snap = [
+                tuple(torch.zeros(shape, dtype=dt, device=device) for shape, dt in ts)
+                for ts in plan
+            ]
+        # (live tensor, its snapshots) of every recurrent tensor
+        live = [t for bufs, st in zip(self.layers, states, strict=True)
+                for t, s in zip(bufs, st, strict=True) if s]  # fmt: skip
+        self.live_states, self._snap = live, snap
+        self.states = list(zip(live, snap, strict=True)) if self.snapshots else []
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
         # positions every layer keeps of a row (a ring: its last min(window, max_seq_len))
         self.kept = min([w for w in windows if w is not None] + [max_seq_len])
-        # a layer caching neither positions nor a window: a state of everything fed so far
-        self.recurrent = any(
-            w is None and None in dims for w, dims in zip(windows, self.seq_dims, strict=True)
-        )
         self._rows: dict[int, RowView] = {}
 
     def _mapped(self, plan: list) -> list[tuple[torch.Tensor, ...]]:
@@ -94,7 +125,20 @@ class StaticKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for bufs in self.layers for t in bufs)
+        """Bytes of every row's keys, values and states, snapshots included."""
+        return sum(t.nbytes for bufs in self.layers for t in bufs) + self.snapshot_bytes * (
+            self.max_batch_size
+        )
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one row's recurrent state (every recurrent tensor of every layer)."""
+        return sum(live[0].nbytes for live in self.live_states)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one row's snapshots (all its slots)."""
+        return sum(snap[0].nbytes for _, snap in self.states)
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
         """Layer i's cache tensors, in the order its attention's forward() takes them."""
@@ -115,12 +159,31 @@ class StaticKVCache:
                 else:  # d counts the batch dim; t[row] has lost it
                     t[dst].narrow(d - 1, 0, n).copy_(t[src].narrow(d - 1, 0, n))
 
+    def snapshot(self, row: int, slot: int) -> None:
+        """Save row's recurrent state (every recurrent tensor of every layer) into its `slot`."""
+        for live, snap in self.states:
+            snap[row, slot].copy_(live[row])
+
+    def restore(self, src: int, slot: int, dst: int) -> None:
+        """Make row dst's recurrent state the one row src saved in its `slot`."""
+        for live, snap in self.states:
+            live[dst].copy_(snap[src, slot])
+
+    def hold(self, row: int) -> list[torch.Tensor]:
+        """A copy of row's recurrent state, which `put` writes back (across a forward that
+        would feed the row a token it must not keep)."""
+        return [live[row].clone() for live in self.live_states]
+
+    def put(self, row: int, held: list[torch.Tensor]) -> None:
+        for live, t in zip(self.live_states, held, strict=True):
+            live[row].copy_(t)
+
     def reset(self) -> None:
         """Zero every tensor (on CPUs: the pages go back to the system and read as zeros)."""
         if self._area is not None and hasattr(mmap, "MADV_DONTNEED"):
             self._area.madvise(mmap.MADV_DONTNEED)
             return
-        for bufs in self.layers:
+        for bufs in [*self.layers, self._snap]:
             for t in bufs:
                 t.zero_()
 

@@ -16,7 +16,7 @@ from torch import nn
 import kernels
 from core.config import RuntimeConfig
 from core.errors import ZooError
-from core.kv_cache import StaticKVCache
+from core.kv_cache import SNAPSHOT_INTERVAL, SNAPSHOTS, StaticKVCache
 from core.layers import LMHead, RotaryEmbedding
 from core.layers.per_layer import PerLayerEmbeddings
 from core.plugins import registry
@@ -206,14 +206,21 @@ class CausalLM(nn.Module):
         return IgnoredNames(names, range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers))
 
     def setup_caches(
-        self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None
+        self,
+        max_batch_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype | None = None,
+        snapshots: int = SNAPSHOTS,
+        snapshot_interval: int = SNAPSHOT_INTERVAL,
     ) -> None:
-        """Allocate the KV cache (in `dtype`, by default the weights') and the rope table on
-        the weights' device."""
+        """Allocate the KV cache (in `dtype`, by default the weights'; `snapshots` of each
+        recurrent row's state, every `snapshot_interval` tokens) and the rope table on the
+        weights' device."""
         w = self.model.embed_tokens.weight
         self.kv_cache = StaticKVCache(
-            self.config, max_batch_size, max_seq_len, dtype or w.dtype, w.device
-        )
+            self.config, max_batch_size, max_seq_len, dtype or w.dtype, w.device,
+            snapshots, snapshot_interval,
+        )  # fmt: skip
         self.rotary = RotaryEmbedding(self.config.rope, max_seq_len, w.device)
         self.rotaries = nn.ModuleList(
             self.rotary if r == self.config.rope else RotaryEmbedding(r, max_seq_len, w.device)
@@ -297,6 +304,16 @@ class CausalLM(nn.Module):
         if self.lead is not None:
             self.lead.copy(src, dst, n)
         self.kv_cache.copy(src, dst, n)
+
+    # Recurrent rows' snapshots (core/kv_cache.py): one rank only, as tensor parallelism
+    # refuses recurrent layers; here beside copy_rows so that every row op goes through the net.
+    def snapshot_row(self, row: int, slot: int) -> None:
+        """Save row's recurrent state into its snapshot `slot`."""
+        self.kv_cache.snapshot(row, slot)
+
+    def restore_row(self, src: int, slot: int, dst: int) -> None:
+        """Row dst's recurrent state becomes the one row src saved in its `slot`."""
+        self.kv_cache.restore(src, slot, dst)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last blocks' output (B, T, hidden) -> logits: final norm, LM head, scale, cap."""

@@ -104,9 +104,18 @@ def _peak_memory(device: torch.device) -> int:
 
 
 def random_model(
-    shape: dict[str, Any], *, device, dtype, max_seq_len: int, max_batch_size: int, compile=False
+    shape: dict[str, Any],
+    *,
+    device,
+    dtype,
+    max_seq_len: int,
+    max_batch_size: int,
+    compile=False,
+    snapshots: int = 0,
 ):
-    """A `Model` of a registry entry's shape (its config.json keys) with random weights."""
+    """A `Model` of a registry entry's shape (its config.json keys) with random weights; its
+    cache keeps `snapshots` of each row's recurrent state (none: a benchmark of steps reuses no
+    prefix, and a large shape's snapshots would take memory that its check does not count)."""
     from core.api import resolve_device_dtype
     from core.model import Model
     from core.modeling import CausalLM
@@ -129,7 +138,7 @@ def random_model(
                     table.data = draw[:, : table.shape[1]].to(torch.float32)
     finally:
         torch.set_default_dtype(default)
-    net.setup_caches(max_batch_size, max_seq_len)
+    net.setup_caches(max_batch_size, max_seq_len, snapshots=snapshots)
     return Model(net.eval(), None, Path(f"<random {cfg.model_type}>"), compile=compile)
 
 

@@ -214,6 +214,14 @@ def _model_options(p: argparse.ArgumentParser, optional: bool = True) -> None:
         help="the KV cache's dtype: float32, bfloat16, float16 (default: float16 on CPUs for "
         "quantized weights, else the model's dtype)",
     )
+    p.add_argument(
+        "--snapshots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="models with recurrent layers: copies of each row's state kept (every 256 "
+        "tokens), from which a prompt sharing a prefix resumes; 0: off (default: 8)",
+    )
 
 
 def _compile_option(p: argparse.ArgumentParser) -> None:

@@ -54,6 +54,7 @@ def load(args: argparse.Namespace, model: str | None = None, **kw):
         quantize=args.quantize,
         kv_dtype=getattr(args, "kv_dtype", None),
         tp=tp,
+        **_cache_options(args),
         **kw,
     )
     if tp > 1:
@@ -68,6 +69,12 @@ def load(args: argparse.Namespace, model: str | None = None, **kw):
             raise SystemExit(0)
         distributed.lead(m.net, m.device)
     return m
+
+
+def _cache_options(args: argparse.Namespace) -> dict:
+    """--snapshots where given (else load_model's default)."""
+    n = getattr(args, "snapshots", None)
+    return {} if n is None else {"snapshots": n}
 
 
 def sampling(args: argparse.Namespace) -> dict:

@@ -33,6 +33,11 @@ def info(args: argparse.Namespace) -> None:
     state = c.state_bytes_per_sequence(size)
     if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
         print(f"state bytes  {state:,} per sequence (recurrent layers' conv + scan state)")
+        cache = m.net.kv_cache
+        print(
+            f"snapshots    {cache.snapshot_bytes:,} bytes per row ({cache.snapshots} of the "
+            f"state, every {cache.snapshot_interval} tokens; --snapshots)"
+        )
     print(f"decode step  {_decode_path(m)}")
     total = sum(b for _, b in formats.values())
     print(f"weights      {total:,} bytes resident")

@@ -96,6 +96,14 @@ class ServerMetrics:
         self.generation_hist = histogram(
             "vllm:request_generation_tokens", "Tokens generated for a finished request.", _TOKENS
         )
+        self.state_bytes = gauge(
+            "zoo:recurrent_state_bytes_per_row",
+            "Bytes of one cache row's recurrent state (linear-attention layers; 0: none).",
+        )
+        self.snapshot_bytes = gauge(
+            "zoo:recurrent_snapshot_bytes_per_row",
+            "Bytes of one cache row's snapshots of that state (prefix reuse; 0: none).",
+        )
         self.model_name = model_name
 
     # --- from the scheduler --------------------------------------------------------------
@@ -111,6 +119,11 @@ class ServerMetrics:
             clock.started = time.monotonic()
             self.queue.observe(clock.started - clock.queued)
             self.running.inc()
+
+    def row_bytes(self, state: int, snapshots: int) -> None:
+        """What a cache row holds beside keys and values: its recurrent state and snapshots."""
+        self.state_bytes.set(state)
+        self.snapshot_bytes.set(snapshots)
 
     def prefix(self, prompt: int, cached: int) -> None:
         """A prompt of `prompt` tokens started from `cached` tokens a row held."""

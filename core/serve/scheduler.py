@@ -53,6 +53,9 @@ class Scheduler:
         self.metrics = metrics or ServerMetrics("")
         self.max_queue = max_queue  # None: unbounded
         self.engine = Engine(model, model.max_batch_size, chunk=CHUNK, reuse=True)
+        cache = getattr(model.net, "kv_cache", None)
+        if cache is not None:  # a row's recurrent state and its snapshots, in bytes
+            self.metrics.row_bytes(cache.state_bytes, cache.snapshot_bytes)
         self.waiting: queue.SimpleQueue[Job | EmbedJob | None] = queue.SimpleQueue()
         # taken off `waiting`, not yet in a row (FIFO)
         self.pending: deque[Job | EmbedJob] = deque()

@@ -116,13 +116,15 @@ def test_info_reports_the_state_of_linear_attention_layers(checkpoint):
         linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=100,
     )  # fmt: skip
     root, _ = checkpoint(spec)
-    out = zoo("info", str(root))
+    out = zoo("info", str(root), "--snapshots", "2")
     assert out.returncode == 0, out.stderr
     assert "layer kinds  GatedDeltaNetSpec x 3, full x 1" in out.stdout, out.stdout
     # K, V: 2 x 2 heads x 16 x 4 B
     assert "KV bytes     256 per token (full layers, float32)" in out.stdout
     conv, state = (2 * 8 + 2 * 8) * 3 * 4, 2 * 8 * 8 * 4  # q|k|v x (kernel - 1); Hv x Dk x Dv
     assert f"state bytes  {3 * (conv + state):,} per sequence" in out.stdout, out.stdout
+    per_row = 2 * 3 * (conv + state)  # --snapshots 2: two copies of the state per row
+    assert f"snapshots    {per_row:,} bytes per row (2 of the state, every 256" in out.stdout
 
 
 def test_list_shows_named_models():

@@ -125,6 +125,9 @@ def test_a_repeated_prompt_reports_its_cached_tokens(server):
     assert after["vllm:prefix_cache_queries_total"] == 2 * len(ids)
     assert after["vllm:prefix_cache_hits_total"] == len(ids) - 1
     assert after["zoo:prefix_cache_hit_rate"] == pytest.approx((len(ids) - 1) / (2 * len(ids)))
+    # an attention-only model: no recurrent state, no snapshots of it
+    assert after["zoo:recurrent_state_bytes_per_row"] == 0
+    assert after["zoo:recurrent_snapshot_bytes_per_row"] == 0
 
 
 # --- the bounded queue (--max-queue) ---------------------------------------------------------

@@ -1,13 +1,15 @@
 """The continuous-batching scheduler on a hybrid model (Qwen3-Next: three gated-DeltaNet layers
 and one attention layer): each row keeps its own recurrent state. Requests joining a busy
-batch answer as `Model.generate` alone, and a row's state is never offered as a prefix (it
-sums up every token the row was fed, so a later prompt cannot start from part of it)."""
+batch answer as `Model.generate` alone. A row's state sums up every token the row was fed, so
+a later prompt resumes only after all of it (the next turn of a chat) or at a snapshot of it
+inside the shared prefix (core/slots.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import make_checkpoint
+from fixtures.recurrent import slow_decay
 from test_scheduler import decoding, params, prompt, run, same_as_alone
 
 from core import load_model
@@ -38,7 +40,8 @@ HYBRID = dict(
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("hybrid"), HYBRID)[0]
+    # a state that remembers (fixtures/recurrent.py): a leak or a wrong resume shows
+    return slow_decay(make_checkpoint(tmp_path_factory.mktemp("hybrid"), HYBRID)[0])
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +81,29 @@ def test_rows_keep_their_own_state_and_answer_as_alone(sched, alone):
     assert order[-1] == requests[0][0]  # the long row decoded while the others came and went
 
 
-def test_a_recurrent_row_is_never_a_prefix(sched, alone):
-    base = prompt(12, 10)
-    p = params(max_new_tokens=4)
-    first, again = (run(sched, [(base, p)])[0][0] for _ in range(2))
+def test_a_recurrent_row_resumes_after_its_history_or_at_a_snapshot(folder, alone):
+    """The same prompt again starts from nothing (the row's state holds its answer too, and no
+    snapshot lies inside the prompt); the next turn of that chat resumes after everything the
+    row fed; a prompt diverging from it at 40 resumes at the snapshot at 32 (every 16 tokens
+    here). Every answer is generate's alone; /metrics counts the hits and the snapshots' bytes."""
+    model = load_model(folder, max_seq_len=96, max_batch_size=2)
+    model.net.setup_caches(2, 96, snapshots=3, snapshot_interval=16)
+    sched = Scheduler(model)
+    sched.start()
+    try:
+        base, p = prompt(12, 10), params(max_new_tokens=4)
+        first, again = (run(sched, [(base, p)])[0][0] for _ in range(2))
+        turn = base + again.token_ids + prompt(30, 11)
+        second = run(sched, [(turn, p)])[0][0]
+        other = turn[:40] + prompt(5, 12)
+        third = run(sched, [(other, p)])[0][0]
+    finally:
+        sched.stop()
     assert first.cached_tokens == again.cached_tokens == 0
-    same_as_alone(alone, base, p, again)
+    assert (second.cached_tokens, third.cached_tokens) == (len(base) + 3, 32)
+    for ids, got in ((base, again), (turn, second), (other, third)):
+        same_as_alone(alone, ids, p, got)
+    m = sched.metrics
+    assert m.prefix_hits._value.get() == len(base) + 3 + 32
+    state = model.config.state_bytes_per_sequence(4)
+    assert m.snapshot_bytes._value.get() == 3 * state == 3 * m.state_bytes._value.get()
