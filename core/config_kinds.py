@@ -1,5 +1,5 @@
 """The layer kinds beyond a Llama-style block's, as frozen specs (`core.config` holds the
-common ones and the RuntimeConfig): recurrent (gated DeltaNet), sparse (DeepSeek's DSA over
+common ones and the RuntimeConfig): recurrent (gated DeltaNet, Mamba2), sparse (DeepSeek's DSA over
 MLA) and compressed (DeepSeek V4) attention, hyper-connected residual streams (DeepSeek V4),
 Gemma 4's dense + routed MLP and per-layer inputs, and the sentinel of a block without one of
 its two sub-blocks (Nemotron-H's one-mixer layers). Like core.config, nothing here imports torch.
@@ -111,6 +111,68 @@ class GatedDeltaNetSpec:
     def cache_dtypes(self) -> dict[str, str]:
         """Tensors kept in another dtype than the model's: the state accumulates in fp32."""
         return {"state": "float32"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba2Spec:
+    """A Mamba2 (SSD) mixer in place of attention (Granite 4.0-H, Nemotron-H, Bamba).
+
+    x -> in_proj -> z (intermediate) | xBC (conv_dim) | dt (num_heads); xBC through a causal
+    depthwise conv1d of `conv_kernel` taps (+ bias) and SiLU, split into x (num_heads x
+    head_dim), B and C (n_groups x state_size); dt = clamp(softplus(dt + dt_bias),
+    time_step_limit), A = -exp(A_log); the scan h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,
+    y_t = h_t C_t + D x_t (head h reads group h // (num_heads / n_groups)); then
+    y = RMSNorm(y * silu(z)) over groups of intermediate / n_groups channels, and out_proj.
+
+    Its cache is a fixed size per row (`recurrent`): the conv's last conv_kernel - 1 inputs and
+    the (head_dim x state_size) state per head, in fp32.
+    """
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    norm_eps: float
+    conv_bias: bool = True  # conv1d.bias
+    bias: bool = False  # in_proj.bias and out_proj.bias
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    rope: Literal["none"] = "none"  # no rotary embedding
+    recurrent: ClassVar[bool] = True  # a fixed-size state per row: no per-token cache
+    kind: ClassVar[str] = "mamba2"  # for `zoo info`
+
+    def __post_init__(self):
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"Mamba2Spec: num_heads ({self.num_heads}) must be a multiple of n_groups "
+                f"({self.n_groups})"
+            )
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.state_size  # x | B | C
+
+    @property
+    def norm_group_size(self) -> int:
+        """Channels per group of the gated RMSNorm (one group per B/C group)."""
+        return self.intermediate // self.n_groups
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """The per-row state (seq is not used): the conv's last inputs (B, conv_dim, K - 1)
+        and the SSM state (B, H, head_dim, state_size)."""
+        return {
+            "conv": (batch, self.conv_dim, self.conv_kernel - 1),
+            "ssm": (batch, self.num_heads, self.head_dim, self.state_size),
+        }
+
+    def cache_dtypes(self) -> dict[str, str]:
+        """Tensors kept in another dtype than the model's: the SSM state accumulates in fp32."""
+        return {"ssm": "float32"}
 
 
 @dataclass(frozen=True)

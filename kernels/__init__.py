@@ -20,6 +20,7 @@ from kernels.dispatch import (
     rms_norm,
     rms_norm_residual,
     sparse_mla_attention,
+    ssd_scan,
     swiglu,
 )
 
@@ -35,5 +36,6 @@ __all__ = [
     "rms_norm",
     "rms_norm_residual",
     "sparse_mla_attention",
+    "ssd_scan",
     "swiglu",
 ]

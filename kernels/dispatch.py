@@ -408,6 +408,21 @@ def gated_delta_rule(
     return pick("gated_delta_rule", v)(q, k, v, g, beta, state, scale)
 
 
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    bm: torch.Tensor,
+    cm: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """Mamba2's state-space scan over T tokens from `state` (B, H, P, N) fp32, which is
+    overwritten with the state after them (see reference); returns y (B, T, H, P) fp32, without
+    the D skip. The torch reference until the Triton kernels (kernels/ssd.py) join `_TRITON`."""
+    return reference.ssd_scan(x, dt, a, bm, cm, state, chunk)
+
+
 def quant_linear(
     x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

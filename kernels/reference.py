@@ -325,3 +325,61 @@ def _delta_chunked(q, k, v, g, beta, state: torch.Tensor, c: int) -> torch.Tenso
         s = s * gc[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
     state.copy_(s)
     return out.view(b, h, n * c, -1)[:, :, :t]
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    bm: torch.Tensor,
+    cm: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """Mamba2's state-space scan (SSD) without the D skip, per row and head h (reading group
+    h // (H / G)):
+
+        h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,  y_t = h_t C_t
+
+    x (B, T, H, P); dt (B, T, H) fp32, softplus'd and clamped (0 on padding: that token leaves
+    the state as it is); A (H,) fp32 (-exp(A_log)); B, C (B, T, G, N); state (B, H, P, N)
+    fp32, overwritten in place with the state after the last token. Returns y (B, T, H, P)
+    fp32. One token: the recurrent step; more: `chunk` tokens at a time.
+    """
+    rep = x.shape[2] // bm.shape[2]
+    bm, cm = (m.repeat_interleave(rep, dim=2).float() for m in (bm, cm))  # (B, T, H, N)
+    xs = x.float() * dt[..., None]  # dt_t x_t: (B, T, H, P)
+    la = dt.float() * a  # log decay per token: (B, T, H)
+    if x.shape[1] == 1:
+        s = state * la[:, 0].exp()[..., None, None] + xs[:, 0, ..., None] * bm[:, 0, :, None]
+        state.copy_(s)
+        return torch.einsum("bhpn,bhn->bhp", s, cm[:, 0])[:, None]
+    return _ssd_chunked(xs, la, bm, cm, state, chunk)
+
+
+def _ssd_chunked(xs, la, bm, cm, state: torch.Tensor, c: int) -> torch.Tensor:
+    """T tokens in chunks of c. Within a chunk, with L_i the cumulative log decay and S0 the
+    state before it: y_i = exp(L_i) S0 C_i + sum_{j<=i} exp(L_i - L_j) (C_i.B_j) xs_j, and
+    the state after it is exp(L_c) S0 + sum_j exp(L_c - L_j) xs_j B_j^T. Returns (B, T, H, P)."""
+    b, t, h, p = xs.shape
+    pad = -t % c  # padded tokens: dt = 0, so they neither decay nor add to the state
+    xs, bm, cm = (F.pad(m, (0, 0, 0, 0, 0, pad)) for m in (xs, bm, cm))
+    n = (t + pad) // c
+    # (B, H, N, C, ...): heads first, then chunks, then the positions inside a chunk
+    xs, bm, cm = (m.view(b, n, c, h, -1).permute(0, 3, 1, 2, 4) for m in (xs, bm, cm))
+    lc = F.pad(la, (0, 0, 0, pad)).view(b, n, c, h).permute(0, 3, 1, 2).cumsum(-1)
+    causal = torch.ones(c, c, dtype=torch.bool, device=xs.device).tril()
+    decay = (lc[..., :, None] - lc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    y_in = (cm @ bm.transpose(-1, -2) * decay) @ xs  # inside each chunk: (B, H, N, C, P)
+    c_decayed = cm * lc.exp()[..., None]  # C_i exp(L_i): reads the state before the chunk
+    b_to_end = bm * (lc[..., -1:] - lc).exp()[..., None]  # B_j exp(L_c - L_j)
+    s = state
+    y = torch.empty_like(xs)
+    for i in range(n):
+        y[:, :, i] = y_in[:, :, i] + c_decayed[:, :, i] @ s.transpose(-1, -2)
+        s = (
+            s * lc[:, :, i, -1].exp()[..., None, None]
+            + xs[:, :, i].transpose(-1, -2) @ b_to_end[:, :, i]
+        )
+    state.copy_(s)
+    return y.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, p)[:, :t]

@@ -32,7 +32,7 @@ def info(args: argparse.Namespace) -> None:
     )
     state = c.state_bytes_per_sequence(size)
     if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
-        print(f"state bytes  {state:,} per sequence (recurrent layers' conv + delta-rule state)")
+        print(f"state bytes  {state:,} per sequence (recurrent layers' conv + scan state)")
     print(f"decode step  {_decode_path(m)}")
     total = sum(b for _, b in formats.values())
     print(f"weights      {total:,} bytes resident")
@@ -60,14 +60,14 @@ def _decode_path(m) -> str:
 def _layer_kinds(c) -> str:
     """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9' (and
     'shared K/V x 20': layers reading an earlier layer's keys and values);
-    linear-attention layers by their spec's name ('GatedDeltaNetSpec x 36, full x 12')."""
+    recurrent layers by their spec's kind or name ('GatedDeltaNetSpec x 36, full x 12')."""
     from core.config_kinds import SparseMLASpec
 
     kinds: dict[str, int] = {}
     for i in range(c.num_layers):
         spec = c.layer_attention(i)
         if getattr(spec, "recurrent", False):
-            name = type(spec).__name__
+            name = getattr(spec, "kind", type(spec).__name__)  # Mamba2Spec: 'mamba2'
             kinds[name] = kinds.get(name, 0) + 1
             continue
         window = getattr(spec, "window", None)

@@ -16,6 +16,7 @@ from torch import nn
 
 import kernels
 from core.config_kinds import GatedDeltaNetSpec
+from core.layers.causal_conv import causal_conv1d, real_tokens, zero_fresh_rows
 from core.layers.linear import FusedLinear, Linear
 
 
@@ -78,17 +79,9 @@ class GatedDeltaNet(nn.Module):
         s = self.spec
         bsz, t, _ = x.shape
         qkv, z, b, a = self._split(x)
-        fresh = self._fresh(start_pos, bsz, x.device)  # (B,) rows starting at position 0
         conv, st = conv_state[:bsz], state[:bsz]
-        if fresh is not None:
-            conv.masked_fill_(fresh[:, None, None], 0)
-            st.masked_fill_(fresh[:, None, None, None], 0)
-
-        # causal depthwise conv over [the row's last K - 1 inputs | the new ones], then SiLU
-        seq = torch.cat((conv, qkv.transpose(1, 2).to(conv.dtype)), dim=-1)  # (B, C, K-1+T)
-        w = self.conv1d.weight
-        mixed = F.silu(F.conv1d(seq.to(w.dtype), w, groups=s.conv_dim)).transpose(1, 2)
-        self._keep_conv_inputs(conv, seq, t, lengths)
+        zero_fresh_rows(start_pos, conv, st)  # rows starting at position 0 start from zeros
+        mixed = causal_conv1d(qkv, conv, self.conv1d.weight, None, lengths)
 
         q, k, v = mixed.to(x.dtype).split((s.key_dim, s.key_dim, s.value_dim), dim=-1)
         q = l2norm(q.reshape(bsz, t, s.num_k_heads, s.head_k_dim))
@@ -96,8 +89,8 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(bsz, t, s.num_v_heads, s.head_v_dim)
         beta = b.float().sigmoid()  # (B, T, Hv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if lengths is not None:  # padding: g = beta = 0 keeps the state as it is
-            real = torch.arange(t, device=x.device)[None] < lengths.to(x.device)[:, None]
+        real = real_tokens(lengths, t, x.device)
+        if real is not None:  # padding: g = beta = 0 keeps the state as it is
             beta, g = beta * real[..., None], g * real[..., None]
         o = kernels.gated_delta_rule(q, k, v, g, beta, st, s.head_k_dim**-0.5).to(x.dtype)
 
@@ -105,21 +98,3 @@ class GatedDeltaNet(nn.Module):
         o = kernels.rms_norm(o, self.norm.weight, s.norm_eps)
         o = (o.float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(bsz, t, s.value_dim))
-
-    @staticmethod
-    def _fresh(start_pos: int | torch.Tensor, b: int, device) -> torch.Tensor | None:
-        """Rows whose input starts at position 0 (their state starts from zeros); None: no row
-        (an int start_pos > 0)."""
-        if isinstance(start_pos, int):
-            return torch.ones(b, dtype=torch.bool, device=device) if start_pos == 0 else None
-        return start_pos.to(device).view(b) == 0
-
-    def _keep_conv_inputs(self, conv, seq, t: int, lengths) -> None:
-        """The conv state after this input: the K - 1 inputs before each row's end (its real
-        length under right padding), i.e. seq[:, :, L : L + K - 1]."""
-        k1 = conv.shape[-1]
-        if lengths is None:
-            conv.copy_(seq[:, :, t:])
-            return
-        idx = lengths.to(seq.device).view(-1, 1, 1) + torch.arange(k1, device=seq.device)
-        conv.copy_(seq.gather(2, idx.expand(-1, seq.shape[1], -1)))
