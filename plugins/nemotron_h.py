@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
 from core.config import DenseMLPSpec, GQASpec, MoESpec, RMSNormSpec, RuntimeConfig
-from core.config_kinds import NoSubBlock
+from core.config_kinds import Mamba2Spec, NoSubBlock
 from core.errors import ConfigError
 from core.hfconfig import DecoderConfig
 from core.hookspecs import hookimpl
@@ -111,10 +111,26 @@ class NemotronHConfig(DecoderConfig):
         spec = super().attention_spec()
         return GQASpec(spec.num_heads, spec.num_kv_heads, spec.head_dim, rope="none")
 
-    def mamba_spec(self) -> Any:
-        raise ConfigError(
-            "config.json: Mamba2 layers ('M' in hybrid_override_pattern) need the core's "
-            "Mamba2 layer kind, which this build lacks"
+    def mamba_spec(self) -> Mamba2Spec:
+        if self.mamba_num_heads % self.n_groups:
+            raise ConfigError(
+                f"config.json: mamba_num_heads ({self.mamba_num_heads}) must be a multiple of "
+                f"n_groups ({self.n_groups})"
+            )
+        if self.conv_kernel < 2:
+            raise ConfigError("config.json: field 'conv_kernel' must be at least 2")
+        return Mamba2Spec(
+            num_heads=self.mamba_num_heads,
+            head_dim=self.mamba_head_dim,
+            state_size=self.ssm_state_size,
+            n_groups=self.n_groups,
+            conv_kernel=self.conv_kernel,
+            chunk_size=self.chunk_size,
+            norm_eps=self.layer_norm_epsilon,
+            conv_bias=self.use_conv_bias,
+            bias=self.use_bias,
+            # transformers' mixer: (time_step_min, inf), whatever time_step_limit says
+            time_step_limit=(self.time_step_min, float("inf")),
         )
 
     def attention_layers(self, base: Any) -> tuple[Any, ...]:

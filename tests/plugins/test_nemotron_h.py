@@ -85,7 +85,9 @@ def make(root, spec: dict, seed: int = 0):
 
 @pytest.fixture(scope="module", params=["moe", "dense"])
 def nemotron(request, tmp_path_factory):
-    root, ref = make(tmp_path_factory.mktemp(request.param), MOE if request.param == "moe" else DENSE)
+    root, ref = make(
+        tmp_path_factory.mktemp(request.param), MOE if request.param == "moe" else DENSE
+    )
     return load_model(root, max_seq_len=96, max_batch_size=2), ref, root
 
 
@@ -118,6 +120,18 @@ def test_layers_follow_the_pattern(nemotron):
     assert blocks[1].self_attn is None and not hasattr(blocks[1], "post_attention_layernorm")
     assert blocks[0].mlp is None
     assert cfg.kv_bytes_per_token(4) == 2 * 2 * 8 * 4  # the one attention layer's K and V
+
+
+def test_fused_cpu_step_and_tensor_parallelism_refuse_by_name(nemotron):
+    from core import cpu_step
+    from core.parallel import tp
+
+    m, _, _ = nemotron
+    assert cpu_step.why_not(m.net) == "block 0 has no MLP (Nemotron-H)"
+    # zoo info's block kinds: one mixer per layer ("M-M*..." starts 2 x Mamba2, 1 x GatedMLP)
+    assert cpu_step.kinds(m.net).startswith("2 x Mamba2, ")
+    with pytest.raises(ConfigError, match=r"tp=2: .*run it with tp=1"):
+        tp.check(m.config, 2, "config.json")
 
 
 def _variant(base, ref, tmp_path, edit_state=None, edit_cfg=None):
