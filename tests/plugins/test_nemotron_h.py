@@ -126,10 +126,12 @@ def test_fused_cpu_step_and_tensor_parallelism_refuse_by_name(nemotron):
     from core import cpu_step
     from core.parallel import tp
 
-    m, _, _ = nemotron
+    m, _, root = nemotron
     assert cpu_step.why_not(m.net) == "block 0 has no MLP (Nemotron-H)"
-    # zoo info's block kinds: one mixer per layer ("M-M*..." starts 2 x Mamba2, 1 x GatedMLP)
-    assert cpu_step.kinds(m.net).startswith("2 x Mamba2, ")
+    # zoo info's block kinds: one mixer per layer, "3 x Mamba2, 1 x GatedMLP, ..." for M-M*ME
+    pattern = json.loads((root / "config.json").read_text())["hybrid_override_pattern"]
+    want = f"{pattern.count('M')} x Mamba2, {pattern.count('-')} x GatedMLP, 1 x GQAAttention"
+    assert cpu_step.kinds(m.net).startswith(want)
     with pytest.raises(ConfigError, match=r"tp=2: .*run it with tp=1"):
         tp.check(m.config, 2, "config.json")
 
