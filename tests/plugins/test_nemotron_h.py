@@ -120,6 +120,13 @@ def test_layers_follow_the_pattern(nemotron):
     assert blocks[1].self_attn is None and not hasattr(blocks[1], "post_attention_layernorm")
     assert blocks[0].mlp is None
     assert cfg.kv_bytes_per_token(4) == 2 * 2 * 8 * 4  # the one attention layer's K and V
+    from core.cli.info import _layer_kinds, _ropes  # zoo info's lines
+
+    kinds = dict(p.rsplit(" x ", 1) for p in _layer_kinds(cfg).split(", "))
+    mlp_only = str(pattern.count("-") + pattern.count("E"))
+    assert kinds == {"mamba2": str(pattern.count("M")), "full": "1", "NoPE": "1",
+                     "MLP only": mlp_only}  # fmt: skip
+    assert _ropes(cfg) == "none"
 
 
 def test_fused_cpu_step_and_tensor_parallelism_refuse_by_name(nemotron):
