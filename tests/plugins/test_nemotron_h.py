@@ -222,6 +222,11 @@ def test_layers_block_type_reads_as_the_pattern():
     a = NemotronHConfig.from_dict({**raw, "hybrid_override_pattern": "M-M*ME"}).to_runtime()
     b = NemotronHConfig.from_dict({**raw, "layers_block_type": words}).to_runtime()
     assert a == b and a.num_layers == 6
+    # the older hub keys of the Mamba fields, as transformers renames them
+    old = {"mamba_n_groups": 2, "mamba_d_conv": 4, "mamba_chunk_size": 16, "mamba_dt_min": 0.001}
+    raw = {k: v for k, v in raw.items() if k not in ("n_groups", "conv_kernel", "chunk_size")}
+    c = NemotronHConfig.from_dict({**raw, **old, "hybrid_override_pattern": "M-M*ME"})
+    assert c.to_runtime() == a
 
 
 @pytest.mark.parametrize(
