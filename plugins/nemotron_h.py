@@ -221,6 +221,9 @@ WEIGHT_MAP = {
     f"{_MIXER}.gate": f"{_L}.mlp.gate",
     f"{_MIXER}.experts.{{}}.up_proj": (f"{_L}.mlp.experts.up_proj", "{}"),
     f"{_MIXER}.experts.{{}}.down_proj": (f"{_L}.mlp.experts.down_proj", "{}"),
+    # transformers 5's in-memory names: each stack whole, (experts, out, in) as the core's
+    f"{_MIXER}.experts.up_proj": f"{_L}.mlp.experts.up_proj.weight",
+    f"{_MIXER}.experts.down_proj": f"{_L}.mlp.experts.down_proj.weight",
     f"{_MIXER}.shared_experts.up_proj": f"{_L}.mlp.shared_experts.up_proj",
     f"{_MIXER}.shared_experts.down_proj": f"{_L}.mlp.shared_experts.down_proj",
     # Mamba2: the mixer runs as the block's self_attn (A_log, D, dt_bias directly under it)

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import make_checkpoint
+from conftest import make_checkpoint, save_in_memory_names
 from parity import ParitySuite, ids, rel_err
 from safetensors.torch import load_file, save_file
 
@@ -205,6 +205,18 @@ def test_pattern_moves_the_logits(moe_ckpt, tmp_path):
         state.update(moved)
 
     _variant(*moe_ckpt, tmp_path, swap, {"hybrid_override_pattern": "-MM*ME"})
+
+
+def test_transformers5_in_memory_names_load_the_same(moe_ckpt, tmp_path):
+    """model.* names and each layer's experts stacked whole (`mixer.experts.up_proj`)."""
+    root = tmp_path / "in_memory"
+    shutil.copytree(moe_ckpt[0], root)
+    state = save_in_memory_names(root, moe_ckpt[1])
+    assert "model.layers.5.mixer.experts.up_proj" in state
+    x = ids(VOCAB, 1, 40, seed=4)
+    with torch.no_grad():
+        want = moe_ckpt[1](x).logits
+    assert rel_err(load_model(root, max_seq_len=64).forward(x), want) < 1e-4
 
 
 def test_a_pattern_that_does_not_fit_the_weights_is_refused(moe_ckpt, tmp_path):
