@@ -1,15 +1,18 @@
-"""Decode step time against context length: gated-DeltaNet (linear attention) layers beside
-full attention, on three random-weight Qwen3.5-like models identical but for `layer_types`.
+"""Decode step time against context length: gated-DeltaNet (linear attention) or Mamba2
+layers beside full attention, on three random-weight models identical but for `layer_types`
+(`--family qwen3.5`: Qwen3.5-like; `--family granite`: Granite 4.0-H-like, Mamba2 + NoPE
+attention).
 
 A full-attention layer's decode step at position p reads p + 1 cached positions; a gated
-DeltaNet layer reads its fixed-size state (conv inputs + a Dk x Dv matrix per value head),
-whatever p is. So the all-linear model's step stays flat as the context grows, the
-all-attention model's grows, and the hybrid (3 linear : 1 attention, as Qwen3-Next / Qwen3.5)
-grows at a quarter of that slope. Each position is timed directly (the work does not depend
+DeltaNet layer reads its fixed-size state (conv inputs + a Dk x Dv matrix per value head), a
+Mamba2 layer its own (conv inputs + a head_dim x state matrix per head), whatever p is. So
+the all-linear model's step stays flat as the context grows, the all-attention model's grows,
+and the hybrid (3 linear : 1 attention, as Qwen3-Next / Qwen3.5) grows at a quarter of that
+slope. Each position is timed directly (the work does not depend
 on the cache content). Prints a markdown table with the machine, date and command.
 
     .venv/bin/python benchmarks/linear_decode.py [--contexts 128 1024 4096 8192] [--repeat 15]
-        [--cpu-time]
+        [--cpu-time] [--family qwen3.5|granite]
 """
 
 from __future__ import annotations
@@ -53,6 +56,32 @@ KINDS = {
     "hybrid 3:1": (["linear_attention"] * 3 + ["full_attention"]) * (LAYERS // 4),
     "attention": ["full_attention"] * LAYERS,
 }
+# Granite 4.0-H's Mamba2 sizes (heads of 64, a state of 128) at the same width, the shared MLP
+# alone (as the Micro), NoPE attention with heads of 128
+GRANITE = dict(
+    model_type="granitemoehybrid",
+    vocab_size=8192,
+    hidden_size=512,
+    shared_intermediate_size=1536,
+    num_local_experts=0,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mamba_n_heads=16,
+    mamba_d_head=64,
+    mamba_d_state=128,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-5,
+)
+GRANITE_KINDS = {
+    "mamba2": ["mamba"] * LAYERS,
+    "hybrid 3:1": (["mamba"] * 3 + ["attention"]) * (LAYERS // 4),
+    "attention": ["attention"] * LAYERS,
+}
+FAMILIES = {"qwen3.5": (SHAPE, KINDS), "granite": (GRANITE, GRANITE_KINDS)}
 
 
 def step_ms(models: dict, pos: int, repeat: int, clock=time.perf_counter) -> list[float]:
@@ -74,6 +103,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 8192])
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--family", choices=list(FAMILIES), default="qwen3.5")
     ap.add_argument(
         "--cpu-time",
         action="store_true",
@@ -86,15 +116,16 @@ def main() -> None:
         torch.set_num_threads(1)
         clock = time.thread_time
     seq = max(args.contexts) + 1
+    shape, layer_kinds = FAMILIES[args.family]
     models = {
         name: random_model(
-            dict(SHAPE, layer_types=kinds),
+            dict(shape, layer_types=kinds),
             device="cpu",
             dtype=args.dtype,
             max_seq_len=seq,
             max_batch_size=1,
         )
-        for name, kinds in KINDS.items()
+        for name, kinds in layer_kinds.items()
     }
     print(f"`{' '.join(['python', *sys.argv])}`")
     print(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -164,7 +165,10 @@ def _read_config(ckpt, path: Path):
     raw = ckpt.config()
     source = str(path / "config.json" if path.is_dir() else path)  # GGUF: its metadata
     arch = registry().architecture(raw.get("model_type"), source=source)
-    return arch, arch.config.from_dict(raw, source=source).to_runtime(), source
+    dto = arch.config.from_dict(raw, source=source)
+    # a family whose checkpoint names depend on a config key adapts its map (Granite 4.0-H)
+    arch = replace(arch, weight_map=dto.adapt_weight_map(arch.weight_map))
+    return arch, dto.to_runtime(), source
 
 
 def _shard(ckpt, arch, cfg, tp: int, dev: torch.device, source: str, compile: bool, quantize):

@@ -384,6 +384,9 @@ class RuntimeConfig:
     per_layer_input: PerLayerInputSpec | None = None  # Gemma 4's per-layer embeddings
     # each block's output is multiplied by a learned scalar (parameter layer_scalar, (1,))
     layer_scalar: bool = False
+    # each sub-block's output is multiplied by this before its residual add (Granite's
+    # residual_multiplier): h = x + scale * attn(...), out = h + scale * mlp(...)
+    residual_scale: float = 1.0
 
     def __post_init__(self):
         if not self.attention_layers:

@@ -49,6 +49,8 @@ def why_not(net: CausalLM) -> str | None:
             return f"block {i} sums its outputs over tensor-parallel ranks"
         if layer.per_layer_input is not None or layer.layer_scalar is not None:
             return f"block {i} has per-layer inputs or a layer scalar (Gemma 4)"
+        if layer.residual_scale != 1.0:
+            return f"block {i} scales its sub-blocks' outputs by residual_scale (Granite)"
         attn, mlp = layer.self_attn, layer.mlp
         if attn is None or mlp is None:
             return f"block {i} has no {'attention' if attn is None else 'MLP'} (Nemotron-H)"

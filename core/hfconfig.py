@@ -286,6 +286,12 @@ class DecoderConfig(BaseModel):
         """The routed-experts MLP and the layers it replaces the dense MLP on; None: dense."""
         return None
 
+    def adapt_weight_map(self, base: dict[str, Any]) -> dict[str, Any]:
+        """The weight map for checkpoints of this config: the architecture's `base`, or a copy
+        where a family's names depend on a config key (Granite 4.0-H's shared MLP is the
+        core's MoE shared expert, or the dense MLP of a model without experts)."""
+        return base
+
     def logits_scale(self) -> float:
         """What the LM head's logits are multiplied by (1: as they come)."""
         return 1.0

@@ -51,8 +51,9 @@ def build(spec: Any, *args: Any) -> nn.Module:
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). With `post_norms` each
-    sub-block's output is normed too before its residual add (Gemma 2 / 3):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)), each sub-block's output
+    times `cfg.residual_scale` first (Granite's residual_multiplier; 1 elsewhere). With
+    `post_norms` each sub-block's output is normed too before its residual add (Gemma 2 / 3):
     h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h))). Without `pre_norms` (OLMo 2 / 3)
     only the outputs are normed: h = x + norm(attn(x)); out = h + norm(mlp(h)). Gemma 4 then
     adds the layer's per-layer input (`cfg.per_layer_input`) and multiplies by a learned
@@ -88,6 +89,7 @@ class DecoderBlock(nn.Module):
         if cfg.per_layer_input is not None:
             self.per_layer_input = build(cfg.per_layer_input, h, cfg.per_layer_input)
         self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalar else None
+        self.residual_scale = cfg.residual_scale  # Granite: each sub-block's output times this
 
     def forward(
         self,
@@ -120,6 +122,8 @@ class DecoderBlock(nn.Module):
         m = self.mlp(m, h) if getattr(self.mlp, "residual_input", False) else self.mlp(m)
         if self.reduce is not None:
             m = self.reduce(m)
+        if self.residual_scale != 1.0:
+            m = m * self.residual_scale
         out = h + (self.post_feedforward_layernorm(m) if self.post_norms else m)
         if self.per_layer_input is not None:
             out = self.per_layer_input(out, per_layer)
@@ -131,6 +135,8 @@ class DecoderBlock(nn.Module):
         a = self.self_attn(a, cos, sin, *cache, start_pos, end, lengths, **more)
         if self.reduce is not None:
             a = self.reduce(a)
+        if self.residual_scale != 1.0:
+            a = a * self.residual_scale
         return x + (self.attn_out_layernorm(a) if self.post_norms else a)
 
 

@@ -80,6 +80,7 @@ BUILTIN_PLUGINS = (
     "plugins.glm4_moe",
     "plugins.minimax_m2",
     "plugins.deepseek_v4",
+    "plugins.granite_hybrid",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

@@ -24,6 +24,8 @@ from plugins.formats.gguf_families import (
     GLM4MOE,
     GLM4MOE_KEYS,
     GPT_OSS,
+    GRANITE_HYBRID,
+    GRANITE_HYBRID_KEYS,
     LLAMA4,
     MINIMAXM2,
     MIXTRAL,
@@ -34,12 +36,14 @@ from plugins.formats.gguf_families import (
     configure_gemma3,
     configure_gemma4,
     configure_glm4moe,
+    configure_granite_hybrid,
     configure_llama4,
     configure_mistral3,
     configure_olmo2,
     join_kv_b,
 )
 from plugins.formats.gguf_fixes import (
+    GRANITE_HYBRID_FIXES,
     HYBRID_KEYS,
     NEMOTRON_H_FIXES,
     NEMOTRON_H_KEYS,
@@ -294,6 +298,17 @@ ARCHITECTURES = {
         partial_rope=True,
         configure=configure_glm4moe,
         qk_norm_key="use_qk_norm",
+    ),
+    # Granite 4.0-H: Mamba2 layers (gguf_fixes.py) beside attention, q/k in llama.cpp's rope
+    # order; routed experts (softmax over the top-k logits) and the shared MLP, or the shared
+    # MLP alone as the dense MLP (the Micro)
+    "granitehybrid": Arch(
+        "granitemoehybrid",
+        permuted=True,
+        tensors={**EXPERTS, **GRANITE_HYBRID},
+        config={**MOE_KEYS, **GRANITE_HYBRID_KEYS},
+        configure=configure_granite_hybrid,
+        fixes=GRANITE_HYBRID_FIXES,
     ),
     # llama.cpp's minimax-m2 graph: sigmoid scores plus the bias, renormalised; no MTP written
     "minimax-m2": Arch(

@@ -366,3 +366,49 @@ def configure_gemma4(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) 
         "vocab_size_per_layer_input": cfg.get("vocab_size"),
         "enable_moe_block": bool(meta("expert_count")),
     }
+
+
+# --- Granite 4.0-H (`granitehybrid`): Mamba2 layers beside attention ------------------------
+_L = "model.layers.{}"
+GRANITE_HYBRID = {  # beside TENSOR_NAMES, EXPERTS and the shared expert's DEEPSEEK2 names
+    **{k: v for k, v in DEEPSEEK2.items() if "shexp" in k},
+    "blk.{}.ssm_in": f"{_L}.mamba.in_proj",
+    "blk.{}.ssm_conv1d": f"{_L}.mamba.conv1d",  # weight (squeezed: see the fixes) and bias
+    "blk.{}.ssm_dt.bias": f"{_L}.mamba.dt_bias",  # whole names
+    "blk.{}.ssm_a": f"{_L}.mamba.A_log",
+    "blk.{}.ssm_d": f"{_L}.mamba.D",
+    "blk.{}.ssm_norm": f"{_L}.mamba.norm",
+    "blk.{}.ssm_out": f"{_L}.mamba.out_proj",
+}
+GRANITE_HYBRID_KEYS = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
+    "expert_shared_feed_forward_length": "shared_intermediate_size",
+    "ssm.conv_kernel": "mamba_d_conv",
+    "ssm.state_size": "mamba_d_state",
+    "ssm.group_count": "mamba_n_groups",
+    "ssm.time_step_rank": "mamba_n_heads",  # the converter's name for the SSM heads
+}
+
+
+def configure_granite_hybrid(
+    meta: Callable[..., Any], cfg: dict[str, Any], path: Path
+) -> dict[str, Any]:
+    """Granite 4.0-H: which layers attend (head_count_kv per layer, 0 on Mamba2 layers), the
+    Mamba2 head width from ssm.inner_size, the experts (0: the dense Micro), and rope only
+    where llama.cpp runs it (rope.scaling.finetuned: the converter leaves it off for every
+    hybrid, whatever position_embedding_type says)."""
+    kv = meta("attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, list | tuple | np.ndarray) else [kv] * cfg["num_hidden_layers"]
+    cfg["num_key_value_heads"] = max(int(n) for n in kv)
+    cfg["layer_types"] = ["attention" if n else "mamba" for n in kv]
+    inner, heads = meta("ssm.inner_size"), meta("ssm.time_step_rank")
+    if inner and heads:
+        cfg["mamba_d_head"] = inner // heads
+        cfg["mamba_expand"] = inner // cfg["hidden_size"]
+    cfg["num_local_experts"] = int(meta("expert_count", 0) or 0)
+    cfg["num_experts_per_tok"] = int(meta("expert_used_count", 0) or 0)
+    cfg["position_embedding_type"] = "rope" if meta("rope.scaling.finetuned") else "nope"
+    return cfg

@@ -197,6 +197,18 @@ QWEN3_5_FIXES = {
 }
 
 
+# --- Granite 4.0-H ---------------------------------------------------------------------------
+# (conversion/granite.py `GraniteHybridModel`, conversion/mamba.py `Mamba2Model`): A_log stored
+# as A = -exp(A_log) and D, both as (heads, 1); the conv1d weight squeezed to (channels,
+# kernel); the gated norm's weight as (groups, channels per group)
+GRANITE_HYBRID_FIXES = {
+    "blk.{}.ssm_a": Fix(values=lambda a: _a_log(a).reshape(-1)),
+    "blk.{}.ssm_d": Fix(values=lambda d: d.reshape(-1)),
+    "blk.{}.ssm_norm": Fix(values=lambda w: w.reshape(-1)),
+    "blk.{}.ssm_conv1d.weight": Fix(values=lambda w: w.unsqueeze(1)),  # (channels, 1, kernel)
+}
+
+
 # --- Nemotron-H (nemotron_h, nemotron_h_moe) ---------------------------------------------------
 # conversion/nemotron.py `NemotronHModel` (Mamba2 as conversion/mamba.py writes it): no layer
 # pattern (read from the tensors), A_log as A = -exp(A_log) of shape (1, heads), D as (1,
@@ -242,16 +254,8 @@ NEMOTRON_H_KEYS = {  # {arch}.key -> config.json key
 }
 
 
-def _flat(w: torch.Tensor) -> torch.Tensor:
-    return w.reshape(-1)
-
-
-NEMOTRON_H_FIXES = {
-    "blk.{}.ssm_a": Fix(values=lambda a: _a_log(a).reshape(-1)),
-    "blk.{}.ssm_d": Fix(values=_flat),
-    "blk.{}.ssm_norm": Fix(values=_flat),
-    "blk.{}.ssm_conv1d.weight": Fix(values=lambda w: w.unsqueeze(1)),  # (channels, 1, kernel)
-}
+# Mamba2's tensors: the converter writes them as Granite 4.0-H's (conversion/mamba.py)
+NEMOTRON_H_FIXES = GRANITE_HYBRID_FIXES
 
 
 def nemotron_h_config(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -84,6 +84,13 @@ def test_info_counts_sliding_layers_by_their_window(checkpoint):
             "chunk 8192 x 36, full x 12, NoPE x 12",
         ),
         ("glm-4.6", "96 heads, 8 kv heads, head_dim 128", "DefaultRope theta=1e+06", "full x 92"),
+        # Mamba2 layers by their kind; the attention layers NoPE
+        (
+            "granite-4.0-h-small",
+            "32 heads, 8 kv heads, head_dim 128",
+            "none",
+            "mamba2 x 36, full x 4, NoPE x 4",
+        ),
     ],
 )
 def test_info_lines_of_the_2026_families(name, attention, rope, kinds):

@@ -311,6 +311,8 @@ def test_what_the_fused_step_does_not_take(checkpoint, monkeypatch):
 
     m.net.model.layers[1].post_attention_layernorm.__class__ = Norm
     assert why_not(m.net) == "block 1 has a Norm where it takes a RMSNorm"
+    m.net.model.layers[0].residual_scale = 0.5  # Granite's residual_multiplier: not in C yet
+    assert why_not(m.net) == "block 0 scales its sub-blocks' outputs by residual_scale (Granite)"
 
 
 @pytest.mark.parametrize("case", ["mistral-window", "deepseek-v2-lite", "qwen3.5"])

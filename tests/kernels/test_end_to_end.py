@@ -91,6 +91,9 @@ SUITES = {
     "tests/plugins/test_deepseek_v4.py": PREFILL_DECODE,
     # Gemma 4: per-layer inputs, K/V shared between layers, v norms, proportional rope
     "tests/plugins/test_gemma4.py": PREFILL_DECODE,
+    # Granite 4.0-H: Mamba2 layers (kernels.ssd_scan) beside NoPE / RoPE attention, the shared
+    # MLP with and without routed experts, Granite's multipliers
+    "tests/plugins/test_granite_hybrid.py": PREFILL_DECODE,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }

@@ -302,6 +302,11 @@ def test_f32_file_equals_the_checkpoint(case, loaded):
     ours, theirs = loaded
     model_type = LOADS_AS.get(name, theirs.config.model_type)
     assert ours.config == dataclasses.replace(theirs.config, model_type=model_type)
+    check_same_outputs(ours, theirs)
+
+
+def check_same_outputs(ours, theirs) -> None:
+    """The file's model gives the checkpoint's logits (1e-4 relative) and greedy tokens."""
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     want, got = theirs.forward(x), ours.forward(x)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4

@@ -1,0 +1,47 @@
+"""Granite 4.0-H GGUF files (`granitehybrid`) as llama.cpp's own converter writes them
+(tests/fixtures/llama_cpp_convert.py), from test_granite_hybrid's tiny checkpoints in the hub's
+config keys, NoPE as the released models: with routed experts + the shared MLP, and without
+experts (the Micro: the shared MLP written as the dense MLP). The F32 file loads to the
+checkpoint's config and logits (1e-4 relative) and greedy tokens.
+
+The file stores neither the context length of a NoPE hybrid (the converter writes 2**20) nor
+the scan's chunk length (read as transformers' default, 256, which these checkpoints use)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import pytest
+from conftest import make_checkpoint
+from fixtures.chat_tokenizers import build_tokenizer_folder
+from fixtures.llama_cpp_convert import convert
+from test_gguf_archs import VOCAB, check_same_outputs
+from test_granite_hybrid import DENSE, GRANITE, hub_config
+
+from core import load_model
+
+SPECS = {"moe": GRANITE, "dense": DENSE}
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def loaded(request, tmp_path_factory):
+    """(the F32 file, the file loaded, the checkpoint loaded)."""
+    root = tmp_path_factory.mktemp(request.param)
+    folder = root / "hf"
+    special = build_tokenizer_folder(folder, "qwen2")
+    spec = dict(SPECS[request.param], position_embedding_type=None, vocab_size=VOCAB,
+                eos_token_id=special["<|im_end|>"], mamba_chunk_size=256)  # fmt: skip
+    make_checkpoint(folder, spec, seed=3)
+    hub_config(folder)  # the converter finds the attention layers by "attention"
+    path = convert(folder, root / "f32.gguf")
+    kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")
+    return path, load_model(path, **kw), load_model(folder, **kw)
+
+
+def test_f32_file_equals_the_checkpoint(loaded):
+    path, ours, theirs = loaded
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "granitehybrid"
+    assert ours.config.max_position_embeddings == 2**20  # what the converter writes for NoPE
+    assert ours.config == dataclasses.replace(theirs.config, max_position_embeddings=2**20)
+    check_same_outputs(ours, theirs)
