@@ -320,8 +320,10 @@ class MoESpec:
     swiglu_limit: float | None = None
     hash_layers: tuple[int, ...] = ()
     # Nemotron-H: routed and shared experts are not gated, down(act(up(x))) (parameters
-    # experts.up_proj, shared_experts.up_proj), with `act` "relu2" for both
+    # experts.up_proj, shared_experts.up_proj), with `act` "relu2" for both; the router's
+    # weight kept in fp32 whatever the model's dtype (`router_fp32`, as transformers keeps it)
     gated: bool = True
+    router_fp32: bool = False
 
     @property
     def shared_width(self) -> int:

@@ -174,6 +174,7 @@ class NemotronHConfig(DecoderConfig):
             shared_bias=self.mlp_bias,
             act="relu2",
             gated=False,
+            router_fp32=True,  # transformers' _keep_in_fp32_modules_strict: gate.weight
         )
 
     def to_runtime(self) -> RuntimeConfig:

@@ -60,6 +60,8 @@ class Router(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
+        if spec.router_fp32:  # Nemotron-H: the checkpoint's fp32 router is not rounded
+            self.weight.keep_fp32 = True
         if spec.bias:  # gpt-oss: logits = x @ W.T + b
             self.bias = nn.Parameter(torch.empty(spec.num_experts))
         if spec.topk_method == "noaux_tc":
@@ -151,14 +153,16 @@ def _geglu(gate_up: torch.Tensor) -> torch.Tensor:
 def _loop_experts(x, ids, weights, first, down, act=relu2) -> torch.Tensor:
     """kernels.moe_experts' loop with another activation: sum_k w_k * down_e(act(first_e(x)))
     for the GeGLU experts of Gemma 4 (first: gate_up) and the relu2 ones of Nemotron-H
-    (first: up): (N, H) in x's dtype."""
-    out = torch.zeros_like(x)
+    (first: up): (N, H) in x's dtype. Each expert's output is weighted in fp32; Gemma 4's
+    rounded before the sum, Nemotron-H's summed in fp32 and rounded once (as transformers'
+    Gemma4TextExperts and NemotronHExperts)."""
+    sum_dtype = weights.dtype if act is relu2 else x.dtype
+    out = torch.zeros_like(x, dtype=sum_dtype)
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
         h = _expert(act(_expert(x[token], first, e)), down, e)
-        # weighted in fp32, then rounded, as transformers' Gemma4TextExperts
-        out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
-    return out
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(sum_dtype))
+    return out.to(x.dtype)
 
 
 def _expert(h: torch.Tensor, w, e: int) -> torch.Tensor:

@@ -219,6 +219,13 @@ def test_transformers5_in_memory_names_load_the_same(moe_ckpt, tmp_path):
     assert rel_err(load_model(root, max_seq_len=64).forward(x), want) < 1e-4
 
 
+def test_router_and_its_bias_stay_fp32_in_a_bf16_model(moe_ckpt):
+    m = load_model(moe_ckpt[0], max_seq_len=16, dtype="bfloat16")
+    gate = m.net.model.layers[5].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert m.net.model.layers[5].mlp.experts.up_proj.weight.dtype == torch.bfloat16
+
+
 def test_a_pattern_that_does_not_fit_the_weights_is_refused(moe_ckpt, tmp_path):
     root = tmp_path / "bad"
     shutil.copytree(moe_ckpt[0], root)
