@@ -258,11 +258,13 @@ AttentionSpec = GQASpec | MLASpec
 @dataclass(frozen=True)
 class DenseMLPSpec:
     """down(act(gate(x)) * up(x)); act is "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU with
-    the tanh approximation, Gemma)."""
+    the tanh approximation, Gemma). Not `gated` (Nemotron-H): down(act(up(x))), act "relu2"
+    (squared ReLU, relu(x) ** 2)."""
 
     intermediate_size: int
     bias: bool = False
-    act: Literal["silu", "gelu_tanh"] = "silu"
+    act: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    gated: bool = True
 
 
 @dataclass(frozen=True)
@@ -317,6 +319,11 @@ class MoESpec:
     # up; on `hash_layers` the experts are a fixed table of the token id (tid2eid), not top-k
     swiglu_limit: float | None = None
     hash_layers: tuple[int, ...] = ()
+    # Nemotron-H: routed and shared experts are not gated, down(act(up(x))) (parameters
+    # experts.up_proj, shared_experts.up_proj), with `act` "relu2" for both; the router's
+    # weight kept in fp32 whatever the model's dtype (`router_fp32`, as transformers keeps it)
+    gated: bool = True
+    router_fp32: bool = False
 
     @property
     def shared_width(self) -> int:
@@ -327,6 +334,8 @@ class MoESpec:
 
     @property
     def shared(self) -> DenseMLPSpec:
+        if not self.gated:  # Nemotron-H: the shared expert is the routed ones' kind
+            return DenseMLPSpec(self.shared_width, self.shared_bias, act=self.act, gated=False)
         return DenseMLPSpec(self.shared_width, self.shared_bias)
 
 

@@ -1,7 +1,8 @@
 """The layer kinds beyond a Llama-style block's, as frozen specs (`core.config` holds the
 common ones and the RuntimeConfig): recurrent (gated DeltaNet, Mamba2), sparse (DeepSeek's DSA over
 MLA) and compressed (DeepSeek V4) attention, hyper-connected residual streams (DeepSeek V4),
-Gemma 4's dense + routed MLP and per-layer inputs. Like core.config, nothing here imports torch.
+Gemma 4's dense + routed MLP and per-layer inputs, and the sentinel of a block without one of
+its two sub-blocks (Nemotron-H's one-mixer layers). Like core.config, nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ class SparseMLASpec(MLASpec):
         if not self.shared_selection:
             layout["index_k"] = (batch, seq, self.index_head_dim)
         return layout
+
+
+@dataclass(frozen=True)
+class NoSubBlock:
+    """In `RuntimeConfig.attention_layers` or `mlp_layers`: this layer has no such sub-block.
+    The block builds neither it nor its norm and passes the residual stream on (Nemotron-H:
+    each layer is one mixer, Mamba2, attention, MLP or MoE, behind one norm). A block left
+    with one sub-block has one norm, `input_layernorm`, whichever sub-block it is; a layer
+    without attention caches nothing."""
+
+    rope: Literal["none"] = "none"
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        return {}
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ def why_not(net: CausalLM) -> str | None:
         if layer.residual_scale != 1.0 and layer.post_norms:  # (the C step scales after them)
             return f"block {i} scales its sub-blocks' outputs by residual_scale before post-norms"
         attn, mlp = layer.self_attn, layer.mlp
+        if attn is None or mlp is None:
+            return f"block {i} has no {'attention' if attn is None else 'MLP'} (Nemotron-H)"
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
         spec = getattr(attn, "spec", None)
@@ -109,7 +111,8 @@ def kinds(net: CausalLM) -> str:
     for layer in net.model.layers:
         post = " (post-norms)" if getattr(layer, "post_norms", False) else ""
         post = post if getattr(layer, "pre_norms", True) else " (post-norms only)"
-        kind = f"{type(layer.self_attn).__name__} + {type(layer.mlp).__name__}{post}"
+        parts = (layer.self_attn, layer.mlp)  # None: a NoSubBlock (Nemotron-H)
+        kind = " + ".join(type(p).__name__ for p in parts if p is not None) + post
         counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{n} x {kind}" for kind, n in counts.items())
 

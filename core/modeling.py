@@ -15,6 +15,7 @@ from torch import nn
 
 import kernels
 from core.config import RuntimeConfig
+from core.config_kinds import NoSubBlock
 from core.errors import ZooError
 from core.kv_cache import SNAPSHOT_INTERVAL, SNAPSHOTS, StaticKVCache
 from core.layers import LMHead, RotaryEmbedding
@@ -56,20 +57,26 @@ class DecoderBlock(nn.Module):
     h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h))). Without `pre_norms` (OLMo 2 / 3)
     only the outputs are normed: h = x + norm(attn(x)); out = h + norm(mlp(h)). Gemma 4 then
     adds the layer's per-layer input (`cfg.per_layer_input`) and multiplies by a learned
-    `layer_scalar`."""
+    `layer_scalar`. A `NoSubBlock` layer spec drops that sub-block and its norm (Nemotron-H:
+    out = x + mixer(input_layernorm(x)), the mixer attention or MLP)."""
 
     def __init__(self, cfg: RuntimeConfig, index: int = 0):
         super().__init__()
         h = cfg.hidden_size
         self.pre_norms = cfg.pre_norms
+        attn, rope = cfg.layer_attention(index), cfg.layer_rope(index)
+        mlp = cfg.layer_mlp(index)
+        # a NoSubBlock (Nemotron-H's one-mixer layers): neither that sub-block nor its norm;
+        # the one sub-block left is normed by input_layernorm
+        self.self_attn = self.mlp = None
         if cfg.pre_norms:
             self.input_layernorm = build(cfg.norm, h, cfg.norm)
-        attn, rope = cfg.layer_attention(index), cfg.layer_rope(index)
-        self.self_attn = build(attn, h, attn, rope is not None and rope.interleaved)
-        if cfg.pre_norms:
+        if not isinstance(attn, NoSubBlock):
+            self.self_attn = build(attn, h, attn, rope is not None and rope.interleaved)
+        if cfg.pre_norms and not isinstance(attn, NoSubBlock) and not isinstance(mlp, NoSubBlock):
             self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
-        mlp = cfg.layer_mlp(index)
-        self.mlp = build(mlp, h, mlp)
+        if not isinstance(mlp, NoSubBlock):
+            self.mlp = build(mlp, h, mlp)
         self.post_norms = cfg.post_norms
         # tensor parallelism (core/parallel/tp.py): sums the attention's and the MLP's partial
         # outputs (this rank's heads / intermediate rows) over the ranks; None on one rank
@@ -104,14 +111,13 @@ class DecoderBlock(nn.Module):
         more = {} if shared is None else {"shared": shared}
         if shared is not None and not cache:  # a kv_source layer: no cache tensors of its own
             cache = (None, None)
-        a = self.input_layernorm(x) if self.pre_norms else x
-        a = self.self_attn(a, cos, sin, *cache, start_pos, end, lengths, **more)
-        if self.reduce is not None:
-            a = self.reduce(a)
-        if self.residual_scale != 1.0:
-            a = a * self.residual_scale
-        h = x + (self.attn_out_layernorm(a) if self.post_norms else a)
-        m = self.post_attention_layernorm(h) if self.pre_norms else h
+        h = x
+        if self.self_attn is not None:
+            h = self._attention(x, cos, sin, cache, start_pos, end, lengths, more)
+        if self.mlp is None:
+            return h  # (NoSubBlock layers have no post norms, per-layer inputs nor scalar)
+        pre = "post_attention_layernorm" if self.self_attn is not None else "input_layernorm"
+        m = getattr(self, pre)(h) if self.pre_norms else h
         # an MLP kind that also reads the un-normed stream (Gemma 4's DenseMoE: its router)
         m = self.mlp(m, h) if getattr(self.mlp, "residual_input", False) else self.mlp(m)
         if self.reduce is not None:
@@ -122,6 +128,16 @@ class DecoderBlock(nn.Module):
         if self.per_layer_input is not None:
             out = self.per_layer_input(out, per_layer)
         return out if self.layer_scalar is None else out * self.layer_scalar
+
+    def _attention(self, x, cos, sin, cache, start_pos, end, lengths, more) -> torch.Tensor:
+        """h = x + attn(norm(x)) (the attention's output normed too with post_norms)."""
+        a = self.input_layernorm(x) if self.pre_norms else x
+        a = self.self_attn(a, cos, sin, *cache, start_pos, end, lengths, **more)
+        if self.reduce is not None:
+            a = self.reduce(a)
+        if self.residual_scale != 1.0:
+            a = a * self.residual_scale
+        return x + (self.attn_out_layernorm(a) if self.post_norms else a)
 
 
 class IgnoredNames:

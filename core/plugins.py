@@ -72,6 +72,7 @@ BUILTIN_PLUGINS = (
     "plugins.gpt_oss",
     "plugins.qwen3_moe",
     "plugins.qwen3_next",
+    "plugins.nemotron_h",
     "plugins.olmo",
     "plugins.ministral",
     "plugins.kimi",

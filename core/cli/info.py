@@ -65,12 +65,16 @@ def _decode_path(m) -> str:
 def _layer_kinds(c) -> str:
     """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9' (and
     'shared K/V x 20': layers reading an earlier layer's keys and values);
-    recurrent layers by their spec's kind or name ('GatedDeltaNetSpec x 36, full x 12')."""
-    from core.config_kinds import SparseMLASpec
+    recurrent layers by their spec's kind or name ('GatedDeltaNetSpec x 36, full x 12'); layers
+    without attention (Nemotron-H's MLP and MoE layers) as 'MLP only'."""
+    from core.config_kinds import NoSubBlock, SparseMLASpec
 
     kinds: dict[str, int] = {}
     for i in range(c.num_layers):
         spec = c.layer_attention(i)
+        if isinstance(spec, NoSubBlock):
+            kinds["MLP only"] = kinds.get("MLP only", 0) + 1
+            continue
         if getattr(spec, "recurrent", False):
             name = getattr(spec, "kind", type(spec).__name__)  # Mamba2Spec: 'mamba2'
             kinds[name] = kinds.get(name, 0) + 1
@@ -95,11 +99,15 @@ def _layer_kinds(c) -> str:
 def _ropes(c) -> str:
     """The rope of every layer: 'DefaultRope theta=10000' where all layers share one, else each
     with its count: 'DefaultRope theta=10000 x 28, ProportionalRope theta=1e+06 x 7' (Gemma 4's
-    window and full layers; 'none' for NoPE layers; linear-attention layers have none to count)."""
+    window and full layers; 'none' for NoPE layers; linear-attention layers and those without
+    attention have none to count)."""
+    from core.config_kinds import NoSubBlock
+
     counts: dict[str, int] = {}
     for i in range(c.num_layers):
-        if getattr(c.layer_attention(i), "recurrent", False):
-            continue
+        spec = c.layer_attention(i)
+        if getattr(spec, "recurrent", False) or isinstance(spec, NoSubBlock):
+            continue  # linear attention, or no attention at all (Nemotron-H's MLP layers)
         rope = c.layer_rope(i)
         name = "none" if rope is None else f"{type(rope).__name__} theta={rope.theta:g}"
         counts[name] = counts.get(name, 0) + 1

@@ -17,7 +17,7 @@ from torch import nn
 import kernels
 from core.config import MoESpec
 from core.layers.linear import Linear
-from core.layers.mlp import GatedMLP
+from core.layers.mlp import GatedMLP, relu2
 
 
 def route(
@@ -60,6 +60,8 @@ class Router(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden))
+        if spec.router_fp32:  # Nemotron-H: the checkpoint's fp32 router is not rounded
+            self.weight.keep_fp32 = True
         if spec.bias:  # gpt-oss: logits = x @ W.T + b
             self.bias = nn.Parameter(torch.empty(spec.num_experts))
         if spec.topk_method == "noaux_tc":
@@ -105,13 +107,20 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
 
 class Experts(nn.Module):
     """The routed experts; gate_up's rows are [gate | up], or interleaved (gate, up) pairs
-    when `spec.glu` is set (gpt-oss keeps them so, and its activation reads them so)."""
+    when `spec.glu` is set (gpt-oss keeps them so, and its activation reads them so). Not
+    `spec.gated` (Nemotron-H): up_proj alone, down(relu2(up(x)))."""
 
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         i, b = spec.intermediate_size, spec.bias
         self.glu, self.scale_input, self.act = spec.glu, spec.scale_input, spec.act
-        self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i}, b)
+        self.gated = spec.gated
+        if spec.gated:
+            self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i}, b)
+        elif spec.act != "relu2" or spec.glu is not None or b:
+            raise ValueError("non-gated experts are relu2 ones, without glu nor biases")
+        else:
+            self.up_proj = StackedLinear(spec.num_experts, hidden, i)
         self.down_proj = StackedLinear(spec.num_experts, i, hidden, b)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -124,9 +133,11 @@ class Experts(nn.Module):
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k w_k * expert_k(x): the experts' kernel."""
+        if not self.gated:  # Nemotron-H's relu2 experts: no kernel of their own yet
+            return _loop_experts(x, ids, weights, self.up_proj.weight, self.down_proj.weight)
         gate_up, down = self.gate_up_proj, self.down_proj
         if self.act == "gelu_tanh":  # GeGLU experts (Gemma 4): no kernel of their own yet
-            return _geglu_experts(x, ids, weights, gate_up.weight, down.weight)
+            return _loop_experts(x, ids, weights, gate_up.weight, down.weight, _geglu)
         if self.glu is None and not hasattr(gate_up, "bias"):
             return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight)
         clamp = None if self.glu is None else (self.glu.alpha, self.glu.limit)
@@ -134,16 +145,24 @@ class Experts(nn.Module):
         return kernels.moe_experts(x, ids, weights, gate_up.weight, down.weight, *biases, clamp)
 
 
-def _geglu_experts(x, ids, weights, gate_up, down) -> torch.Tensor:
-    """kernels.moe_experts' loop with GELU (tanh) in place of SiLU: (N, H) in x's dtype."""
-    out = torch.zeros_like(x)
+def _geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _loop_experts(x, ids, weights, first, down, act=relu2) -> torch.Tensor:
+    """kernels.moe_experts' loop with another activation: sum_k w_k * down_e(act(first_e(x)))
+    for the GeGLU experts of Gemma 4 (first: gate_up) and the relu2 ones of Nemotron-H
+    (first: up): (N, H) in x's dtype. Each expert's output is weighted in fp32; Gemma 4's
+    rounded before the sum, Nemotron-H's summed in fp32 and rounded once (as transformers'
+    Gemma4TextExperts and NemotronHExperts)."""
+    sum_dtype = weights.dtype if act is relu2 else x.dtype
+    out = torch.zeros_like(x, dtype=sum_dtype)
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = _expert(x[token], gate_up, e).chunk(2, dim=-1)
-        h = _expert(F.gelu(gate, approximate="tanh") * up, down, e)
-        # weighted in fp32, then rounded, as transformers' Gemma4TextExperts
-        out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
-    return out
+        h = _expert(act(_expert(x[token], first, e)), down, e)
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(sum_dtype))
+    return out.to(x.dtype)
 
 
 def _expert(h: torch.Tensor, w, e: int) -> torch.Tensor:

@@ -45,12 +45,16 @@ from plugins.formats.gguf_families import (
 from plugins.formats.gguf_fixes import (
     GRANITE_HYBRID_FIXES,
     HYBRID_KEYS,
+    NEMOTRON_H_FIXES,
+    NEMOTRON_H_KEYS,
+    NEMOTRON_H_TENSORS,
     QWEN3_5_FIXES,
     QWEN3_5_TENSORS,
     QWEN3_NEXT_FIXES,
     QWEN3_NEXT_TENSORS,
     Fix,
     hybrid_config,
+    nemotron_h_config,
 )
 
 if TYPE_CHECKING:
@@ -248,6 +252,18 @@ ARCHITECTURES = {
         configure=hybrid_config,
         norm_offset=1.0,
         fixes=QWEN3_5_FIXES,
+    ),
+    # Nemotron-H (dense; MoE: Nemotron 3 Nano): Mamba2, NoPE attention, relu2 MLP / MoE layers,
+    # one norm each (gguf_fixes.py)
+    **dict.fromkeys(
+        ("nemotron_h", "nemotron_h_moe"),
+        Arch(
+            "nemotron_h",
+            tensors=NEMOTRON_H_TENSORS,
+            config=NEMOTRON_H_KEYS,
+            configure=nemotron_h_config,
+            fixes=NEMOTRON_H_FIXES,
+        ),
     ),
     # OLMo 2 / 3: norms after attention and after the MLP only (no attn_norm nor ffn_norm)
     "olmo2": Arch(

@@ -207,3 +207,76 @@ GRANITE_HYBRID_FIXES = {
     "blk.{}.ssm_norm": Fix(values=lambda w: w.reshape(-1)),
     "blk.{}.ssm_conv1d.weight": Fix(values=lambda w: w.unsqueeze(1)),  # (channels, 1, kernel)
 }
+
+
+# --- Nemotron-H (nemotron_h, nemotron_h_moe) ---------------------------------------------------
+# conversion/nemotron.py `NemotronHModel` (Mamba2 as conversion/mamba.py writes it): no layer
+# pattern (read from the tensors), A_log as A = -exp(A_log) of shape (1, heads), D as (1,
+# heads), the conv weight squeezed, the grouped norm's weight as (n_groups, intermediate /
+# n_groups); context_length 2 ** 20 (no rope); chunk_size and time_step_min not at all (the
+# config's defaults, 128 and 0.001, are every release's).
+_MIXER = "model.layers.{}.mixer"
+NEMOTRON_H_TENSORS = {  # file template -> the hub's names (model.* for backbone.*)
+    "blk.{}.attn_norm": "model.layers.{}.norm",  # the layer's one norm, whatever its mixer
+    "blk.{}.attn_q": f"{_MIXER}.q_proj",
+    "blk.{}.attn_k": f"{_MIXER}.k_proj",
+    "blk.{}.attn_v": f"{_MIXER}.v_proj",
+    "blk.{}.attn_output": f"{_MIXER}.o_proj",
+    "blk.{}.ffn_up": f"{_MIXER}.up_proj",
+    "blk.{}.ffn_down": f"{_MIXER}.down_proj",
+    "blk.{}.ffn_gate_inp": f"{_MIXER}.gate",
+    "blk.{}.exp_probs_b.bias": f"{_MIXER}.gate.e_score_correction_bias",  # whole names
+    "blk.{}.ffn_up_exps": f"{_MIXER}.experts.{{e}}.up_proj",
+    "blk.{}.ffn_down_exps": f"{_MIXER}.experts.{{e}}.down_proj",
+    "blk.{}.ffn_up_shexp": f"{_MIXER}.shared_experts.up_proj",
+    "blk.{}.ffn_down_shexp": f"{_MIXER}.shared_experts.down_proj",
+    "blk.{}.ssm_in": f"{_MIXER}.in_proj",
+    "blk.{}.ssm_conv1d": f"{_MIXER}.conv1d",
+    "blk.{}.ssm_a": f"{_MIXER}.A_log",
+    "blk.{}.ssm_d": f"{_MIXER}.D",
+    "blk.{}.ssm_dt.bias": f"{_MIXER}.dt_bias",
+    "blk.{}.ssm_norm": f"{_MIXER}.norm",
+    "blk.{}.ssm_out": f"{_MIXER}.out_proj",
+}
+NEMOTRON_H_KEYS = {  # {arch}.key -> config.json key
+    "attention.layer_norm_epsilon": "layer_norm_epsilon",
+    "ssm.conv_kernel": "conv_kernel",
+    "ssm.state_size": "ssm_state_size",
+    "ssm.group_count": "n_groups",
+    "ssm.time_step_rank": "mamba_num_heads",
+    "expert_count": "n_routed_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "moe_shared_expert_intermediate_size",
+    "expert_weights_scale": "routed_scaling_factor",
+}
+
+
+# Mamba2's tensors: the converter writes them as Granite 4.0-H's (conversion/mamba.py)
+NEMOTRON_H_FIXES = GRANITE_HYBRID_FIXES
+
+
+def nemotron_h_config(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The layer pattern from each block's tensors (the per-layer arrays cannot say it: the
+    converter writes every file whose config has num_experts_per_tok, which transformers 5
+    fills in, as nemotron_h_moe, and there an MLP layer's feed_forward_length is 0), the MLP
+    width from an MLP layer's up_proj (else the experts'), the attention's kv heads, Mamba2's
+    head dim and the renormalisation flag."""
+    from plugins.formats.gguf_reader import GGUFFile
+
+    tensors = GGUFFile(path).tensors
+    kinds = {"ssm_in.weight": "M", "attn_q.weight": "*", "ffn_up.weight": "-",
+             "ffn_up_exps.weight": "E"}  # fmt: skip
+    pattern = [next((c for t, c in kinds.items() if f"blk.{i}.{t}" in tensors), "?")
+               for i in range(cfg.get("num_hidden_layers", 0))]  # fmt: skip
+    cfg["hybrid_override_pattern"] = "".join(pattern)  # "?": refused, naming the field
+    kv = meta("attention.head_count_kv")
+    cfg["num_key_value_heads"] = max(kv) if isinstance(kv, list) else kv
+    up = next((f"blk.{i}.ffn_up.weight" for i, c in enumerate(pattern) if c == "-"), None)
+    cfg["intermediate_size"] = tensors[up].shape[0] if up else cfg.get("moe_intermediate_size")
+    if meta("ssm.inner_size") and meta("ssm.time_step_rank"):
+        cfg["mamba_head_dim"] = meta("ssm.inner_size") // meta("ssm.time_step_rank")
+    cfg["norm_topk_prob"] = bool(meta("expert_weights_norm", False))
+    return {k: v for k, v in cfg.items() if v is not None}

@@ -42,6 +42,9 @@ from test_gpt_oss import GPT_OSS, to_mxfp4
 from test_minimax_m2 import MINIMAX_M2, make_minimax
 from test_mistral import MISTRAL_V03
 from test_mixtral import MIXTRAL
+from test_nemotron_h import DENSE as NEMOTRON_H_DENSE
+from test_nemotron_h import MOE as NEMOTRON_H_MOE
+from test_nemotron_h import make as make_nemotron_h
 from test_phi3 import PHI3_MINI, PHI4_MINI, ROT
 from test_qwen3 import QWEN3
 from test_qwen3_moe import QWEN3_MOE
@@ -120,6 +123,19 @@ def glm4moe(folder, **changes):
     make_glm(folder, dict(GLM45, moe_intermediate_size=32, **changes))
 
 
+def nemotron_h(spec: dict, intermediate: int = 64):
+    """A maker of test_nemotron_h's hub-style checkpoints (backbone.*, hybrid_override_pattern,
+    a random routing bias) with what the converter does not store at the releases' values:
+    chunk_size 128, and max_position_embeddings its 2 ** 20 (no rope); widths of 32 and 64 so
+    that the MLPs' and experts' down projections are written in blocks too (`intermediate`:
+    the MLP's; a file without MLP layers says the experts', as Nemotron 3 Nano's config)."""
+    widths = dict(intermediate_size=intermediate, moe_intermediate_size=32,
+                  moe_shared_expert_intermediate_size=64)  # fmt: skip
+    return lambda folder, **kw: make_nemotron_h(
+        folder, dict(spec, chunk_size=128, max_position_embeddings=2**20, **widths, **kw), seed=3
+    )
+
+
 CASES = {  # name: (spec or maker, the file's general.architecture)
     "qwen3": (QWEN3, "qwen3"),
     # Qwen3-30B-A3B-style: every layer MoE (llama.cpp's converter has no dense layers in a qwen3moe)
@@ -174,6 +190,16 @@ CASES = {  # name: (spec or maker, the file's general.architecture)
     "qwen3next": (hybrid(dict(QWEN3_NEXT, mlp_only_layers=[], **HYBRID_MOE)), "qwen3next"),
     "qwen35": (hybrid(QWEN3_5), "qwen35"),
     "qwen35moe": (hybrid(dict(QWEN3_5_MOE, **HYBRID_MOE)), "qwen35moe"),
+    # Mamba2, NoPE attention and relu2 MLP / MoE layers, one norm each. The converter writes
+    # every nemotron_h whose config has num_experts_per_tok, which transformers 5 fills in, as
+    # nemotron_h_moe: the dense Nano 2 pattern too. The MoE one as Nemotron 3 Nano's, no MLP
+    # layer (a nemotron_h_moe file writes an MLP layer's width as 0); sigmoid routing, top-2
+    # of 8 in 1 of 2 groups with a correction bias, a shared expert
+    "nemotron_h": (nemotron_h(NEMOTRON_H_DENSE), "nemotron_h_moe"),
+    "nemotron_h_moe": (
+        nemotron_h(dict(NEMOTRON_H_MOE, layers_block_type="M*EME"), 32),
+        "nemotron_h_moe",
+    ),
     # GQA with q/k/v biases and q/k norms, half-rotated heads, a dense first layer, grouped
     # sigmoid routing with a correction bias, a shared expert; the MTP layer not run
     "glm4moe": (glm4moe, "glm4moe"),
@@ -216,6 +242,8 @@ TOKENIZERS = {
 }
 # the tokenizer.ggml.pre llama.cpp names a case's regex by (unlisted: Qwen2.5's, `qwen2`)
 PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o", "qwen35": "qwen35", "qwen35moe": "qwen35"}
+# the cases the fused CPU step refuses, and its reason
+NOT_FUSED = dict.fromkeys(("nemotron_h", "nemotron_h_moe"), "block 0 has no MLP (Nemotron-H)")
 GEMMA_IDS = {"bos_token_id": "<bos>", "eos_token_id": "<end_of_turn>", "pad_token_id": "<pad>"}
 TEXT = (
     "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light. "
@@ -322,8 +350,25 @@ def test_q8_0_file_kept_meets_the_standard(case):
     if name == "gpt-oss-mxfp4":  # the converter keeps MXFP4 experts as they are
         assert {w.fmt.name for w in stacked if isinstance(w, BlockExperts)} == {"mxfp4"}
     # and every architecture decodes on the fused CPU step, as the modules do (MoE of every
-    # routing, MLA, post-norms, DeltaNet layers with fp16 conv windows, MXFP4 experts)
-    assert why_not(kept.net) is None
+    # routing, MLA, post-norms, DeltaNet layers with fp16 conv windows, MXFP4 experts), but
+    # those the step refuses by name (Nemotron-H's one-mixer layers)
+    if name in NOT_FUSED:
+        assert why_not(kept.net) == NOT_FUSED[name]
+    else:
+        assert why_not(kept.net) is None
+        _fused_step_as_the_modules(kept, floats)
+    x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
+    top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
+    assert top1 >= 0.99 and kl <= 1e-3
+    got = load_model(path, max_seq_len=8, dequantize=True, dtype="float32").net.named_parameters()
+    f32 = load_model(f32_path, max_seq_len=8, dtype="float32", dequantize=True)  # MXFP4 too
+    want = dict(f32.net.named_parameters())
+    for param, w in got:
+        assert (w - want[param]).abs().max() <= want[param].abs().max() / 200, param
+
+
+def _fused_step_as_the_modules(kept, floats) -> None:
+    """The fused CPU step's decode logits against the modules', on the kept Q8_0 weights."""
     # Both round the Q8_0 products' 8-bit activations and the fp16 cache (kept weights' default)
     # alike, but a value an ulp apart in one meets another rounding step in the next product;
     # a model that amplifies such steps (Gemma 2's post-norms scale small outputs up) amplifies
@@ -333,14 +378,6 @@ def test_q8_0_file_kept_meets_the_standard(case):
     fused, modules = decode(kept, True, tokens), decode(kept, False, tokens)
     for got, want, ref in zip(fused, modules, decode(floats, False, tokens), strict=True):
         assert rel_err(got, want) < max(5e-4, rel_err(want, ref) / 2)
-    x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
-    top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
-    assert top1 >= 0.99 and kl <= 1e-3
-    got = load_model(path, max_seq_len=8, dequantize=True, dtype="float32").net.named_parameters()
-    f32 = load_model(f32_path, max_seq_len=8, dtype="float32", dequantize=True)  # MXFP4 too
-    want = dict(f32.net.named_parameters())
-    for param, w in got:
-        assert (w - want[param]).abs().max() <= want[param].abs().max() / 200, param
 
 
 @pytest.mark.parametrize("case", ["gpt-oss-mxfp4"], indirect=True)
