@@ -1,5 +1,6 @@
-"""Prefix reuse for recurrent rows (core/slots.py, the cache's snapshots) on a tiny gated-DeltaNet
-hybrid (Qwen3-Next: three linear layers, one attention layer): a prompt resumes from a row's
+"""Prefix reuse for recurrent rows (core/slots.py, the cache's snapshots) on two tiny hybrids, one
+per recurrent kind: gated DeltaNet (Qwen3-Next: three linear layers, one attention layer) and
+Mamba2 (Granite 4.0-H: three Mamba2 layers, one attention layer): a prompt resumes from a row's
 whole history, from a snapshot of its state inside the shared prefix, or from another row's,
 and answers exactly as a cold run (greedy tokens, fp32) on a model that reuses nothing.
 
@@ -28,12 +29,21 @@ HYBRID = dict(
     layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=SEQ,
     rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
+MAMBA2 = dict(
+    model_type="granitemoehybrid", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+    shared_intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+    num_key_value_heads=1, num_local_experts=0, num_experts_per_tok=0,
+    layer_types=["mamba"] * 3 + ["attention"], mamba_n_heads=2, mamba_d_head=16,
+    mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16, mamba_expand=1,
+    max_position_embeddings=SEQ, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+@pytest.fixture(scope="module", params=["gated_deltanet", "mamba2"])
+def models(request, tmp_path_factory):
     """(warm: snapshots every EVERY tokens, KEEP per row; cold: no snapshots, reuses nothing)."""
-    root = slow_decay(make_checkpoint(tmp_path_factory.mktemp("hybrid"), HYBRID)[0])
+    spec = HYBRID if request.param == "gated_deltanet" else MAMBA2
+    root = slow_decay(make_checkpoint(tmp_path_factory.mktemp(request.param), spec)[0])
     warm = load_model(root, max_seq_len=SEQ, max_batch_size=ROWS)
     warm.net.setup_caches(ROWS, SEQ, snapshots=KEEP, snapshot_interval=EVERY)
     return warm, load_model(root, max_seq_len=SEQ, max_batch_size=ROWS, snapshots=0)
