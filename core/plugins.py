@@ -79,6 +79,7 @@ BUILTIN_PLUGINS = (
     "plugins.glm4_moe",
     "plugins.minimax_m2",
     "plugins.deepseek_v4",
+    "plugins.lfm2",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

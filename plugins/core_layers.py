@@ -18,6 +18,7 @@ from core.config_kinds import (
     DenseMoESpec,
     GatedDeltaNetSpec,
     PerLayerInputSpec,
+    ShortConvSpec,
     SparseMLASpec,
 )
 from core.hookspecs import hookimpl
@@ -30,6 +31,7 @@ def zoo_register_layers(registry):
     registry.add_layer(GQASpec, "core.layers.attention:GQAAttention")
     registry.add_layer(MLASpec, "core.layers.mla:MLAAttention")
     registry.add_layer(GatedDeltaNetSpec, "core.layers.deltanet:GatedDeltaNet")
+    registry.add_layer(ShortConvSpec, "core.layers.shortconv:ShortConv")
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
     registry.add_layer(L2NormSpec, "core.layers.norm:L2Norm")
