@@ -60,14 +60,15 @@ def _decode_path(m) -> str:
 def _layer_kinds(c) -> str:
     """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9' (and
     'shared K/V x 20': layers reading an earlier layer's keys and values);
-    linear-attention layers by their spec's name ('GatedDeltaNetSpec x 36, full x 12')."""
+    linear-attention layers by their spec's name ('GatedDeltaNetSpec x 36, full x 12') or
+    kind ('short conv x 10')."""
     from core.config_kinds import SparseMLASpec
 
     kinds: dict[str, int] = {}
     for i in range(c.num_layers):
         spec = c.layer_attention(i)
-        if getattr(spec, "recurrent", False):
-            name = type(spec).__name__
+        if getattr(spec, "recurrent", False):  # its own name where it gives one ('short conv')
+            name = getattr(spec, "kind", type(spec).__name__)
             kinds[name] = kinds.get(name, 0) + 1
             continue
         window = getattr(spec, "window", None)

@@ -91,6 +91,8 @@ SUITES = {
     "tests/plugins/test_deepseek_v4.py": PREFILL_DECODE,
     # Gemma 4: per-layer inputs, K/V shared between layers, v norms, proportional rope
     "tests/plugins/test_gemma4.py": PREFILL_DECODE,
+    # LFM2: short-conv layers (their conv in torch) beside attention with per-head q/k norms
+    "tests/plugins/test_lfm2.py": PARITY_TESTS,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }
