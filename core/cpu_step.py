@@ -2,8 +2,8 @@
 
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
 and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
-head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, or a
-gated DeltaNet layer; a gated SiLU / GELU MLP or a MoE: any routing of
+head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, a
+gated DeltaNet layer or a gated short conv (LFM2); a gated SiLU / GELU MLP or a MoE: any routing of
 `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases,
 shared experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
@@ -23,6 +23,7 @@ from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
 from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
+from core.layers.shortconv import ShortConv
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
 from kernels.cpu.build import MAX_ROWS, library
@@ -30,10 +31,12 @@ from kernels.cpu.decode import NO_ATTENTION, Block, Blocks
 from kernels.cpu.delta import DELTA_MAX_DIM, Delta
 from kernels.cpu.mla import Latent
 from kernels.cpu.moe import MAX_EXPERTS, Experts, SharedExperts
+from kernels.cpu.shortconv import ShortConvLayer
 from kernels.cpu.views import ACTS
 from kernels.qweight import QuantStack, QuantWeight
 
-ATTENTION = (GQAAttention, MLAAttention, GatedDeltaNet)  # the attention kinds the step takes
+# the attention kinds the step takes
+ATTENTION = (GQAAttention, MLAAttention, GatedDeltaNet, ShortConv)
 
 
 def why_not(net: CausalLM) -> str | None:
@@ -89,6 +92,8 @@ def why_not(net: CausalLM) -> str | None:
                 )
             if layer.post_norms:
                 return f"block {i} has post-norms around a DeltaNet layer"
+        elif attn_kind is ShortConv and layer.post_norms:
+            return f"block {i} has post-norms around a short conv"
         why = _moe_why_not(mlp) if type(mlp) is MoE else None
         if why is None and type(mlp) is GatedMLP and mlp.act not in ACTS:
             why = f"activation is {mlp.act}"
@@ -165,6 +170,8 @@ def blocks(net: CausalLM) -> Blocks | None:
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
         if type(attn) is GatedDeltaNet:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
+        elif type(attn) is ShortConv:
+            kw = dict(NO_ATTENTION, sconv=_sconv(attn, *cache))
         elif type(attn) is MLAAttention:
             kw = _latent(net, i, attn, *cache)
         else:
@@ -256,6 +263,20 @@ def _delta(attn: GatedDeltaNet, conv: torch.Tensor, state: torch.Tensor) -> Delt
     )
 
 
+def _sconv(attn: ShortConv, conv: torch.Tensor) -> ShortConvLayer:
+    """The C step's view of a gated short-conv layer and its cache (the conv window)."""
+    w = attn.conv.weight
+    return ShortConvLayer(
+        in_proj=attn.in_proj.weight,
+        in_bias=attn.in_proj.bias,
+        out_proj=attn.out_proj.weight,
+        out_bias=attn.out_proj.bias,
+        conv=w.reshape(w.shape[0], w.shape[-1]),
+        conv_bias=attn.conv.bias,
+        conv_state=conv,
+    )
+
+
 def _latent(net: CausalLM, i: int, attn: MLAAttention, latent, k_pe) -> dict:
     """Block's attention fields for layer i's MLA: its heads in place of q|k|v, its latent
     and k_pe caches in place of k / v."""
@@ -328,7 +349,7 @@ def _experts(mlp: MoE) -> Experts:
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
     attn = net.model.layers[0].self_attn
-    w = (attn.out_proj if type(attn) is GatedDeltaNet else attn.o_proj).weight
+    w = (attn.out_proj if type(attn) in (GatedDeltaNet, ShortConv) else attn.o_proj).weight
     while isinstance(w, QuantStack):
         w = w.parts[0]
     if isinstance(w, BlockWeight):

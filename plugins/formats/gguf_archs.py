@@ -24,6 +24,8 @@ from plugins.formats.gguf_families import (
     GLM4MOE,
     GLM4MOE_KEYS,
     GPT_OSS,
+    LFM2,
+    LFM2_KEYS,
     LLAMA4,
     MINIMAXM2,
     MIXTRAL,
@@ -34,6 +36,7 @@ from plugins.formats.gguf_families import (
     configure_gemma3,
     configure_gemma4,
     configure_glm4moe,
+    configure_lfm2,
     configure_llama4,
     configure_mistral3,
     configure_olmo2,
@@ -278,6 +281,14 @@ ARCHITECTURES = {
         partial_rope=True,
         configure=configure_glm4moe,
         qk_norm_key="use_qk_norm",
+    ),
+    # LFM2: gated short-conv layers beside attention with q/k norms; the conv stored 2-D
+    "lfm2": Arch(
+        "lfm2",
+        tensors=LFM2,
+        config=LFM2_KEYS,
+        configure=configure_lfm2,
+        fixes={"blk.{}.shortconv.conv": Fix(values=lambda w: w.unsqueeze(1))},
     ),
     # llama.cpp's minimax-m2 graph: sigmoid scores plus the bias, renormalised; no MTP written
     "minimax-m2": Arch(
