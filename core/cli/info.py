@@ -32,7 +32,7 @@ def info(args: argparse.Namespace) -> None:
     )
     state = c.state_bytes_per_sequence(size)
     if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
-        print(f"state bytes  {state:,} per sequence (recurrent layers' conv + delta-rule state)")
+        print(f"state bytes  {state:,} per sequence (recurrent layers' conv windows and states)")
     print(f"decode step  {_decode_path(m)}")
     total = sum(b for _, b in formats.values())
     print(f"weights      {total:,} bytes resident")
