@@ -51,22 +51,13 @@ class Lfm2Config(DecoderConfig):
     block_ff_dim: PositiveInt | None = None
     tie_embedding: bool | None = None
     default_rope_theta = 1_000_000.0
+    layer_kind_names = KINDS
 
-    def layer_kinds(self) -> list[str]:
+    def default_layer_kinds(self) -> list[str]:
+        """Without `layer_types`: the legacy `full_attn_idxs` attend (absent: every layer)."""
         n = self.num_hidden_layers
-        kinds = self.layer_types
-        if kinds is None:
-            full = set(range(n) if self.full_attn_idxs is None else self.full_attn_idxs)
-            kinds = ["full_attention" if i in full else "conv" for i in range(n)]
-        if len(kinds) < n or sorted(set(kinds[:n]) - set(KINDS)):
-            raise ConfigError(
-                f"config.json: field 'layer_types' must give one of {', '.join(KINDS)} per layer "
-                f"(num_hidden_layers={n}); got {kinds!r}"
-            )
-        return list(kinds[:n])
-
-    def layer_windows(self) -> list[int | None]:
-        return [None] * self.num_hidden_layers  # no sliding windows
+        full = set(range(n) if self.full_attn_idxs is None else self.full_attn_idxs)
+        return ["full_attention" if i in full else "conv" for i in range(n)]
 
     def norm_spec(self) -> RMSNormSpec:
         return RMSNormSpec(self.norm_eps)  # differs: `norm_eps`, not rms_norm_eps
