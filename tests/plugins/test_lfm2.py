@@ -20,6 +20,7 @@ from parity import TOL, ParitySuite, ids, rel_err
 from core import ConfigError, load_model
 from core.config import GQASpec
 from core.config_kinds import ShortConvSpec
+from core.cpu_step import kinds, why_not
 from core.parallel import tp
 from plugins.lfm2 import Lfm2Config
 
@@ -80,6 +81,9 @@ def test_layers_follow_layer_types(lfm2):
     assert specs[0] == ShortConvSpec(hidden=32, l_cache=4, bias=True)
     assert specs[1].qk_norm is not None and m.config.mlp.intermediate_size == 96
     assert m.config.state_bytes_per_sequence(4) == 2 * 32 * 3 * 4  # 2 conv layers, L - 1 = 3
+    # the fused CPU decode step takes every block (tests/core/test_cpu_step.py: equal to these)
+    assert why_not(m.net) is None
+    assert kinds(m.net) == "2 x ShortConv + GatedMLP, 1 x GQAAttention + GatedMLP"
 
 
 @torch.no_grad()
