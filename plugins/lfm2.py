@@ -1,5 +1,6 @@
-"""Liquid LFM2 (`lfm2`): gated short-conv layers (`conv`: core/layers/shortconv.py) mixed with
-grouped-query attention layers (`full_attention`), as a delta of Llama.
+"""Liquid LFM2 (`lfm2`; `lfm2_moe`: with routed experts): gated short-conv layers (`conv`:
+core/layers/shortconv.py) mixed with grouped-query attention layers (`full_attention`), as a
+delta of Llama.
 
 Differs from Llama: attention RMS-norms q and k per head (q_layernorm / k_layernorm) and
 projects out through out_proj; the norms are operator_norm / ffn_norm per block and the final
@@ -17,12 +18,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
-from core.config import DenseMLPSpec, GQASpec, RMSNormSpec
+from core.config import DenseMLPSpec, GQASpec, MoESpec, RMSNormSpec
 from core.config_kinds import ShortConvSpec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig
+from core.hfconfig import DecoderConfig, routed_top_k
 from core.hookspecs import hookimpl
 
 KINDS = ("conv", "full_attention")
@@ -97,6 +98,42 @@ class Lfm2Config(DecoderConfig):
         return replace(cfg, tie_word_embeddings=tied)
 
 
+class Lfm2MoeConfig(Lfm2Config):
+    """LFM2-MoE (`lfm2_moe`, LFM2-8B-A1B): LFM2 whose MLPs after the first `num_dense_layers`
+    are routed experts: sigmoid scores, the top `num_experts_per_tok` chosen by score plus
+    `expert_bias` (`use_expert_bias`; else by score), weights the unbiased scores, renormalised
+    (`norm_topk_prob`) and scaled. Defaults are transformers' Lfm2MoeConfig's."""
+
+    model_type: Literal["lfm2_moe"] = "lfm2_moe"
+    hidden_size: PositiveInt = 2048
+    intermediate_size: PositiveInt = 7168
+    moe_intermediate_size: PositiveInt = 1792
+    num_dense_layers: NonNegativeInt = 2
+    num_experts: PositiveInt = 32
+    num_experts_per_tok: PositiveInt = 4
+    use_expert_bias: bool = True
+    routed_scaling_factor: PositiveFloat = 1.0
+    norm_topk_prob: bool = True
+
+    def ff_dim(self) -> int:
+        return self.intermediate_size  # differs from lfm2: the dense layers' width as given
+
+    def moe_spec(self) -> MoESpec:
+        e = self.num_experts
+        return MoESpec(
+            num_experts=e,
+            top_k=routed_top_k(self.num_experts_per_tok, e, "num_experts"),
+            intermediate_size=self.moe_intermediate_size,
+            num_shared_experts=0,
+            layers=tuple(range(self.num_dense_layers, self.num_hidden_layers)),
+            scoring="sigmoid",
+            # the bias only ranks the experts (DeepSeek V3's noaux_tc, in one group)
+            topk_method="noaux_tc" if self.use_expert_bias else "greedy",
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+
 _L = "model.layers.{}"
 WEIGHT_MAP = {
     "model.embedding_norm": "model.norm",
@@ -117,7 +154,21 @@ WEIGHT_MAP = {
     f"{_L}.feed_forward.w2": f"{_L}.mlp.down_proj",
 }
 
+_EXPERTS = f"{_L}.feed_forward.experts"
+LFM2_MOE_WEIGHT_MAP = {
+    **WEIGHT_MAP,
+    f"{_L}.feed_forward.gate": f"{_L}.mlp.gate",
+    f"{_L}.feed_forward.expert_bias": f"{_L}.mlp.gate.e_score_correction_bias",  # whole name
+    # routed experts, per expert (the hub's) or stacked (transformers 5's)
+    f"{_EXPERTS}.{{}}.w1": (f"{_L}.mlp.experts.gate_up_proj", "{}.gate"),
+    f"{_EXPERTS}.{{}}.w3": (f"{_L}.mlp.experts.gate_up_proj", "{}.up"),
+    f"{_EXPERTS}.{{}}.w2": (f"{_L}.mlp.experts.down_proj", "{}"),
+    f"{_EXPERTS}.gate_up_proj": f"{_L}.mlp.experts.gate_up_proj.weight",
+    f"{_EXPERTS}.down_proj": f"{_L}.mlp.experts.down_proj.weight",
+}
+
 
 @hookimpl
 def zoo_register_architectures(registry):
     registry.add_architecture("lfm2", Lfm2Config, WEIGHT_MAP)
+    registry.add_architecture("lfm2_moe", Lfm2MoeConfig, LFM2_MOE_WEIGHT_MAP)

@@ -177,6 +177,17 @@ CASES = {
         block_auto_adjust_ff_dim=False,
         norm_eps=1e-5,
     ),
+    # LFM2-MoE: a dense first layer, then sigmoid-routed experts (noaux_tc in one group)
+    "lfm2-moe": dict(
+        BASE,
+        model_type="lfm2_moe",
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_eps=1e-5,
+    ),
 }
 RAW = {"gemma3_text"}
 # DeepSeek's MLA, every MLP dense: a latent of 24 (not whole vectors), rope on 8 dims

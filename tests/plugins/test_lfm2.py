@@ -1,6 +1,7 @@
-"""LFM2 against transformers (fp32) on tiny random checkpoints: gated short-conv layers and
-attention layers with q/k layernorm, the MLP width derived from block_ff_dim, the legacy keys
-real LFM2 configs carry, and the conv state across chunked prefills.
+"""LFM2 and LFM2-MoE against transformers (fp32) on tiny random checkpoints: gated short-conv
+layers and attention layers with q/k layernorm, the MLP width derived from block_ff_dim, the
+legacy keys real LFM2 configs carry, the conv state across chunked prefills, and LFM2-MoE's
+sigmoid routing with an expert bias after a dense layer.
 
 Every feature is sized to move transformers' logits: conv_bias on (its biases random), a
 4-tap conv (conv_L_cache) and two conv layers per attention layer, and random q/k norms;
@@ -48,6 +49,28 @@ LFM2 = dict(
     pad_token_id=0,
 )
 
+# LFM2-MoE (LFM2-8B-A1B-style): a dense first layer, then 4 experts of 32, top-2 by sigmoid
+# score plus a random expert bias (large enough to change which experts are chosen)
+LFM2_MOE = {k: v for k, v in LFM2.items() if not k.startswith("block_")}
+LFM2_MOE.update(model_type="lfm2_moe", intermediate_size=64, num_dense_layers=1,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                routed_scaling_factor=1.5)  # fmt: skip
+
+
+def make_moe(root):
+    """An LFM2-MoE checkpoint with random expert biases (transformers initialises them 0)."""
+    from safetensors.torch import load_file, save_file
+
+    root, ref = make_checkpoint(root, LFM2_MOE)
+    path, gen = root / "model.safetensors", torch.Generator().manual_seed(5)
+    state = load_file(path)
+    for name, buf in ref.named_buffers():
+        if name.endswith("expert_bias"):
+            buf.copy_(torch.rand(buf.shape, generator=gen) * 2)
+            state[name] = buf.clone()
+    save_file(state, path, metadata={"format": "pt"})
+    return root, ref
+
 
 def edit_config(root, **changes):
     """Rewrite root's config.json with `changes` (None: drop the key)."""
@@ -72,6 +95,36 @@ class TestParity(ParitySuite):
     @pytest.fixture
     def model(self, lfm2):
         return lfm2
+
+
+@pytest.fixture(scope="module")
+def lfm2_moe(tmp_path_factory):
+    root, ref = make_moe(tmp_path_factory.mktemp("lfm2_moe"))
+    return load_model(root, max_seq_len=64, max_batch_size=2), ref, root
+
+
+class TestParityMoe(TestParity):
+    ragged: ClassVar[dict] = dict(lengths=(5, 11), steps=2, new=6)
+
+    @pytest.fixture
+    def model(self, lfm2_moe):
+        return lfm2_moe
+
+
+def test_moe_expert_bias_moves_the_logits(lfm2_moe, tmp_path):
+    """Without the expert bias (use_expert_bias false, its tensors dropped) the experts chosen
+    differ and parity breaks."""
+    from safetensors.torch import load_file, save_file
+
+    m, ref, root = lfm2_moe
+    assert m.config.moe.layers == (1, 2) and m.config.moe.topk_method == "noaux_tc"
+    (tmp_path / "config.json").write_text((root / "config.json").read_text())
+    state = {k: v for k, v in load_file(root / "model.safetensors").items()
+             if not k.endswith("expert_bias")}  # fmt: skip
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    edit_config(tmp_path, use_expert_bias=False)
+    x = ids(VOCAB, 1, 16)
+    assert rel_err(load_model(tmp_path, max_seq_len=32).forward(x), ref(x).logits) > 10 * TOL
 
 
 def test_layers_follow_layer_types(lfm2):
