@@ -14,12 +14,13 @@ embedding, half the attn_v and ffn_down tensors).
     python benchmarks/gguf_synth.py --shape llama3 --out /tmp/synth --types q4_k_m q8_0
     -> /tmp/synth/llama3-src-q8_0.gguf, llama3-q4_k_m.gguf, llama3-q8_0.gguf
 
-Qwen3.5's hybrids and gpt-oss go the way a released file goes: a hub-style checkpoint of the
+Qwen3.5's hybrids, gpt-oss and LFM2 go the way a released file goes: a hub-style checkpoint of the
 shape with random weights (benchmarks/synth_hub.py; gpt-oss's experts in MXFP4, as released),
 converted to the Q8_0 source by llama.cpp's `convert_hf_to_gguf.py`, then quantized as above:
 
     python benchmarks/gguf_synth.py --shape qwen3.5-moe --layers 4 --types q4_k_m
     python benchmarks/gguf_synth.py --shape gpt-oss-20b --types mxfp4_moe
+    python benchmarks/gguf_synth.py --shape lfm2 --types q4_k_m   # LFM2-1.2B
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A hub-style checkpoint of a registry.yaml shape with random weights, for llama.cpp's own
 converter to turn into the GGUF file a user downloads (benchmarks/gguf_synth.py's path for
-the architectures whose GGUF metadata it does not write itself: Qwen3.5's hybrids, gpt-oss).
+the architectures whose GGUF metadata it does not write itself: Qwen3.5's hybrids, gpt-oss,
+LFM2).
 
 The tensors are the ones transformers' model of that config holds (built on the meta device:
 nothing is allocated), written shard by shard in bf16: normal weights (std 0.02), norms 1,
@@ -27,6 +28,7 @@ TEXT_MODELS = {
     "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM"),
 }
 
 
@@ -34,12 +36,17 @@ def text_config(shape: dict, layers: int | None) -> dict:
     """config.json of the shape's text model, sliced to its first `layers` layers."""
     kind, arch = TEXT_MODELS[shape["model_type"]]
     cfg = dict(shape.get("text_config", shape), model_type=kind, architectures=[arch])
-    cfg.setdefault("tie_word_embeddings", shape.get("tie_word_embeddings", False))
+    tied = shape.get("tie_word_embeddings", shape.get("tie_embedding", False))  # LFM2's legacy key
+    cfg.setdefault("tie_word_embeddings", tied)
     if layers:
         cfg["num_hidden_layers"] = layers
         for key in ("layer_types", "mlp_only_layers"):
             if isinstance(cfg.get(key), list):
                 cfg[key] = cfg[key][:layers]
+    if "full_attn_idxs" in cfg and "layer_types" not in cfg:  # LFM2's legacy pattern: the
+        n = cfg["num_hidden_layers"]  # converter reads layer_types
+        cfg["layer_types"] = ["full_attention" if i in cfg["full_attn_idxs"] else "conv"
+                              for i in range(n)]  # fmt: skip
     cfg["mtp_num_hidden_layers"] = 0  # the converter would look for MTP tensors
     cfg["torch_dtype"] = "bfloat16"
     if kind == "gpt_oss":
@@ -81,6 +88,8 @@ def tensors(cfg: dict, seed: int):
     rng = torch.Generator().manual_seed(seed)
     mxfp4 = "quantization_config" in cfg
     for name, shape in planned(cfg).items():
+        if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue  # the embedding's: a tied checkpoint stores it once
         if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             e, cols, rows = shape  # transformers holds them (E, in, out)
             blocks, scales = _mxfp4(rng, e, rows, cols)

@@ -1,8 +1,9 @@
 """The layer kinds beyond a Llama-style block's, as frozen specs (`core.config` holds the
-common ones and the RuntimeConfig): recurrent (gated DeltaNet, Mamba2), sparse (DeepSeek's DSA over
-MLA) and compressed (DeepSeek V4) attention, hyper-connected residual streams (DeepSeek V4),
-Gemma 4's dense + routed MLP and per-layer inputs, and the sentinel of a block without one of
-its two sub-blocks (Nemotron-H's one-mixer layers). Like core.config, nothing here imports torch.
+common ones and the RuntimeConfig): recurrent (gated DeltaNet, Mamba2, short conv), sparse
+(DeepSeek's DSA over MLA) and compressed (DeepSeek V4) attention, hyper-connected residual
+streams (DeepSeek V4), Gemma 4's dense + routed MLP and per-layer inputs, and the sentinel of a
+block without one of its two sub-blocks (Nemotron-H's one-mixer layers). Like core.config,
+nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -173,6 +174,33 @@ class Mamba2Spec:
     def cache_dtypes(self) -> dict[str, str]:
         """Tensors kept in another dtype than the model's: the SSM state accumulates in fp32."""
         return {"ssm": "float32"}
+
+
+@dataclass(frozen=True)
+class ShortConvSpec:
+    """A gated short convolution (LFM2's conv layers), in place of attention.
+
+    x -> in_proj -> B, C, x' (hidden each); y = C * conv(B * x'), the conv causal and depthwise
+    with `l_cache` taps per channel; then out_proj. `bias`: in_proj, the conv and out_proj
+    carry a bias (LFM2's `conv_bias`).
+
+    What it caches is a fixed size per row (`recurrent`): the conv's last l_cache - 1 inputs.
+    """
+
+    hidden: int
+    l_cache: int
+    bias: bool = False
+    rope: Literal["none"] = "none"  # no rotary embedding
+    recurrent: ClassVar[bool] = True  # a fixed-size state per row: no per-token cache
+    kind: ClassVar[str] = "short conv"  # its name in `zoo info`
+
+    def __post_init__(self):
+        if self.l_cache < 2:
+            raise ValueError(f"ShortConvSpec: l_cache must be at least 2, got {self.l_cache}")
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """The per-row state (seq is not used): the conv's last inputs (B, hidden, L - 1)."""
+        return {"conv": (batch, self.hidden, self.l_cache - 1)}
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
 and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
 head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, a
-gated DeltaNet or a Mamba2 layer; a gated SiLU / GELU MLP or a MoE: any routing of
-`core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases,
-shared experts gated or not; weights fp32 or kept quantized), the step
+gated DeltaNet, a Mamba2 layer or a gated short conv (LFM2); a gated SiLU / GELU MLP or a
+MoE: any routing of `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or
+without biases, shared experts gated or not; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -24,6 +24,7 @@ from core.layers.deltanet import GatedDeltaNet
 from core.layers.mamba2 import Mamba2
 from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
+from core.layers.shortconv import ShortConv
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
 from kernels.cpu.build import MAX_ROWS, library
@@ -32,11 +33,12 @@ from kernels.cpu.delta import DELTA_MAX_DIM, Delta
 from kernels.cpu.mamba import Mamba
 from kernels.cpu.mla import Latent
 from kernels.cpu.moe import MAX_EXPERTS, Experts, SharedExperts
+from kernels.cpu.shortconv import ShortConvLayer
 from kernels.cpu.views import ACTS
 from kernels.qweight import QuantStack, QuantWeight
 
 # the attention kinds the step takes (the recurrent ones: RECURRENT, which add into h themselves)
-RECURRENT = (GatedDeltaNet, Mamba2)
+RECURRENT = (GatedDeltaNet, Mamba2, ShortConv)
 ATTENTION = (GQAAttention, MLAAttention, *RECURRENT)
 
 
@@ -176,6 +178,8 @@ def blocks(net: CausalLM) -> Blocks | None:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
         elif type(attn) is Mamba2:
             kw = dict(NO_ATTENTION, mamba=_mamba(attn, *cache))
+        elif type(attn) is ShortConv:
+            kw = dict(NO_ATTENTION, sconv=_sconv(attn, *cache))
         elif type(attn) is MLAAttention:
             kw = _latent(net, i, attn, *cache)
         else:
@@ -291,6 +295,20 @@ def _mamba(attn: Mamba2, conv: torch.Tensor, state: torch.Tensor) -> Mamba:
         head_dim=s.head_dim,
         groups=s.n_groups,
         state_dim=s.state_size,
+    )
+
+
+def _sconv(attn: ShortConv, conv: torch.Tensor) -> ShortConvLayer:
+    """The C step's view of a gated short-conv layer and its cache (the conv window)."""
+    w = attn.conv.weight
+    return ShortConvLayer(
+        in_proj=attn.in_proj.weight,
+        in_bias=attn.in_proj.bias,
+        out_proj=attn.out_proj.weight,
+        out_bias=attn.out_proj.bias,
+        conv=w.reshape(w.shape[0], w.shape[-1]),
+        conv_bias=attn.conv.bias,
+        conv_state=conv,
     )
 
 

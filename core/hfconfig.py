@@ -136,6 +136,8 @@ class DecoderConfig(BaseModel):
     default_rope_theta: ClassVar[float] = (
         10000.0  # what transformers assumes when the key is absent
     )
+    # the `layer_types` values this family runs (a hybrid's own kinds beside attention's)
+    layer_kind_names: ClassVar[tuple[str, ...]] = LAYER_KINDS
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DecoderConfig:
@@ -184,11 +186,11 @@ class DecoderConfig(BaseModel):
                 f"config.json: field 'layer_types' lists {len(kinds)} kinds for "
                 f"num_hidden_layers={n}; give one per layer"
             )
-        bad = sorted({k for k in kinds[:n] if k not in LAYER_KINDS})
+        bad = sorted({k for k in kinds[:n] if k not in self.layer_kind_names})
         if bad:
             raise ConfigError(
                 f"config.json: field 'layer_types' holds {', '.join(map(repr, bad))}, which "
-                f"{type(self).__name__} cannot run; supported: {', '.join(LAYER_KINDS)}"
+                f"{type(self).__name__} cannot run; supported: {', '.join(self.layer_kind_names)}"
             )
         return list(kinds[:n])
 

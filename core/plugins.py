@@ -81,6 +81,7 @@ BUILTIN_PLUGINS = (
     "plugins.minimax_m2",
     "plugins.deepseek_v4",
     "plugins.granite_hybrid",
+    "plugins.lfm2",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

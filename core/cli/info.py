@@ -32,7 +32,7 @@ def info(args: argparse.Namespace) -> None:
     )
     state = c.state_bytes_per_sequence(size)
     if state:  # linear-attention layers: a fixed-size state per sequence, whatever its length
-        print(f"state bytes  {state:,} per sequence (recurrent layers' conv + scan state)")
+        print(f"state bytes  {state:,} per sequence (recurrent layers' conv windows and states)")
         cache = m.net.kv_cache
         print(
             f"snapshots    {cache.snapshot_bytes:,} bytes per row ({cache.snapshots} of the "
@@ -65,8 +65,8 @@ def _decode_path(m) -> str:
 def _layer_kinds(c) -> str:
     """How many layers of each attention kind: 'full x 24, window 4096 x 12, NoPE x 9' (and
     'shared K/V x 20': layers reading an earlier layer's keys and values);
-    recurrent layers by their spec's kind or name ('GatedDeltaNetSpec x 36, full x 12'); layers
-    without attention (Nemotron-H's MLP and MoE layers) as 'MLP only'."""
+    recurrent layers by their spec's kind or name ('GatedDeltaNetSpec x 36, full x 12', 'short
+    conv x 10'); layers without attention (Nemotron-H's MLP and MoE layers) as 'MLP only'."""
     from core.config_kinds import NoSubBlock, SparseMLASpec
 
     kinds: dict[str, int] = {}

@@ -1,5 +1,5 @@
 """The causal depthwise conv with a per-row state that the recurrent layers share (gated
-DeltaNet, Mamba2), and the row bookkeeping around their fixed-size states.
+DeltaNet, Mamba2, LFM2's short conv), and the row bookkeeping around their fixed-size states.
 
 Each row's conv state holds its last K - 1 inputs (B, C, K - 1); the conv runs over [that
 state | the new inputs], so a prompt fed in chunks gives the same outputs as one pass. Under
@@ -37,12 +37,14 @@ def causal_conv1d(
     weight: torch.Tensor,  # (C, 1, K): the hub's depthwise nn.Conv1d weight
     bias: torch.Tensor | None,
     lengths: torch.Tensor | None = None,  # (B,) real tokens per row (right padding)
+    silu: bool = True,  # False: the conv alone (LFM2's short conv)
 ) -> torch.Tensor:
     """SiLU(depthwise causal conv of x after the row's state) -> (B, T, C) in weight's dtype;
     the state then holds the K - 1 inputs before each row's end."""
     t = x.shape[1]
     seq = torch.cat((conv, x.transpose(1, 2).to(conv.dtype)), dim=-1)  # (B, C, K-1+T)
-    out = F.silu(F.conv1d(seq.to(weight.dtype), weight, bias, groups=weight.shape[0]))
+    out = F.conv1d(seq.to(weight.dtype), weight, bias, groups=weight.shape[0])
+    out = F.silu(out) if silu else out
     _keep_inputs(conv, seq, t, lengths)
     return out.transpose(1, 2)
 

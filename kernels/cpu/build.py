@@ -1,6 +1,6 @@
 """The CPU C library (kernels/cpu/qgemv.c, qdot.c and qformats.c, ops.c and the fused step's
-decode.c, moe.c, delta.c, mla.c, mamba.c): built and loaded here, called by the modules beside
-this one.
+decode.c, moe.c, delta.c, mla.c, mamba.c, shortconv.c): built and loaded here, called by the
+modules beside this one.
 
 The library is compiled on first use with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`, a few seconds) into a per-user cache and loaded with ctypes; where no compiler
@@ -27,7 +27,7 @@ log = logging.getLogger("zoo")
 # the block products, decode's small ops (kernels/cpu/ops.py) and its fused blocks
 # (kernels/cpu/decode.py): one library; the headers are hashed into the cache key with them
 _C_FILES = ("qgemv.c", "qdot.c", "qformats.c", "ops.c", "decode.c", "moe.c", "delta.c", "mla.c",
-            "mamba.c")  # fmt: skip
+            "mamba.c", "shortconv.c")  # fmt: skip
 _H_FILES = ("zoo_cpu.h", "qformats.h", "qvec.h", "step.h")
 SOURCES = [Path(__file__).with_name(name) for name in _C_FILES]
 HEADERS = [Path(__file__).with_name(name) for name in _H_FILES]

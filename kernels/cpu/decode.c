@@ -11,9 +11,10 @@
 // waiting for one thread to do it), then takes its share of each product's output rows (the
 // same rows every block, so a thread adds to the h columns it computed), of the kv heads
 // (rope, cache write) and of the query heads (attention), with a barrier where one part
-// reads what another wrote. A block may hold a gated DeltaNet layer (delta.c) or a Mamba2
-// layer (mamba.c) in attention's place. The arithmetic is the separate ops' (zoo_qgemv_rows,
-// zoo_rms_norm, zoo_rope, zoo_attend_group), so the result equals the eager step's to rounding.
+// reads what another wrote. A block may hold a gated DeltaNet layer (delta.c), a Mamba2 layer
+// (mamba.c) or a gated short conv (shortconv.c) in attention's place. The arithmetic is the
+// separate ops' (zoo_qgemv_rows, zoo_rms_norm, zoo_rope, zoo_attend_group), so the result
+// equals the eager step's to rounding.
 #define _GNU_SOURCE
 #include <limits.h>
 #include <math.h>
@@ -61,6 +62,7 @@ typedef struct {
     int64_t qk_whole;   // qnorm / knorm span all of q's (k's) heads at once (MiniMax M2)
     const zmamba_t *mamba;  // a Mamba2 layer in place of attention, or NULL
     float rscale;           // each sub-block's output times this before its residual add (Granite)
+    const zsconv_t *sconv;  // a gated short-conv layer in place of attention (LFM2), or NULL
 } zblock_t;
 
 // Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
@@ -273,6 +275,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         }
         if (b->delta) arena = max64(arena, zoo_delta_arena(b->delta, M));
         if (b->mamba) arena = max64(arena, zoo_mamba_arena(b->mamba, M));
+        if (b->sconv) arena = max64(arena, zoo_sconv_arena(b->sconv, M));
         if (b->mla) {
             arena = max64(arena, zoo_mla_arena(b->mla, M));
             mshared = max64(mshared, zoo_mla_shared(b->mla, M));
@@ -282,7 +285,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         inter = max64(inter, b->inter);
         slots = max64(slots, b->slots);
         d = max64(d, b->d);
-        group = max64(group, b->delta || b->mamba ? 1 : b->hq / b->hkv);
+        group = max64(group, b->delta || b->mamba || b->sconv ? 1 : b->hq / b->hkv);
     }
     in = max64(max64(in, hqd), inter);
     // shared: the q|k|v rows, attention's output, gate|up, act(gate) * up, a product's output
@@ -317,6 +320,8 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
             } else if (b->mamba) {  // a Mamba2 layer (mamba.c): h += its output
                 zoo_mamba(b->mamba, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
+            } else if (b->sconv) {  // a gated short-conv layer (shortconv.c): h += its output
+                zoo_sconv(b->sconv, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
             } else {
                 if (b->mla)  // mla.c: its own products, cache and heads
                     zoo_mla(b->mla, xn, att, M, pos, rows, cos[b->rope], sin[b->rope],

@@ -1,13 +1,15 @@
 """A decode step's decoder blocks as one C call on CPUs (kernels/cpu/decode.c, and for the
-blocks' MoE MLPs, gated DeltaNet layers, Mamba2 layers and MLA moe.c, delta.c, mamba.c, mla.c
-through the views of moe.py, delta.py, mamba.py, mla.py here).
+blocks' MoE MLPs, gated DeltaNet layers, Mamba2 layers, short convs and MLA moe.c, delta.c,
+mamba.c, shortconv.c, mla.c through the views of moe.py, delta.py, mamba.py, shortconv.py,
+mla.py here).
 
 For a few rows (one token per sequence) of a small model, an eager step spends more time
 dispatching its ~20 ops per block and forking and joining threads for each product than in the
 products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step. The C function
 runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static cache with
 rope, optional q/k norms and output gate, DeepSeek's MLA over its latent cache (mla.c), a gated
-DeltaNet layer (delta.c) or a Mamba2 layer (mamba.c); a gated SiLU / GELU MLP or a MoE (moe.c:
+DeltaNet layer (delta.c), a Mamba2 layer (mamba.c) or a gated short conv (shortconv.c); a
+gated SiLU / GELU MLP or a MoE (moe.c:
 any routing of core.layers.moe.route, SiLU-gated or gpt-oss's clamped experts, biases, shared
 experts); Gemma's post-norms; quantized or fp32 weights) inside one OpenMP region, with the
 arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors (built once:
@@ -26,6 +28,7 @@ from kernels.cpu.delta import Delta, delta_scratch, delta_view
 from kernels.cpu.mamba import Mamba, mamba_scratch, mamba_view
 from kernels.cpu.mla import Latent, mla_view
 from kernels.cpu.moe import Experts, moe_view
+from kernels.cpu.shortconv import ShortConvLayer, sconv_scratch, sconv_view
 from kernels.cpu.views import (
     ACTS,
     F32,
@@ -51,7 +54,7 @@ class _Block(ctypes.Structure):
         ("kv_half", I64), ("qnorm", PTR), ("knorm", PTR), ("qk_eps", F32), ("moe", PTR),
         ("delta", PTR), ("ogate", I64),
         ("post1", PTR), ("post2", PTR), ("post_eps1", F32), ("post_eps2", F32), ("mla", PTR),
-        ("qk_whole", I64), ("mamba", PTR), ("rscale", F32),
+        ("qk_whole", I64), ("mamba", PTR), ("rscale", F32), ("sconv", PTR),
     ]  # fmt: skip
 
 
@@ -103,9 +106,10 @@ class Block:
     qk_whole: bool = False  # qk_norm's weights span all heads at once (MiniMax M2), not one head
     mamba: Mamba | None = None  # in place of attention (its fields then NO_ATTENTION's)
     residual_scale: float = 1.0  # each sub-block's output times this before its add (Granite)
+    sconv: ShortConvLayer | None = None  # in place of attention, as `delta`
 
 
-# a Block's attention fields where its layer is not attention (`delta`, `mamba`)
+# a Block's attention fields where its layer is not attention (`delta`, `mamba`, `sconv`)
 NO_ATTENTION = dict(
     qkv=None, qkv_bias=None, o=None, o_bias=None, k_cache=None, v_cache=None, ring=False,
     heads=0, kv_heads=0, head_dim=0, rope=None, rope_half=0, interleaved=False, scale=0.0,
@@ -174,8 +178,8 @@ def _post(c, b: Block, hidden: int, keep: list) -> bool:
     (w1, e1), (w2, e2) = b.post_norms
     if not (norm_ok((w1, e1), hidden) and norm_ok((w2, e2), hidden)):
         return False
-    if b.moe is not None or b.delta is not None or b.mamba is not None:
-        return False  # (the MoE, DeltaNet and Mamba2 layers add their output into h themselves)
+    if b.moe is not None or b.delta is not None or b.mamba is not None or b.sconv is not None:
+        return False  # (the MoE and the recurrent layers add their output into h themselves)
     keep.append((w1, w2))
     c.post1, c.post2, c.post_eps1, c.post_eps2 = w1.data_ptr(), w2.data_ptr(), e1, e2
     return True
@@ -224,7 +228,8 @@ class Blocks:
         # shared by the delta (the Mamba2) layers, which run one by one
         scratch = delta_scratch([b.delta for b in blocks if b.delta is not None])
         m_scratch = mamba_scratch([b.mamba for b in blocks if b.mamba is not None])
-        keep.append((scratch, m_scratch))
+        convs = sconv_scratch([b.sconv for b in blocks if b.sconv is not None], hidden)
+        keep.append((scratch, m_scratch, convs))
         for c, b in zip(arr, blocks, strict=True):
             if b.delta is not None:
                 delta = delta_view(b.delta, hidden, scratch, keep)
@@ -234,6 +239,10 @@ class Blocks:
                 mamba = mamba_view(b.mamba, hidden, m_scratch, keep)
                 c.mamba = None if mamba is None else ctypes.addressof(mamba)
                 fits = mamba is not None
+            elif b.sconv is not None:
+                sconv = sconv_view(b.sconv, hidden, convs, keep)
+                c.sconv = None if sconv is None else ctypes.addressof(sconv)
+                fits = sconv is not None
             else:
                 fits = _attention(c, b, hidden, keep)
             norms = (b.norm1, b.norm2)

@@ -191,3 +191,24 @@ void zoo_mla(const zmla_t *m, const float *xn, float *att, int64_t M, const int6
              const int64_t *rows, const float *cos, const float *sin, int64_t cstride,
              int64_t t, int64_t T, float *shared, float *local, qx_t *px, char *buf,
              spin_barrier_t *bar);
+
+// A gated short-conv layer (shortconv.c; LFM2) in place of a block's attention: in_proj of the
+// normed rows into B | C | x, the causal depthwise conv of B * x over the conv window in the
+// cache (plus its bias), times C, and out_proj added to h.
+typedef struct {
+    zlinear_t in, out;     // in_proj (3 H rows: B | C | x), out_proj; biases LFM2's conv_bias
+    int64_t kernel;
+    const float *conv_w;   // (H, kernel): one filter per channel
+    const float *conv_b;   // (H,) or NULL
+    void *conv;            // (B, H, kernel - 1): each row's last inputs, fp16 if conv_half
+    int64_t conv_sb, conv_half;  // the cache's row stride (elements)
+    float *scratch;        // shared, MAX_ROWS 4 H floats
+} zsconv_t;
+
+int64_t zoo_sconv_arena(const zsconv_t *s, int64_t M);
+// h[:, this thread's columns] += the layer's output for the normed rows xn (M, H) at
+// positions pos in the cache rows `rows` (NULL: 0..M-1); thread t of T; y (M, H) shared;
+// the output times `scale` (Granite's residual multiplier; 1 for LFM2).
+void zoo_sconv(const zsconv_t *s, const float *xn, float *h, int64_t M, int64_t H,
+               const int64_t *pos, const int64_t *rows, int64_t t, int64_t T, float *y,
+               qx_t *px, char *buf, spin_barrier_t *bar, float scale);

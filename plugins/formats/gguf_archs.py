@@ -26,6 +26,8 @@ from plugins.formats.gguf_families import (
     GPT_OSS,
     GRANITE_HYBRID,
     GRANITE_HYBRID_KEYS,
+    LFM2,
+    LFM2_KEYS,
     LLAMA4,
     MINIMAXM2,
     MIXTRAL,
@@ -37,6 +39,7 @@ from plugins.formats.gguf_families import (
     configure_gemma4,
     configure_glm4moe,
     configure_granite_hybrid,
+    configure_lfm2,
     configure_llama4,
     configure_mistral3,
     configure_olmo2,
@@ -309,6 +312,14 @@ ARCHITECTURES = {
         config={**MOE_KEYS, **GRANITE_HYBRID_KEYS},
         configure=configure_granite_hybrid,
         fixes=GRANITE_HYBRID_FIXES,
+    ),
+    # LFM2: gated short-conv layers beside attention with q/k norms; the conv stored 2-D
+    "lfm2": Arch(
+        "lfm2",
+        tensors=LFM2,
+        config=LFM2_KEYS,
+        configure=configure_lfm2,
+        fixes={"blk.{}.shortconv.conv": Fix(values=lambda w: w.unsqueeze(1))},
     ),
     # llama.cpp's minimax-m2 graph: sigmoid scores plus the bias, renormalised; no MTP written
     "minimax-m2": Arch(

@@ -412,3 +412,36 @@ def configure_granite_hybrid(
     cfg["num_experts_per_tok"] = int(meta("expert_used_count", 0) or 0)
     cfg["position_embedding_type"] = "rope" if meta("rope.scaling.finetuned") else "nope"
     return cfg
+
+
+# --- LFM2 (`lfm2`): gated short convs beside attention -------------------------------------
+_LFM2 = "model.layers.{}"
+LFM2 = {  # LFM2's hub names; its final norm is stored as token_embd_norm
+    "token_embd_norm": "model.embedding_norm",
+    "blk.{}.attn_norm": f"{_LFM2}.operator_norm",
+    "blk.{}.ffn_norm": f"{_LFM2}.ffn_norm",
+    "blk.{}.attn_output": f"{ATTN}.out_proj",
+    "blk.{}.attn_q_norm": f"{ATTN}.q_layernorm",
+    "blk.{}.attn_k_norm": f"{ATTN}.k_layernorm",
+    "blk.{}.shortconv.conv": f"{_LFM2}.conv.conv",  # (hidden, L): the hub's (hidden, 1, L)
+    "blk.{}.shortconv.in_proj": f"{_LFM2}.conv.in_proj",
+    "blk.{}.shortconv.out_proj": f"{_LFM2}.conv.out_proj",
+    "blk.{}.ffn_gate": f"{_LFM2}.feed_forward.w1",
+    "blk.{}.ffn_up": f"{_LFM2}.feed_forward.w3",
+    "blk.{}.ffn_down": f"{_LFM2}.feed_forward.w2",
+}
+LFM2_KEYS = {
+    "shortconv.l_cache": "conv_L_cache",
+    "attention.layer_norm_rms_epsilon": "norm_eps",
+}
+
+
+def configure_lfm2(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """LFM2: the converter stores the kv heads per layer, 0 on the conv layers (which gives
+    the layer pattern), and the MLP width already derived (feed_forward_length: no
+    auto-adjust on read)."""
+    kv = cfg.get("num_key_value_heads")
+    if isinstance(kv, list):
+        cfg["layer_types"] = ["full_attention" if n else "conv" for n in kv]
+        cfg["num_key_value_heads"] = max(kv)
+    return {**cfg, "block_auto_adjust_ff_dim": False}

@@ -4,7 +4,7 @@ NoPE layers, partial and interleaved rope, biases, GeGLU with Gemma's norms and 
 soft-caps, DeepSeek's MLA (q_lora or not, YaRN) and its MoE routings (V2-Lite's softmax greedy,
 V3's sigmoid noaux_tc, shared experts), kept int4 / int8 weights, Qwen3-Next / Qwen3.5's gated
 DeltaNet layers (their conv windows and states carried over the steps), gated attention and
-gated shared experts, gpt-oss's biased, clamped experts.
+gated shared experts, gpt-oss's biased, clamped experts, LFM2's gated short convs.
 Each check first asserts that the fused step really ran."""
 
 from __future__ import annotations
@@ -165,6 +165,28 @@ CASES = {
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
         },
+    ),
+    # LFM2: gated short convs (4 taps, biased in_proj / conv / out_proj) beside attention with
+    # q/k norms; conv windows carried over the steps
+    "lfm2": dict(
+        BASE,
+        model_type="lfm2",
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        conv_L_cache=4,
+        conv_bias=True,
+        block_auto_adjust_ff_dim=False,
+        norm_eps=1e-5,
+    ),
+    # LFM2-MoE: a dense first layer, then sigmoid-routed experts (noaux_tc in one group)
+    "lfm2-moe": dict(
+        BASE,
+        model_type="lfm2_moe",
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_eps=1e-5,
     ),
 }
 RAW = {"gemma3_text"}

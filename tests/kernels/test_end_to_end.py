@@ -94,6 +94,8 @@ SUITES = {
     # Granite 4.0-H: Mamba2 layers (kernels.ssd_scan) beside NoPE / RoPE attention, the shared
     # MLP with and without routed experts, Granite's multipliers
     "tests/plugins/test_granite_hybrid.py": PREFILL_DECODE,
+    # LFM2: short-conv layers (their conv in torch) beside attention with per-head q/k norms
+    "tests/plugins/test_lfm2.py": PARITY_TESTS,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }

@@ -39,6 +39,7 @@ from test_deepseek import V3, make_deepseek
 from test_gemma import GEMMA, GEMMA2, GEMMA3, gemma_checkpoint
 from test_glm4_moe import GLM45, make_glm
 from test_gpt_oss import GPT_OSS, to_mxfp4
+from test_lfm2 import LFM2
 from test_minimax_m2 import MINIMAX_M2, make_minimax
 from test_mistral import MISTRAL_V03
 from test_mixtral import MIXTRAL
@@ -211,6 +212,10 @@ CASES = {  # name: (spec or maker, the file's general.architecture)
         ),
         "minimax-m2",
     ),
+    # gated short-conv layers (a 4-tap conv, stored 2-D) beside attention with q/k norms; the
+    # final norm stored as token_embd_norm, kv heads per layer (0: conv); no conv biases (the
+    # converter and llama.cpp's graph take none)
+    "lfm2": (dict(LFM2, conv_bias=False), "lfm2"),
 }
 
 
