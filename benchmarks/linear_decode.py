@@ -14,7 +14,7 @@ times each model twice: through the modules (`Model.forward`, eager) and through
 step a generation takes (the fused C blocks on CPUs: kernels/cpu/delta.c, mamba.c).
 
     .venv/bin/python benchmarks/linear_decode.py [--contexts 128 1024 4096 8192] [--repeat 15]
-        [--cpu-time] [--family qwen3.5|granite] [--fused]
+        [--cpu-time] [--family qwen3.5|granite|lfm2] [--fused]
 """
 
 from __future__ import annotations
@@ -83,7 +83,30 @@ GRANITE_KINDS = {
     "hybrid 3:1": (["mamba"] * 3 + ["attention"]) * (LAYERS // 4),
     "attention": ["attention"] * LAYERS,
 }
-FAMILIES = {"qwen3.5": (SHAPE, KINDS), "granite": (GRANITE, GRANITE_KINDS)}
+# LFM2's gated short convs (3 taps) beside GQA attention with q/k norms, at the same width
+LFM2 = dict(
+    model_type="lfm2",
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    block_auto_adjust_ff_dim=False,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    conv_L_cache=3,
+    max_position_embeddings=65536,
+    norm_eps=1e-5,
+)
+LFM2_KINDS = {
+    "short conv": ["conv"] * LAYERS,
+    "hybrid 3:1": (["conv"] * 3 + ["full_attention"]) * (LAYERS // 4),
+    "attention": ["full_attention"] * LAYERS,
+}
+FAMILIES = {
+    "qwen3.5": (SHAPE, KINDS),
+    "granite": (GRANITE, GRANITE_KINDS),
+    "lfm2": (LFM2, LFM2_KINDS),
+}
 
 
 def step_ms(runs: dict, pos: int, repeat: int, clock=time.perf_counter) -> list[float]:

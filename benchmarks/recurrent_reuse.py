@@ -4,12 +4,14 @@
 - a turn diverging ~100 tokens before the history's end (an edited message): resumes at the
   last snapshot of the row's state inside the shared prefix (every 256 tokens, 8 per row);
 - both cold: a fresh row reads the whole prompt.
-Each greedy reply (fp32) must be the cold run's, token for token. Random weights; the model is a
-tiny Qwen3.5-like gated-DeltaNet hybrid (3 linear : 1 attention) unless --shape names a JSON
-file of config.json keys (a Mamba2 or LFM2 hybrid...). Medians of --repeat runs, each from a
+Each greedy reply (fp32) must be the cold run's, token for token. Random weights; the model is
+one of linear_decode.py's hybrids (3 recurrent layers : 1 attention, 8 layers, hidden 512):
+`--family qwen3.5` gated DeltaNet (the default), `granite` Mamba2, `lfm2` short convs; or
+--shape names a JSON file of config.json keys. Medians of --repeat runs, each from a
 fresh engine whose row first reads the conversation (untimed). Prints a markdown table.
 
-    .venv/bin/python benchmarks/recurrent_reuse.py [--shape FILE.json] [--history 2000]
+    .venv/bin/python benchmarks/recurrent_reuse.py [--family qwen3.5|granite|lfm2]
+        [--shape FILE.json] [--history 2000]
         [--repeat 5] [--device cpu] [--cpu-time]
 """
 
@@ -28,21 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 import torch
 
+from benchmarks.linear_decode import FAMILIES
 from core.cli.bench import random_model
 from core.engine import Engine
 from core.generation import Seq
 from core.kv_cache import SNAPSHOTS
 from core.sampling import SamplingParams
 
-LAYERS = 8
-SHAPE = dict(  # linear_decode.py's hybrid, at 8 layers (3 gated DeltaNet : 1 attention)
-    model_type="qwen3_5_text", vocab_size=8192, hidden_size=512, intermediate_size=1536,
-    num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536,
-    rms_norm_eps=1e-6, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
-)  # fmt: skip
 REPLY, ADDED, DIVERGE = 16, 50, 100  # tokens: each reply, a new turn's own, the edit's distance
 
 
@@ -77,6 +71,7 @@ def one_run(model, history: list[int], added: list[int]) -> dict[str, tuple[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", choices=list(FAMILIES), default="qwen3.5")
     ap.add_argument("--shape", type=Path, default=None, help="config.json keys of the model")
     ap.add_argument("--history", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5)
@@ -92,7 +87,11 @@ def main() -> None:
         global CLOCK
         torch.set_num_threads(1)
         CLOCK = time.thread_time
-    shape = json.loads(args.shape.read_text()) if args.shape else SHAPE
+    if args.shape:
+        shape = json.loads(args.shape.read_text())
+    else:  # the family's 3 : 1 hybrid
+        base, kinds = FAMILIES[args.family]
+        shape = dict(base, layer_types=kinds["hybrid 3:1"])
     seq = args.history + 2 * REPLY + ADDED + 8
     model = random_model(shape, device=args.device, dtype="float32", max_seq_len=seq,
                          max_batch_size=1, snapshots=SNAPSHOTS)  # fmt: skip
