@@ -3,9 +3,10 @@
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
 and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
 head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, a
-gated DeltaNet or a Mamba2 layer; a gated SiLU / GELU MLP or a MoE: any routing of
-`core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or without biases,
-shared experts gated or not; weights fp32 or kept quantized), the step
+gated DeltaNet or a Mamba2 layer; a gated SiLU / GELU MLP, a non-gated relu2 one or a MoE:
+any routing of `core.layers.moe.route`, SiLU-gated, gpt-oss's clamped or relu2 experts with or
+without biases, shared experts gated or not; Nemotron-H's blocks of one sub-block, attention's
+or the MLP's; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -55,9 +56,7 @@ def why_not(net: CausalLM) -> str | None:
             return f"block {i} has per-layer inputs or a layer scalar (Gemma 4)"
         if layer.residual_scale != 1.0 and layer.post_norms:  # (the C step scales after them)
             return f"block {i} scales its sub-blocks' outputs by residual_scale before post-norms"
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn is None or mlp is None:
-            return f"block {i} has no {'attention' if attn is None else 'MLP'} (Nemotron-H)"
+        attn, mlp = layer.self_attn, layer.mlp  # None: a NoSubBlock (Nemotron-H)
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
         spec = getattr(attn, "spec", None)
@@ -65,9 +64,10 @@ def why_not(net: CausalLM) -> str | None:
             k = spec.index_topk
             return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
-        attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
-        kinds = [(attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
-                 (layer.post_attention_layernorm, RMSNorm)]  # fmt: skip
+        attn_kind = None if attn is None else next((k for k in ATTENTION if type(attn) is k),
+                                                   GQAAttention)  # fmt: skip
+        kinds = [(p, kind) for p, kind in ((attn, attn_kind), (mlp, mlp_kind)) if p is not None]
+        kinds += [(n, RMSNorm) for n in _pre_norms(layer) if n is not None]
         if layer.post_norms:
             if type(mlp) is MoE:
                 return f"block {i} has post-norms around a MoE MLP"
@@ -134,10 +134,11 @@ def _gqa_why_not(s) -> str | None:
 def _moe_why_not(mlp: MoE) -> str | None:
     """Why the C step cannot run this MoE MLP (None: it can): it takes every routing of
     `core.layers.moe.route`, routed experts of SiLU-gated or clamped SwiGLU with or without
-    biases, and shared experts (gated or not); not other activations nor very many experts."""
+    biases or non-gated relu2 (Nemotron-H), and shared experts (gated or not); not other
+    activations nor very many experts."""
     s = mlp.gate.spec
-    if s.act != "silu":
-        return f"MoE's routed experts use {s.act} (the fused step: SiLU)"
+    if s.act not in ("silu", "relu2"):
+        return f"MoE's routed experts use {s.act} (the fused step: SiLU or relu2)"
     if s.scale_input:
         return "MoE weights its experts' inputs (the fused step: their outputs)"
     if s.num_experts > MAX_EXPERTS or s.top_k > 64:
@@ -158,6 +159,40 @@ def _norm_weight(norm: RMSNorm) -> torch.Tensor:
     return norm.scale().contiguous()
 
 
+def _norm(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
+    """A Block's (weight, eps) of a norm; (None, 0.0) for a sub-block the layer lacks."""
+    return (None, 0.0) if norm is None else (_norm_weight(norm), norm.eps)
+
+
+def _up(mlp: GatedMLP) -> Linear:
+    """A dense MLP's first product: gate_up_proj, or up_proj alone where it is not gated."""
+    return mlp.gate_up_proj if mlp.gated else mlp.up_proj
+
+
+def _mlp(mlp) -> dict:
+    """Block's MLP fields for a GatedMLP, a MoE (`moe`), or none (`skip_mlp`)."""
+    if mlp is None:
+        return dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None, act="silu",
+                    intermediate=0, skip_mlp=True)  # fmt: skip
+    if type(mlp) is MoE:
+        return dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None, act="silu",
+                    intermediate=0, moe=_experts(mlp))  # fmt: skip
+    up = _up(mlp)
+    return dict(gate_up=up.weight, gate_up_bias=up.bias, down=mlp.down_proj.weight,
+                down_bias=mlp.down_proj.bias, act=mlp.act,
+                intermediate=mlp.down_proj.in_features)  # fmt: skip
+
+
+def _pre_norms(layer: DecoderBlock) -> tuple[RMSNorm | None, RMSNorm | None]:
+    """The norms before attention and before the MLP; None for a sub-block the layer lacks
+    (Nemotron-H's one-mixer layers: input_layernorm norms the one there is)."""
+    if layer.self_attn is None:
+        return None, layer.input_layernorm
+    if layer.mlp is None:
+        return layer.input_layernorm, None
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
 def _post_norms(layer: DecoderBlock) -> tuple[RMSNorm, RMSNorm]:
     """Gemma's norms of attention's and the MLP's output, before each residual add."""
     return layer.attn_out_layernorm, layer.post_feedforward_layernorm
@@ -172,7 +207,9 @@ def blocks(net: CausalLM) -> Blocks | None:
     for i, layer in enumerate(net.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
-        if type(attn) is GatedDeltaNet:
+        if attn is None:
+            kw = dict(NO_ATTENTION, skip_attention=True)
+        elif type(attn) is GatedDeltaNet:
             kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
         elif type(attn) is Mamba2:
             kw = dict(NO_ATTENTION, mamba=_mamba(attn, *cache))
@@ -181,19 +218,14 @@ def blocks(net: CausalLM) -> Blocks | None:
         else:
             kw = _attention(net, i, attn, *cache)
         post = [(_norm_weight(n), n.eps) for n in _post_norms(layer)] if layer.post_norms else None
+        (w1, e1), (w2, e2) = (_norm(n) for n in _pre_norms(layer))
         out.append(
             Block(
-                norm1=_norm_weight(layer.input_layernorm),
-                eps1=layer.input_layernorm.eps,
-                norm2=_norm_weight(layer.post_attention_layernorm),
-                eps2=layer.post_attention_layernorm.eps,
-                gate_up=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.weight,
-                gate_up_bias=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.bias,
-                down=getattr(mlp, "down_proj", None) and mlp.down_proj.weight,
-                down_bias=getattr(mlp, "down_proj", None) and mlp.down_proj.bias,
-                act=getattr(mlp, "act", "silu"),  # (MoE: its experts' SiLU)
-                intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
-                moe=_experts(mlp) if type(mlp) is MoE else None,
+                norm1=w1,
+                eps1=e1,
+                norm2=w2,
+                eps2=e2,
+                **_mlp(mlp),
                 post_norms=post,
                 residual_scale=layer.residual_scale,  # Granite's residual_multiplier
                 **kw,
@@ -331,12 +363,13 @@ def _qk_norm(attn: GQAAttention) -> tuple[torch.Tensor, torch.Tensor, float] | N
 
 def _experts(mlp: MoE) -> Experts:
     s, ex, router = mlp.gate.spec, mlp.experts, mlp.gate
+    first = ex.gate_up_proj if ex.gated else ex.up_proj  # (relu2's experts: up alone)
     shared = getattr(mlp, "shared_experts", None)
     if shared is not None:
         gate = getattr(mlp, "shared_expert_gate", None)
         shared = SharedExperts(
-            gate_up=shared.gate_up_proj.weight,
-            gate_up_bias=shared.gate_up_proj.bias,
+            gate_up=_up(shared).weight,
+            gate_up_bias=_up(shared).bias,
             down=shared.down_proj.weight,
             down_bias=shared.down_proj.bias,
             intermediate=shared.down_proj.in_features,
@@ -348,7 +381,7 @@ def _experts(mlp: MoE) -> Experts:
         top_k=s.top_k,
         renorm=s.norm_topk_prob,
         intermediate=s.intermediate_size,
-        gate_up=ex.gate_up_proj.weight,
+        gate_up=first.weight,
         down=ex.down_proj.weight,
         router_bias=getattr(router, "bias", None),
         scoring=s.scoring,
@@ -357,15 +390,16 @@ def _experts(mlp: MoE) -> Experts:
         topk_groups=s.topk_groups,
         scale=s.routed_scaling_factor,
         correction=getattr(router, "e_score_correction_bias", None),
-        gate_up_bias=getattr(ex.gate_up_proj, "bias", None),
+        gate_up_bias=getattr(first, "bias", None),
         down_bias=getattr(ex.down_proj, "bias", None),
         clamp=None if s.glu is None else (s.glu.alpha, s.glu.limit),
         shared=shared,
+        act="silu" if ex.gated else "relu2",
     )
 
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
-    attn = net.model.layers[0].self_attn
+    attn = next(layer.self_attn for layer in net.model.layers if layer.self_attn is not None)
     w = (attn.out_proj if type(attn) in RECURRENT else attn.o_proj).weight
     while isinstance(w, QuantStack):
         w = w.parts[0]
