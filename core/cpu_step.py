@@ -28,7 +28,7 @@ from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
 from kernels.cpu.build import MAX_ROWS, library
-from kernels.cpu.decode import NO_ATTENTION, Block, Blocks
+from kernels.cpu.decode import NO_ATTENTION, NO_MLP, Block, Blocks
 from kernels.cpu.delta import DELTA_MAX_DIM, Delta
 from kernels.cpu.mamba import Mamba
 from kernels.cpu.mla import Latent
@@ -160,8 +160,7 @@ def _norm_weight(norm: RMSNorm) -> torch.Tensor:
 
 
 def _norm(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
-    """A Block's (weight, eps) of a norm; (None, 0.0) for a sub-block the layer lacks."""
-    return (None, 0.0) if norm is None else (_norm_weight(norm), norm.eps)
+    return (None, 0.0) if norm is None else (_norm_weight(norm), norm.eps)  # (a Block's)
 
 
 def _up(mlp: GatedMLP) -> Linear:
@@ -172,11 +171,9 @@ def _up(mlp: GatedMLP) -> Linear:
 def _mlp(mlp) -> dict:
     """Block's MLP fields for a GatedMLP, a MoE (`moe`), or none (`skip_mlp`)."""
     if mlp is None:
-        return dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None, act="silu",
-                    intermediate=0, skip_mlp=True)  # fmt: skip
+        return dict(NO_MLP, skip_mlp=True)
     if type(mlp) is MoE:
-        return dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None, act="silu",
-                    intermediate=0, moe=_experts(mlp))  # fmt: skip
+        return dict(NO_MLP, moe=_experts(mlp))
     up = _up(mlp)
     return dict(gate_up=up.weight, gate_up_bias=up.bias, down=mlp.down_proj.weight,
                 down_bias=mlp.down_proj.bias, act=mlp.act,
@@ -184,8 +181,8 @@ def _mlp(mlp) -> dict:
 
 
 def _pre_norms(layer: DecoderBlock) -> tuple[RMSNorm | None, RMSNorm | None]:
-    """The norms before attention and before the MLP; None for a sub-block the layer lacks
-    (Nemotron-H's one-mixer layers: input_layernorm norms the one there is)."""
+    """The norms before attention and the MLP (Nemotron-H's one-mixer layers: None, and the
+    one sub-block there is normed by input_layernorm)."""
     if layer.self_attn is None:
         return None, layer.input_layernorm
     if layer.mlp is None:
@@ -217,31 +214,17 @@ def blocks(net: CausalLM) -> Blocks | None:
             kw = _latent(net, i, attn, *cache)
         else:
             kw = _attention(net, i, attn, *cache)
-        post = [(_norm_weight(n), n.eps) for n in _post_norms(layer)] if layer.post_norms else None
+        post = [_norm(n) for n in _post_norms(layer)] if layer.post_norms else None
         (w1, e1), (w2, e2) = (_norm(n) for n in _pre_norms(layer))
-        out.append(
-            Block(
-                norm1=w1,
-                eps1=e1,
-                norm2=w2,
-                eps2=e2,
-                **_mlp(mlp),
-                post_norms=post,
-                residual_scale=layer.residual_scale,  # Granite's residual_multiplier
-                **kw,
-            )
-        )
+        out.append(Block(norm1=w1, eps1=e1, norm2=w2, eps2=e2, **_mlp(mlp), post_norms=post,
+                         residual_scale=layer.residual_scale, **kw))  # fmt: skip
     tied = net.lm_head.tied_to[0]
     final = net.model.norm
     head = None
     # the final norm and the head join the call where they are the core's own (a subclass,
     # such as tensor parallelism's gathering head, runs as a module after the call)
     if type(final) is RMSNorm and type(net.lm_head) is LMHead:
-        head = (
-            _norm_weight(final),
-            final.eps,
-            tied.weight if tied is not None else net.lm_head.weight,
-        )
+        head = (*_norm(final), tied.weight if tied is not None else net.lm_head.weight)
     return Blocks.build(out, net.config.hidden_size, head)
 
 

@@ -117,6 +117,9 @@ NO_ATTENTION = dict(
     heads=0, kv_heads=0, head_dim=0, rope=None, rope_half=0, interleaved=False, scale=0.0,
     softcap=None, sinks=None,
 )  # fmt: skip
+# a Block's MLP fields where its MLP is a MoE (`moe`) or absent (`skip_mlp`)
+NO_MLP = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None, act="silu",
+              intermediate=0)  # fmt: skip
 
 
 def _gqa(c, b: Block, keep: list) -> bool:
