@@ -115,12 +115,13 @@ NEMOTRON_KINDS = {
     "dense M-M*-": ["mamba", "mlp", "mamba", "mlp", "mamba", "attention", "mamba", "mlp"],
     "MoE MEM*E": ["mamba", "moe", "mamba", "moe", "mamba", "attention", "mamba", "moe"],
 }
-# family: (shape, the models' layer kinds, the config key that lists them)
 FAMILIES = {
-    "qwen3.5": (SHAPE, KINDS, "layer_types"),
-    "granite": (GRANITE, GRANITE_KINDS, "layer_types"),
-    "nemotron": (NEMOTRON, NEMOTRON_KINDS, "layers_block_type"),
+    "qwen3.5": (SHAPE, KINDS),
+    "granite": (GRANITE, GRANITE_KINDS),
+    "nemotron": (NEMOTRON, NEMOTRON_KINDS),
 }
+# the config key that lists a model's layer kinds, where it is not `layer_types`
+KINDS_KEY = {"nemotron_h": "layers_block_type"}
 
 
 def step_ms(runs: dict, pos: int, repeat: int, clock=time.perf_counter) -> list[float]:
@@ -161,7 +162,8 @@ def main() -> None:
         torch.set_num_threads(1)
         clock = time.thread_time
     seq = max(args.contexts) + 1
-    shape, layer_kinds, key = FAMILIES[args.family]
+    shape, layer_kinds = FAMILIES[args.family]
+    key = KINDS_KEY.get(shape["model_type"], "layer_types")
     models = {
         name: random_model(
             dict(shape, **{key: kinds}),
