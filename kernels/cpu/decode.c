@@ -332,26 +332,26 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         for (int64_t l = 0; l < L; l++) {
             const zblock_t *b = &blocks[l];
             const int64_t I = b->inter;
-            if (!b->skip_attn) {
-                zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
-                if (b->delta) {  // a gated DeltaNet layer (delta.c): h += its output
-                    zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
-                } else if (b->mamba) {  // a Mamba2 layer (mamba.c): h += its output
-                    zoo_mamba(b->mamba, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
-                } else {
-                    if (b->mla)  // mla.c: its own products, cache and heads
-                        zoo_mla(b->mla, xn, att, M, pos, rows, cos[b->rope], sin[b->rope],
-                                cstride[b->rope], t, T, mla, mlocal_t, px, buf, &bar);
-                    else
-                        attend(b, xn, qkv, att, M, pos, rows, cos, sin, cstride, t, T, q, p, tmp,
-                               px, buf, &bar);
-                    zoo_meet(&bar, T);
-                    // h += o(attention): this thread's columns of h
-                    zoo_add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1,
-                                    b->post_eps1, xn, &bar, T, b->rscale);
-                }
+            if (!b->skip_attn) zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
+            if (b->skip_attn) {
+                // no attention (Nemotron-H's MLP and MoE layers): the MLP alone, below
+            } else if (b->delta) {  // a gated DeltaNet layer (delta.c): h += its output
+                zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
+            } else if (b->mamba) {  // a Mamba2 layer (mamba.c): h += its output
+                zoo_mamba(b->mamba, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
+            } else {
+                if (b->mla)  // mla.c: its own products, cache and heads
+                    zoo_mla(b->mla, xn, att, M, pos, rows, cos[b->rope], sin[b->rope],
+                            cstride[b->rope], t, T, mla, mlocal_t, px, buf, &bar);
+                else
+                    attend(b, xn, qkv, att, M, pos, rows, cos, sin, cstride, t, T, q, p, tmp, px,
+                           buf, &bar);
                 zoo_meet(&bar, T);
+                // h += o(attention): this thread's columns of h
+                zoo_add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,
+                                &bar, T, b->rscale);
             }
+            if (!b->skip_attn) zoo_meet(&bar, T);  // (the last block ended on one)
             if (b->skip_mlp) continue;
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
