@@ -1,7 +1,7 @@
 """Decode step time against context length: gated-DeltaNet (linear attention) or Mamba2
 layers beside full attention, on three random-weight models identical but for `layer_types`
 (`--family qwen3.5`: Qwen3.5-like; `--family granite`: Granite 4.0-H-like, Mamba2 + NoPE
-attention).
+attention; `--family nemotron`: two Nemotron-H-like models, dense and MoE, of one-mixer layers).
 
 A full-attention layer's decode step at position p reads p + 1 cached positions; a gated
 DeltaNet layer reads its fixed-size state (conv inputs + a Dk x Dv matrix per value head), a
@@ -14,7 +14,7 @@ times each model twice: through the modules (`Model.forward`, eager) and through
 step a generation takes (the fused C blocks on CPUs: kernels/cpu/delta.c, mamba.c).
 
     .venv/bin/python benchmarks/linear_decode.py [--contexts 128 1024 4096 8192] [--repeat 15]
-        [--cpu-time] [--family qwen3.5|granite|lfm2] [--fused]
+        [--cpu-time] [--family qwen3.5|granite|lfm2|nemotron] [--fused]
 """
 
 from __future__ import annotations
@@ -102,11 +102,46 @@ LFM2_KINDS = {
     "hybrid 3:1": (["conv"] * 3 + ["full_attention"]) * (LAYERS // 4),
     "attention": ["full_attention"] * LAYERS,
 }
+# Nemotron-H's Mamba2 sizes (heads of 64, a state of 128, 8 groups), NoPE attention, relu2
+# MLPs (Nano 2-like) or MoE layers of relu2 experts + a shared one, sigmoid-routed (Nemotron 3
+# Nano-like), each layer one mixer
+NEMOTRON = dict(
+    model_type="nemotron_h",
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    mamba_num_heads=16,
+    mamba_head_dim=64,
+    ssm_state_size=128,
+    n_groups=8,
+    conv_kernel=4,
+    chunk_size=128,
+    n_routed_experts=32,
+    num_experts_per_tok=6,
+    moe_intermediate_size=256,
+    moe_shared_expert_intermediate_size=512,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=65536,
+    layer_norm_epsilon=1e-5,
+)
+NEMOTRON_KINDS = {
+    "dense M-M*-": ["mamba", "mlp", "mamba", "mlp", "mamba", "attention", "mamba", "mlp"],
+    "MoE MEM*E": ["mamba", "moe", "mamba", "moe", "mamba", "attention", "mamba", "moe"],
+}
 FAMILIES = {
     "qwen3.5": (SHAPE, KINDS),
     "granite": (GRANITE, GRANITE_KINDS),
     "lfm2": (LFM2, LFM2_KINDS),
+    "nemotron": (NEMOTRON, NEMOTRON_KINDS),
 }
+# the config key that lists a model's layer kinds, where it is not `layer_types`
+KINDS_KEY = {"nemotron_h": "layers_block_type"}
 
 
 def step_ms(runs: dict, pos: int, repeat: int, clock=time.perf_counter) -> list[float]:
@@ -148,9 +183,10 @@ def main() -> None:
         clock = time.thread_time
     seq = max(args.contexts) + 1
     shape, layer_kinds = FAMILIES[args.family]
+    key = KINDS_KEY.get(shape["model_type"], "layer_types")
     models = {
         name: random_model(
-            dict(shape, layer_types=kinds),
+            dict(shape, **{key: kinds}),
             device="cpu",
             dtype=args.dtype,
             max_seq_len=seq,

@@ -71,7 +71,8 @@ def one_run(model, history: list[int], added: list[int]) -> dict[str, tuple[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", choices=list(FAMILIES), default="qwen3.5")
+    hybrids = [f for f, (_, kinds) in FAMILIES.items() if "hybrid 3:1" in kinds]
+    ap.add_argument("--family", choices=hybrids, default="qwen3.5")
     ap.add_argument("--shape", type=Path, default=None, help="config.json keys of the model")
     ap.add_argument("--history", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5)

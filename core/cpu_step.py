@@ -3,9 +3,10 @@
 Where each block of a fp32 CPU model is of the core's kinds (RMSNorm before each sub-block,
 and after it with Gemma's post-norms; GQA attention with or without RMSNorm q/k norms (per
 head, or over all heads at once: MiniMax M2) and a sigmoid output gate, DeepSeek's MLA, a
-gated DeltaNet, a Mamba2 layer or a gated short conv (LFM2); a gated SiLU / GELU MLP or a
-MoE: any routing of `core.layers.moe.route`, SiLU-gated or gpt-oss's clamped experts with or
-without biases, shared experts gated or not; weights fp32 or kept quantized), the step
+gated DeltaNet, a Mamba2 layer or a gated short conv (LFM2); a gated SiLU / GELU MLP, a
+non-gated relu2 one or a MoE: any routing of `core.layers.moe.route`, SiLU-gated, gpt-oss's
+clamped or relu2 experts with or without biases, shared experts gated or not; Nemotron-H's
+blocks of one sub-block, attention's or the MLP's; weights fp32 or kept quantized), the step
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
@@ -19,26 +20,23 @@ import os
 import torch
 
 from core.config_kinds import SparseMLASpec
+from core.cpu_recurrent import RECURRENT, recurrent_view
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
-from core.layers.mamba2 import Mamba2
 from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
-from core.layers.shortconv import ShortConv
 from core.modeling import CausalLM, DecoderBlock
 from kernels.blocks import BlockWeight
 from kernels.cpu.build import MAX_ROWS, library
-from kernels.cpu.decode import NO_ATTENTION, Block, Blocks
-from kernels.cpu.delta import DELTA_MAX_DIM, Delta
-from kernels.cpu.mamba import Mamba
+from kernels.cpu.decode import NO_ATTENTION, NO_MLP, Block, Blocks
+from kernels.cpu.delta import DELTA_MAX_DIM
 from kernels.cpu.mla import Latent
 from kernels.cpu.moe import MAX_EXPERTS, Experts, SharedExperts
-from kernels.cpu.shortconv import ShortConvLayer
 from kernels.cpu.views import ACTS
 from kernels.qweight import QuantStack, QuantWeight
 
-# the attention kinds the step takes (the recurrent ones: RECURRENT, which add into h themselves)
-RECURRENT = (GatedDeltaNet, Mamba2, ShortConv)
+# the attention kinds the step takes (the recurrent ones: RECURRENT, core/cpu_recurrent.py's
+# views, which add into h themselves)
 ATTENTION = (GQAAttention, MLAAttention, *RECURRENT)
 
 
@@ -57,9 +55,7 @@ def why_not(net: CausalLM) -> str | None:
             return f"block {i} has per-layer inputs or a layer scalar (Gemma 4)"
         if layer.residual_scale != 1.0 and layer.post_norms:  # (the C step scales after them)
             return f"block {i} scales its sub-blocks' outputs by residual_scale before post-norms"
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn is None or mlp is None:
-            return f"block {i} has no {'attention' if attn is None else 'MLP'} (Nemotron-H)"
+        attn, mlp = layer.self_attn, layer.mlp  # None: a NoSubBlock (Nemotron-H)
         if not layer.pre_norms:
             return f"block {i} norms only its sub-blocks' outputs (the fused step: pre-norms)"
         spec = getattr(attn, "spec", None)
@@ -67,9 +63,10 @@ def why_not(net: CausalLM) -> str | None:
             k = spec.index_topk
             return f"block {i} is DeepSeek sparse attention (top-{k} keys), not the fused step's"
         mlp_kind = MoE if type(mlp) is MoE else GatedMLP
-        attn_kind = next((k for k in ATTENTION if type(attn) is k), GQAAttention)
-        kinds = [(attn, attn_kind), (mlp, mlp_kind), (layer.input_layernorm, RMSNorm),
-                 (layer.post_attention_layernorm, RMSNorm)]  # fmt: skip
+        attn_kind = None if attn is None else next((k for k in ATTENTION if type(attn) is k),
+                                                   GQAAttention)  # fmt: skip
+        kinds = [(p, kind) for p, kind in ((attn, attn_kind), (mlp, mlp_kind)) if p is not None]
+        kinds += [(n, RMSNorm) for n in _pre_norms(layer) if n is not None]
         if layer.post_norms:
             if type(mlp) is MoE:
                 return f"block {i} has post-norms around a MoE MLP"
@@ -136,10 +133,11 @@ def _gqa_why_not(s) -> str | None:
 def _moe_why_not(mlp: MoE) -> str | None:
     """Why the C step cannot run this MoE MLP (None: it can): it takes every routing of
     `core.layers.moe.route`, routed experts of SiLU-gated or clamped SwiGLU with or without
-    biases, and shared experts (gated or not); not other activations nor very many experts."""
+    biases or non-gated relu2 (Nemotron-H), and shared experts (gated or not); not other
+    activations nor very many experts."""
     s = mlp.gate.spec
-    if s.act != "silu":
-        return f"MoE's routed experts use {s.act} (the fused step: SiLU)"
+    if s.act not in ("silu", "relu2"):
+        return f"MoE's routed experts use {s.act} (the fused step: SiLU or relu2)"
     if s.scale_input:
         return "MoE weights its experts' inputs (the fused step: their outputs)"
     if s.num_experts > MAX_EXPERTS or s.top_k > 64:
@@ -160,6 +158,37 @@ def _norm_weight(norm: RMSNorm) -> torch.Tensor:
     return norm.scale().contiguous()
 
 
+def _norm(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
+    return (None, 0.0) if norm is None else (_norm_weight(norm), norm.eps)  # (a Block's)
+
+
+def _up(mlp: GatedMLP) -> Linear:
+    """A dense MLP's first product: gate_up_proj, or up_proj alone where it is not gated."""
+    return mlp.gate_up_proj if mlp.gated else mlp.up_proj
+
+
+def _mlp(mlp) -> dict:
+    """Block's MLP fields for a GatedMLP, a MoE (`moe`), or none (`skip_mlp`)."""
+    if mlp is None:
+        return dict(NO_MLP, skip_mlp=True)
+    if type(mlp) is MoE:
+        return dict(NO_MLP, moe=_experts(mlp))
+    up = _up(mlp)
+    return dict(gate_up=up.weight, gate_up_bias=up.bias, down=mlp.down_proj.weight,
+                down_bias=mlp.down_proj.bias, act=mlp.act,
+                intermediate=mlp.down_proj.in_features)  # fmt: skip
+
+
+def _pre_norms(layer: DecoderBlock) -> tuple[RMSNorm | None, RMSNorm | None]:
+    """The norms before attention and the MLP (Nemotron-H's one-mixer layers: None, and the
+    one sub-block there is normed by input_layernorm)."""
+    if layer.self_attn is None:
+        return None, layer.input_layernorm
+    if layer.mlp is None:
+        return layer.input_layernorm, None
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
 def _post_norms(layer: DecoderBlock) -> tuple[RMSNorm, RMSNorm]:
     """Gemma's norms of attention's and the MLP's output, before each residual add."""
     return layer.attn_out_layernorm, layer.post_feedforward_layernorm
@@ -174,46 +203,25 @@ def blocks(net: CausalLM) -> Blocks | None:
     for i, layer in enumerate(net.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         cache = net.kv_cache.layer(i)  # as the layer's kind lays it out
-        if type(attn) is GatedDeltaNet:
-            kw = dict(NO_ATTENTION, delta=_delta(attn, *cache))
-        elif type(attn) is Mamba2:
-            kw = dict(NO_ATTENTION, mamba=_mamba(attn, *cache))
-        elif type(attn) is ShortConv:
-            kw = dict(NO_ATTENTION, sconv=_sconv(attn, *cache))
+        if attn is None:
+            kw = dict(NO_ATTENTION, skip_attention=True)
+        elif type(attn) in RECURRENT:
+            kw = dict(NO_ATTENTION, **recurrent_view(attn, *cache))
         elif type(attn) is MLAAttention:
             kw = _latent(net, i, attn, *cache)
         else:
             kw = _attention(net, i, attn, *cache)
-        post = [(_norm_weight(n), n.eps) for n in _post_norms(layer)] if layer.post_norms else None
-        out.append(
-            Block(
-                norm1=_norm_weight(layer.input_layernorm),
-                eps1=layer.input_layernorm.eps,
-                norm2=_norm_weight(layer.post_attention_layernorm),
-                eps2=layer.post_attention_layernorm.eps,
-                gate_up=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.weight,
-                gate_up_bias=getattr(mlp, "gate_up_proj", None) and mlp.gate_up_proj.bias,
-                down=getattr(mlp, "down_proj", None) and mlp.down_proj.weight,
-                down_bias=getattr(mlp, "down_proj", None) and mlp.down_proj.bias,
-                act=getattr(mlp, "act", "silu"),  # (MoE: its experts' SiLU)
-                intermediate=0 if type(mlp) is MoE else mlp.down_proj.in_features,
-                moe=_experts(mlp) if type(mlp) is MoE else None,
-                post_norms=post,
-                residual_scale=layer.residual_scale,  # Granite's residual_multiplier
-                **kw,
-            )
-        )
+        post = [_norm(n) for n in _post_norms(layer)] if layer.post_norms else None
+        (w1, e1), (w2, e2) = (_norm(n) for n in _pre_norms(layer))
+        out.append(Block(norm1=w1, eps1=e1, norm2=w2, eps2=e2, **_mlp(mlp), post_norms=post,
+                         residual_scale=layer.residual_scale, **kw))  # fmt: skip
     tied = net.lm_head.tied_to[0]
     final = net.model.norm
     head = None
     # the final norm and the head join the call where they are the core's own (a subclass,
     # such as tensor parallelism's gathering head, runs as a module after the call)
     if type(final) is RMSNorm and type(net.lm_head) is LMHead:
-        head = (
-            _norm_weight(final),
-            final.eps,
-            tied.weight if tied is not None else net.lm_head.weight,
-        )
+        head = (*_norm(final), tied.weight if tied is not None else net.lm_head.weight)
     return Blocks.build(out, net.config.hidden_size, head)
 
 
@@ -248,67 +256,6 @@ def _attention(net: CausalLM, i: int, attn: GQAAttention, k, v) -> dict:
         qk_norm=_qk_norm(attn),
         output_gate=s.output_gate,
         qk_whole=s.qk_norm_all_heads,
-    )
-
-
-def _delta(attn: GatedDeltaNet, conv: torch.Tensor, state: torch.Tensor) -> Delta:
-    """The C step's view of a gated DeltaNet layer and its cache (conv window, state)."""
-    s = attn.spec
-    return Delta(
-        in_proj=attn.in_proj.weight,
-        grouped=s.layout == "grouped",
-        out_proj=attn.out_proj.weight,
-        conv=attn.conv1d.weight.reshape(s.conv_dim, s.conv_kernel),
-        neg_a=-attn.A_log.float().exp(),  # as the module computes it (a copy, as _norm_weight's)
-        dt_bias=attn.dt_bias.float(),
-        norm=attn.norm.weight,
-        eps=s.norm_eps,
-        conv_state=conv,
-        state=state,
-        k_heads=s.num_k_heads,
-        v_heads=s.num_v_heads,
-        k_dim=s.head_k_dim,
-        v_dim=s.head_v_dim,
-    )
-
-
-def _mamba(attn: Mamba2, conv: torch.Tensor, state: torch.Tensor) -> Mamba:
-    """The C step's view of a Mamba2 layer and its cache (conv window, SSM state)."""
-    s = attn.spec
-    conv_bias = attn.conv1d.bias
-    return Mamba(
-        in_proj=attn.in_proj.weight,
-        in_bias=attn.in_proj.bias,
-        out_proj=attn.out_proj.weight,
-        out_bias=attn.out_proj.bias,
-        conv=attn.conv1d.weight.reshape(s.conv_dim, s.conv_kernel),
-        conv_bias=None if conv_bias is None else conv_bias.float(),
-        neg_a=-attn.A_log.float().exp(),  # as the module computes it (a copy, as _norm_weight's)
-        dt_bias=attn.dt_bias.float(),
-        d=attn.D.float(),
-        dt_limit=s.time_step_limit,
-        norm=attn.norm.weight,
-        eps=s.norm_eps,
-        conv_state=conv,
-        state=state,
-        heads=s.num_heads,
-        head_dim=s.head_dim,
-        groups=s.n_groups,
-        state_dim=s.state_size,
-    )
-
-
-def _sconv(attn: ShortConv, conv: torch.Tensor) -> ShortConvLayer:
-    """The C step's view of a gated short-conv layer and its cache (the conv window)."""
-    w = attn.conv.weight
-    return ShortConvLayer(
-        in_proj=attn.in_proj.weight,
-        in_bias=attn.in_proj.bias,
-        out_proj=attn.out_proj.weight,
-        out_bias=attn.out_proj.bias,
-        conv=w.reshape(w.shape[0], w.shape[-1]),
-        conv_bias=attn.conv.bias,
-        conv_state=conv,
     )
 
 
@@ -349,12 +296,13 @@ def _qk_norm(attn: GQAAttention) -> tuple[torch.Tensor, torch.Tensor, float] | N
 
 def _experts(mlp: MoE) -> Experts:
     s, ex, router = mlp.gate.spec, mlp.experts, mlp.gate
+    first = ex.gate_up_proj if ex.gated else ex.up_proj  # (relu2's experts: up alone)
     shared = getattr(mlp, "shared_experts", None)
     if shared is not None:
         gate = getattr(mlp, "shared_expert_gate", None)
         shared = SharedExperts(
-            gate_up=shared.gate_up_proj.weight,
-            gate_up_bias=shared.gate_up_proj.bias,
+            gate_up=_up(shared).weight,
+            gate_up_bias=_up(shared).bias,
             down=shared.down_proj.weight,
             down_bias=shared.down_proj.bias,
             intermediate=shared.down_proj.in_features,
@@ -366,7 +314,7 @@ def _experts(mlp: MoE) -> Experts:
         top_k=s.top_k,
         renorm=s.norm_topk_prob,
         intermediate=s.intermediate_size,
-        gate_up=ex.gate_up_proj.weight,
+        gate_up=first.weight,
         down=ex.down_proj.weight,
         router_bias=getattr(router, "bias", None),
         scoring=s.scoring,
@@ -375,15 +323,16 @@ def _experts(mlp: MoE) -> Experts:
         topk_groups=s.topk_groups,
         scale=s.routed_scaling_factor,
         correction=getattr(router, "e_score_correction_bias", None),
-        gate_up_bias=getattr(ex.gate_up_proj, "bias", None),
+        gate_up_bias=getattr(first, "bias", None),
         down_bias=getattr(ex.down_proj, "bias", None),
         clamp=None if s.glu is None else (s.glu.alpha, s.glu.limit),
         shared=shared,
+        act="silu" if ex.gated else "relu2",
     )
 
 
 def _first_weight(net: CausalLM) -> torch.Tensor:
-    attn = net.model.layers[0].self_attn
+    attn = next(layer.self_attn for layer in net.model.layers if layer.self_attn is not None)
     w = (attn.out_proj if type(attn) in RECURRENT else attn.o_proj).weight
     while isinstance(w, QuantStack):
         w = w.parts[0]

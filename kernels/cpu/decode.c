@@ -5,6 +5,8 @@
 // the products' arithmetic. Here the blocks of the plain pre-norm kind run back to back:
 //     h += o(attention(rope(q), rope(k) -> cache, v -> cache)),  q|k|v = qkv(rms_norm(h))
 //     h += down(act(gate) * up),                                  gate|up = gate_up(rms_norm(h))
+// (or, relu2's non-gated MLP, h += down(relu(up)^2); a block of one sub-block, Nemotron-H's,
+// skips the other with its norm and residual add.)
 // (Gemma 2 / 3 norm each sum's o(...) and down(...) first; DeepSeek's MLA attends over its
 // latent cache in mla.c instead.)
 // Every thread normalises the few rows of h itself (a few hundred numbers: cheaper than
@@ -63,6 +65,8 @@ typedef struct {
     const zmamba_t *mamba;  // a Mamba2 layer in place of attention, or NULL
     float rscale;           // each sub-block's output times this before its residual add (Granite)
     const zsconv_t *sconv;  // a gated short-conv layer in place of attention (LFM2), or NULL
+    // Nemotron-H's one-mixer layers: no attention (the MLP normed by norm2), or no MLP
+    int64_t skip_attn, skip_mlp;
 } zblock_t;
 
 // Rows [n0, n1) of l's output (rows of y ldy apart), from x prepared for each part in px.
@@ -130,8 +134,16 @@ void zoo_meet(spin_barrier_t *b, int64_t T) {
 }
 
 // out[i] = act(gate[i]) * up[i]: SiLU (g * sigmoid(g), sigmoid from e^-|g| by the vectorized
-// exp: libm's expf per value was 4% of a 1B model's step) or GELU (tanh form).
+// exp: libm's expf per value was 4% of a 1B model's step) or GELU (tanh form); relu2, a
+// non-gated MLP's: out[i] = relu(gate[i])^2, up unread.
 void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int64_t act) {
+    if (act == ZOO_RELU2) {
+        for (int64_t i = 0; i < n; i++) {
+            const float r = gate[i] > 0.0f ? gate[i] : 0.0f;
+            out[i] = r * r;
+        }
+        return;
+    }
     float e[64];
     for (int64_t at = 0; at < n; at += 64) {
         const int64_t k = n - at < 64 ? n - at : 64;
@@ -150,6 +162,14 @@ void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int
                               * up[at + i];
         }
     }
+}
+
+void zoo_mlp_hidden(const zlinear_t *gate_up, const qx_t *px, float *gu, float *out, int64_t M,
+                    int64_t I, int64_t i0, int64_t i1, int64_t act) {
+    zoo_linear_rows(gate_up, px, gu, 2 * I, M, i0, i1);  // the gate's rows (relu2: up's)
+    if (act != ZOO_RELU2) zoo_linear_rows(gate_up, px, gu, 2 * I, M, I + i0, I + i1);
+    for (int64_t r = 0; r < M; r++)
+        zoo_activate(gu + r * 2 * I + i0, gu + r * 2 * I + I + i0, out + r * I + i0, i1 - i0, act);
 }
 
 void zoo_linear_share(const zlinear_t *l, const float *x, float *y, int64_t M, int64_t t,
@@ -285,7 +305,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         inter = max64(inter, b->inter);
         slots = max64(slots, b->slots);
         d = max64(d, b->d);
-        group = max64(group, b->delta || b->mamba || b->sconv ? 1 : b->hq / b->hkv);
+        group = max64(group, b->delta || b->mamba || b->sconv || b->skip_attn ? 1 : b->hq / b->hkv);
     }
     in = max64(max64(in, hqd), inter);
     // shared: the q|k|v rows, attention's output, gate|up, act(gate) * up, a product's output
@@ -315,8 +335,10 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         for (int64_t l = 0; l < L; l++) {
             const zblock_t *b = &blocks[l];
             const int64_t I = b->inter;
-            zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
-            if (b->delta) {  // a gated DeltaNet layer (delta.c): h += its output
+            if (!b->skip_attn) zoo_rms_norm(h, NULL, NULL, b->norm1, xn, M, H, b->eps1);
+            if (b->skip_attn) {
+                // no attention (Nemotron-H's MLP and MoE layers): the MLP alone, below
+            } else if (b->delta) {  // a gated DeltaNet layer (delta.c): h += its output
                 zoo_delta(b->delta, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
             } else if (b->mamba) {  // a Mamba2 layer (mamba.c): h += its output
                 zoo_mamba(b->mamba, xn, h, M, H, pos, rows, t, T, y, px, buf, &bar, b->rscale);
@@ -334,7 +356,8 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 zoo_add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,
                                 &bar, T, b->rscale);
             }
-            zoo_meet(&bar, T);
+            if (!b->skip_attn) zoo_meet(&bar, T);  // (the last block ended on one)
+            if (b->skip_mlp) continue;
             // the MLP: gate and up rows i of this thread's share, then act(gate) * up
             zoo_rms_norm(h, NULL, NULL, b->norm2, xn, M, H, b->eps2);
             if (b->moe) {
@@ -344,12 +367,8 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                 continue;
             }
             zoo_linear_prepare(&b->gate_up, xn, M, px, buf);
-            const int64_t i0 = share(I, t, T), i1 = share(I, t + 1, T);
-            zoo_linear_rows(&b->gate_up, px, gu, 2 * I, M, i0, i1);
-            zoo_linear_rows(&b->gate_up, px, gu, 2 * I, M, I + i0, I + i1);
-            for (int64_t r = 0; r < M; r++)
-                zoo_activate(gu + r * 2 * I + i0, gu + r * 2 * I + I + i0, act + r * I + i0, i1 - i0,
-                         b->act);
+            zoo_mlp_hidden(&b->gate_up, px, gu, act, M, I, share(I, t, T), share(I, t + 1, T),
+                           b->act);
             zoo_meet(&bar, T);
             zoo_add_product(&b->down, act, h, y, M, H, h0, h1, px, buf, b->post2, b->post_eps2, xn,
                             &bar, T, b->rscale);

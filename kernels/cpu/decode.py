@@ -9,9 +9,9 @@ products themselves: SmolLM2-135M's 121 products took 5.0 ms of an 11.8 ms step.
 runs every block of the plain pre-norm kind (RMSNorm, GQA attention over the static cache with
 rope, optional q/k norms and output gate, DeepSeek's MLA over its latent cache (mla.c), a gated
 DeltaNet layer (delta.c), a Mamba2 layer (mamba.c) or a gated short conv (shortconv.c); a
-gated SiLU / GELU MLP or a MoE (moe.c:
-any routing of core.layers.moe.route, SiLU-gated or gpt-oss's clamped experts, biases, shared
-experts); Gemma's post-norms; quantized or fp32 weights) inside one OpenMP region, with the
+gated SiLU / GELU MLP, a relu2 one or a MoE (moe.c: any routing of core.layers.moe.route,
+SiLU-gated, gpt-oss's clamped or relu2 experts, biases, shared experts); Gemma's post-norms;
+Nemotron-H's blocks of one sub-block; quantized or fp32 weights) inside one OpenMP region, with the
 arithmetic of the separate ops. `Blocks` holds the C view of the blocks' tensors (built once:
 the tensors must stay where they are, which it checks by identity) and runs it.
 """
@@ -54,7 +54,8 @@ class _Block(ctypes.Structure):
         ("kv_half", I64), ("qnorm", PTR), ("knorm", PTR), ("qk_eps", F32), ("moe", PTR),
         ("delta", PTR), ("ogate", I64),
         ("post1", PTR), ("post2", PTR), ("post_eps1", F32), ("post_eps2", F32), ("mla", PTR),
-        ("qk_whole", I64), ("mamba", PTR), ("rscale", F32), ("sconv", PTR),
+        ("qk_whole", I64), ("mamba", PTR), ("rscale", F32), ("sconv", PTR), ("skip_attn", I64),
+        ("skip_mlp", I64),
     ]  # fmt: skip
 
 
@@ -68,11 +69,13 @@ class Block:
     tensors or `BlockWeight` / `QuantStack`; caches (B, Hkv, S, D) fp32 or fp16 (a ring of S
     slots when `ring`); `rope`: index of the step's cos/sin table, None for a layer without
     rope. An MLA block (`mla`) has no qkv nor k / v caches (None), and heads = kv_heads,
-    head_dim = its v_head_dim."""
+    head_dim = its v_head_dim. A block of one sub-block (Nemotron-H) skips the other:
+    `skip_attention` (its fields NO_ATTENTION's, norm1 None; the MLP normed by norm2) or
+    `skip_mlp` (norm2 None). act "relu2": a non-gated MLP, gate_up its up (I, H) alone."""
 
-    norm1: torch.Tensor
+    norm1: torch.Tensor | None
     eps1: float
-    norm2: torch.Tensor
+    norm2: torch.Tensor | None
     eps2: float
     qkv: object | None
     qkv_bias: torch.Tensor | None
@@ -107,6 +110,8 @@ class Block:
     mamba: Mamba | None = None  # in place of attention (its fields then NO_ATTENTION's)
     residual_scale: float = 1.0  # each sub-block's output times this before its add (Granite)
     sconv: ShortConvLayer | None = None  # in place of attention, as `delta`
+    skip_attention: bool = False
+    skip_mlp: bool = False
 
 
 # a Block's attention fields where its layer is not attention (`delta`, `mamba`, `sconv`)
@@ -115,6 +120,9 @@ NO_ATTENTION = dict(
     heads=0, kv_heads=0, head_dim=0, rope=None, rope_half=0, interleaved=False, scale=0.0,
     softcap=None, sinks=None,
 )  # fmt: skip
+# a Block's MLP fields where its MLP is a MoE (`moe`) or absent (`skip_mlp`)
+NO_MLP = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None, act="silu",
+              intermediate=0)  # fmt: skip
 
 
 def _gqa(c, b: Block, keep: list) -> bool:
@@ -180,6 +188,8 @@ def _post(c, b: Block, hidden: int, keep: list) -> bool:
         return False
     if b.moe is not None or b.delta is not None or b.mamba is not None or b.sconv is not None:
         return False  # (the MoE and the recurrent layers add their output into h themselves)
+    if b.skip_attention or b.skip_mlp:
+        return False  # (a skipped sub-block's post-norm would not run)
     keep.append((w1, w2))
     c.post1, c.post2, c.post_eps1, c.post_eps2 = w1.data_ptr(), w2.data_ptr(), e1, e2
     return True
@@ -196,7 +206,7 @@ def _mlp(c, b: Block, hidden: int, keep: list) -> bool:
         return moe is not None
     gate_up = linear_view(b.gate_up, b.gate_up_bias, keep)
     down = linear_view(b.down, b.down_bias, keep)
-    want = (2 * b.intermediate, hidden)
+    want = ((1 if b.act == "relu2" else 2) * b.intermediate, hidden)
     if gate_up is None or down is None or want != (gate_up.N, down.N):
         return False
     c.gate_up, c.down = gate_up, down
@@ -231,7 +241,9 @@ class Blocks:
         convs = sconv_scratch([b.sconv for b in blocks if b.sconv is not None], hidden)
         keep.append((scratch, m_scratch, convs))
         for c, b in zip(arr, blocks, strict=True):
-            if b.delta is not None:
+            if b.skip_attention:
+                fits = True
+            elif b.delta is not None:
                 delta = delta_view(b.delta, hidden, scratch, keep)
                 c.delta = None if delta is None else ctypes.addressof(delta)
                 fits = delta is not None
@@ -246,12 +258,15 @@ class Blocks:
             else:
                 fits = _attention(c, b, hidden, keep)
             norms = (b.norm1, b.norm2)
-            fits = fits and _mlp(c, b, hidden, keep) and _post(c, b, hidden, keep)
-            if not (fits and all(map(is_fp32, norms))):
+            fits = fits and (b.skip_mlp or _mlp(c, b, hidden, keep)) and _post(c, b, hidden, keep)
+            # a norm for each sub-block that runs, none for one skipped (is_fp32 passes None)
+            normed = (b.norm1 is None, b.norm2 is None) == (b.skip_attention, b.skip_mlp)
+            if not (fits and normed and all(map(is_fp32, norms))):
                 return None
             keep.append(norms)
-            c.norm1, c.norm2 = b.norm1.data_ptr(), b.norm2.data_ptr()
+            c.norm1, c.norm2 = address(b.norm1), address(b.norm2)
             c.eps1, c.eps2, c.rscale = b.eps1, b.eps2, b.residual_scale
+            c.skip_attn, c.skip_mlp = b.skip_attention, b.skip_mlp
         return cls(arr, hidden, c_head, keep)
 
     def __call__(

@@ -1,7 +1,8 @@
 // A MoE MLP of the fused decode step (step.h's zmoe_t), as core.layers.moe.MoE: the
 // router's logits, each row's chosen experts (`route` below: core.layers.moe.route's scorings
 // and top-k methods), only those experts' rows of their stacked weights read, and the shared
-// experts (an always-on gated MLP, optionally behind a sigmoid gate) in the same passes.
+// experts (an always-on MLP, optionally behind a sigmoid gate) in the same passes. Experts are
+// SiLU-gated, gpt-oss's clamped SwiGLU, or Nemotron-H's non-gated relu2.
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -113,9 +114,10 @@ static void expert_up(const zmoe_t *m, int64_t e, const qx_t *one, float *gu, fl
     const int64_t I = m->inter;
     const qweight_t *wg = &m->gate_up[e];
     const float *bias = m->gate_up_bias ? m->gate_up_bias + e * 2 * I : NULL;
-    // interleaved: pairs i0..i1 are rows 2 i0..2 i1; else the gate's rows and the up's
+    // interleaved: pairs i0..i1 are rows 2 i0..2 i1; else the gate's rows and the up's (relu2:
+    // up's alone, rows i0..i1)
     const int64_t spans[2][2] = {{m->glu ? 2 * i0 : i0, m->glu ? 2 * i1 : i1}, {I + i0, I + i1}};
-    for (int s = 0; s < (m->glu ? 1 : 2); s++) {
+    for (int s = 0; s < (m->glu || m->act == ZOO_RELU2 ? 1 : 2); s++) {
         zoo_qgemv_rows(wg, one, gu, 2 * I, spans[s][0], spans[s][1]);
         if (bias)
             for (int64_t n = spans[s][0]; n < spans[s][1]; n++) gu[n] += bias[n];
@@ -123,7 +125,7 @@ static void expert_up(const zmoe_t *m, int64_t e, const qx_t *one, float *gu, fl
     if (m->glu)
         clamped_swiglu(gu + 2 * i0, act + i0, i1 - i0, m->alpha, m->limit);
     else
-        zoo_activate(gu + i0, gu + I + i0, act + i0, i1 - i0, 0);
+        zoo_activate(gu + i0, gu + I + i0, act + i0, i1 - i0, m->act);
 }
 
 // The MoE MLP on the normed rows xn (M, H): h[:, h0:h1] += sum_k w_k expert_k(xn) (+ the
@@ -156,17 +158,13 @@ void zoo_moe(const zmoe_t *m, const float *xn, float *h, int64_t M, int64_t H, i
         one.q8[0] = xq.q8[r];
         expert_up(m, ids[p], &one, gu + p * 2 * I, act + p * I, i0, i1);
     }
-    // the shared experts: a gated MLP of S rows after the routed pairs' gu and act
+    // the shared experts: an MLP of S rows after the routed pairs' gu and act
     float *sgu = gu + M * K * 2 * I, *sact = act + M * K * I, *sy = y + M * K * H;
     if (S) {
         const int64_t s0 = share(S, t, T), s1 = share(S, t + 1, T);
         char *at = buf + round64(zoo_qx_bytes(&m->gate_up[0], M));  // after the experts' x
         zoo_linear_prepare(&m->shared_gate_up, xn, M, spx, at);
-        zoo_linear_rows(&m->shared_gate_up, spx, sgu, 2 * S, M, s0, s1);
-        zoo_linear_rows(&m->shared_gate_up, spx, sgu, 2 * S, M, S + s0, S + s1);
-        for (int64_t r = 0; r < M; r++)
-            zoo_activate(sgu + r * 2 * S + s0, sgu + r * 2 * S + S + s0, sact + r * S + s0,
-                         s1 - s0, m->shared_act);
+        zoo_mlp_hidden(&m->shared_gate_up, spx, sgu, sact, M, S, s0, s1, m->shared_act);
     }
     zoo_meet(bar, T);
     const int64_t h0 = share(H, t, T), h1 = share(H, t + 1, T);

@@ -31,6 +31,7 @@ class CMoe(ctypes.Structure):  # step.h's zmoe_t
         ("correction", PTR), ("gate_up_bias", PTR), ("down_bias", PTR), ("glu", I64),
         ("alpha", F32), ("limit", F32), ("shared_inter", I64), ("shared_act", I64),
         ("shared_gate_up", CLinear), ("shared_down", CLinear), ("shared_gate", CLinear),
+        ("act", I64),
     ]  # fmt: skip
 
 
@@ -51,7 +52,8 @@ class Experts:
     `groups`, by score + `correction`), their weights renormalised where `renorm`, times
     `scale`; each expert a SiLU-gated MLP of `intermediate` rows, its gate|up (E, 2I, H) and
     down (E, H, I) fp32 tensors or `BlockExperts` of one format, with optional biases (E, 2I),
-    (E, H); `clamp` (alpha, limit): gpt-oss's clamped SwiGLU over interleaved (gate, up) rows.
+    (E, H); `clamp` (alpha, limit): gpt-oss's clamped SwiGLU over interleaved (gate, up) rows;
+    `act` "relu2" (Nemotron-H): non-gated experts, gate_up their up (E, I, H) alone.
     `shared`: the always-on shared experts, added after the routed ones."""
 
     router: torch.Tensor
@@ -71,13 +73,14 @@ class Experts:
     down_bias: torch.Tensor | None = None
     clamp: tuple[float, float] | None = None
     shared: SharedExperts | None = None
+    act: str = "silu"
 
 
 @dataclass
 class SharedExperts:
-    """A MoE's always-on gated MLP of `intermediate` rows (gate_up [gate | up] (2S, H), down
-    (H, S), optional biases, act "silu" | "gelu_tanh"), its output times sigmoid(x . gate)
-    where `gate` (1, H) is given (Qwen3-Next)."""
+    """A MoE's always-on MLP of `intermediate` rows (gate_up [gate | up] (2S, H), down
+    (H, S), optional biases, act "silu" | "gelu_tanh"; act "relu2": not gated, gate_up its up
+    (S, H) alone), its output times sigmoid(x . gate) where `gate` (1, H) is given (Qwen3-Next)."""
 
     gate_up: object
     gate_up_bias: torch.Tensor | None
@@ -128,7 +131,8 @@ def _shared(c: CMoe, s: SharedExperts, hidden: int, keep: list) -> bool:
     gate_up = linear_view(s.gate_up, s.gate_up_bias, keep)
     down = linear_view(s.down, s.down_bias, keep)
     gate = None if s.gate is None else linear_view(s.gate, None, keep)
-    want = [(gate_up, 2 * s.intermediate), (down, hidden), *[(gate, 1)] * (s.gate is not None)]
+    rows = _rows(s.act) * s.intermediate
+    want = [(gate_up, rows), (down, hidden), *[(gate, 1)] * (s.gate is not None)]
     if any(lin is None or n != lin.N for lin, n in want) or s.act not in ACTS:
         return False
     c.shared_inter, c.shared_act = s.intermediate, ACTS[s.act]
@@ -138,12 +142,19 @@ def _shared(c: CMoe, s: SharedExperts, hidden: int, keep: list) -> bool:
     return True
 
 
+def _rows(act: str) -> int:
+    """gate_up's rows per intermediate row: 2 ([gate | up]), 1 for relu2's up alone."""
+    return 1 if act == "relu2" else 2
+
+
 def moe_view(m: Experts, hidden: int, keep: list) -> CMoe | None:
     """step.h's zmoe_t of m, kept alive in `keep`; None where the C step cannot take it."""
     i = m.intermediate
     e = _routing(m, keep)
-    gate_up, down = _experts(m.gate_up, 2 * i, hidden), _experts(m.down, hidden, i)
-    biases = ((m.gate_up_bias, 2 * i), (m.down_bias, hidden))
+    if m.act not in ("silu", "relu2") or (m.act == "relu2" and m.clamp is not None):
+        return None
+    gate_up, down = _experts(m.gate_up, _rows(m.act) * i, hidden), _experts(m.down, hidden, i)
+    biases = ((m.gate_up_bias, _rows(m.act) * i), (m.down_bias, hidden))
     if e is None or gate_up is None or down is None:
         return None
     if not len(gate_up) == len(down) == e.experts:
@@ -155,6 +166,7 @@ def moe_view(m: Experts, hidden: int, keep: list) -> CMoe | None:
     e.inter, e.gate_up, e.down = i, ctypes.addressof(gate_up), ctypes.addressof(down)
     e.gate_up_bias, e.down_bias = address(m.gate_up_bias), address(m.down_bias)
     e.glu, (e.alpha, e.limit) = m.clamp is not None, m.clamp or (0.0, 0.0)
+    e.act = ACTS[m.act]
     keep.append((m.gate_up, m.down, gate_up, down, m.gate_up_bias, m.down_bias, e))
     return e
 

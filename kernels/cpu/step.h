@@ -25,8 +25,15 @@ void zoo_linear_rows(const zlinear_t *l, const qx_t *px, float *y, int64_t ldy, 
 // x (M rows) prepared for each part of l into px, in arena (zoo_linear_bytes of it).
 void zoo_linear_prepare(const zlinear_t *l, const float *x, int64_t M, qx_t *px, char *arena);
 int64_t zoo_linear_bytes(const zlinear_t *l, int64_t M);
-// out[i] = act(gate[i]) * up[i], act 0: SiLU, 1: GELU (tanh form).
+// out[i] = act(gate[i]) * up[i], act 0: SiLU, 1: GELU (tanh form); ZOO_RELU2 (a non-gated
+// MLP's): out[i] = relu(gate[i])^2, up unread.
+#define ZOO_RELU2 2
 void zoo_activate(const float *gate, const float *up, float *out, int64_t n, int64_t act);
+// An MLP's hidden rows [i0, i1) of M rows prepared in px: out (M, I) = act(gate) * up from
+// gate_up's rows [gate | up] (gu (M, 2 I)), or relu(up)^2 (act ZOO_RELU2: gate_up holds up
+// alone, computed into gu's first I columns).
+void zoo_mlp_hidden(const zlinear_t *gate_up, const qx_t *px, float *gu, float *out, int64_t M,
+                    int64_t I, int64_t i0, int64_t i1, int64_t act);
 
 // The threads meet between the parts of a block (decode.c: why not an OpenMP barrier).
 typedef struct {
@@ -71,7 +78,8 @@ static inline int64_t share(int64_t N, int64_t t, int64_t T) {
 // A MoE MLP (moe.c), as core.layers.moe.MoE: scores (softmax or sigmoid of the router's
 // logits), the top `topk` experts (greedy, or within the best groups), their weights
 // (renormalised where `renorm`, times `scale`), each expert a SiLU-gated MLP of `inter` rows
-// (gpt-oss: biases, a clamped SwiGLU over interleaved rows), plus always-on shared experts.
+// (gpt-oss: biases, a clamped SwiGLU over interleaved rows; Nemotron-H: relu2 over up alone),
+// plus always-on shared experts.
 #define MAX_EXPERTS 1024
 typedef struct {
     int64_t experts, topk, renorm, inter;
@@ -84,9 +92,12 @@ typedef struct {
     const float *gate_up_bias, *down_bias;  // (experts, 2 inter), (experts, H), or NULL
     int64_t glu;                      // gate_up's rows interleaved (gate, up), clamped SwiGLU
     float alpha, limit;
-    int64_t shared_inter, shared_act;  // the shared experts' width (0: none), 0 SiLU, 1 GELU
+    int64_t shared_inter, shared_act;  // the shared experts' width (0: none), 0 SiLU, 1 GELU,
+                                       // ZOO_RELU2 (shared_gate_up: up alone, (shared_inter, H))
     zlinear_t shared_gate_up, shared_down;  // (2 shared_inter, H) [gate | up], (H, shared_inter)
     zlinear_t shared_gate;            // (1, H): their output times sigmoid(x . it); parts 0: none
+    int64_t act;                      // the routed experts': 0 SiLU-gated, ZOO_RELU2 (gate_up:
+                                      // up alone, (inter, H) per expert)
 } zmoe_t;
 
 // The shared scratch a MoE MLP of M rows needs: logit (M, E + 1), gu (M, 2 (K I + S)), act

@@ -13,7 +13,7 @@ from kernels.cpu.build import QWeightView
 from kernels.qweight import QuantStack
 
 MAX_PARTS = 4  # as step.h
-ACTS = {"silu": 0, "gelu_tanh": 1}
+ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2}  # relu2: a non-gated MLP (step.h ZOO_RELU2)
 I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 

@@ -17,7 +17,8 @@ import ctypes
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from fixtures.block_weights import random_blocks
+from gguf import GGMLQuantizationType, quants
 
 from kernels import blocks
 from kernels.cpu import build
@@ -43,26 +44,6 @@ def lib(request):
     if built is None:
         pytest.fail(f"the C library does not build for -march={request.param}")
     return built
-
-
-def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """(rows, bytes per row) valid blocks: the gguf package's quantization of normal floats,
-    or (K-quants, which it cannot quantize) random bytes under small positive fp16 scales."""
-    rng = np.random.default_rng(seed)
-    qtype = T[kind.upper()]
-    if kind == "mxfp4":  # any codes; e8m0 scales 2^-128 (subnormal: 0, 1) .. 2^4
-        raw = rng.integers(0, 256, (rows, cols // 32, 17), dtype=np.uint8)
-        raw[..., 0] = rng.integers(0, 133, (rows, cols // 32))
-        raw[0, :2, 0] = (0, 1)
-        return np.ascontiguousarray(raw.reshape(rows, -1))
-    if kind not in ("q4_k", "q5_k", "q6_k"):
-        return quants.quantize(rng.standard_normal((rows, cols), dtype=np.float32), qtype)
-    size = GGML_QUANT_SIZES[qtype][1]
-    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    for at, top in ((208, 0.02),) if kind == "q6_k" else ((0, 0.02), (2, 0.03)):
-        halves = (rng.random((rows, cols // 256)) * top).astype(np.float16)
-        raw[..., at : at + 2] = halves[..., None].view(np.uint8)
-    return np.ascontiguousarray(raw.reshape(rows, -1))
 
 
 def repacked(lib, kind: str, sources: list[np.ndarray], cols: int, orders=None):

@@ -247,8 +247,6 @@ TOKENIZERS = {
 }
 # the tokenizer.ggml.pre llama.cpp names a case's regex by (unlisted: Qwen2.5's, `qwen2`)
 PRE = {"gpt-oss": "gpt-4o", "gpt-oss-mxfp4": "gpt-4o", "qwen35": "qwen35", "qwen35moe": "qwen35"}
-# the cases the fused CPU step refuses, and its reason
-NOT_FUSED = dict.fromkeys(("nemotron_h", "nemotron_h_moe"), "block 0 has no MLP (Nemotron-H)")
 GEMMA_IDS = {"bos_token_id": "<bos>", "eos_token_id": "<end_of_turn>", "pad_token_id": "<pad>"}
 TEXT = (
     "The quick brown fox, 天空 and 😀: why is the sky blue? Because air scatters light. "
@@ -355,13 +353,10 @@ def test_q8_0_file_kept_meets_the_standard(case):
     if name == "gpt-oss-mxfp4":  # the converter keeps MXFP4 experts as they are
         assert {w.fmt.name for w in stacked if isinstance(w, BlockExperts)} == {"mxfp4"}
     # and every architecture decodes on the fused CPU step, as the modules do (MoE of every
-    # routing, MLA, post-norms, DeltaNet layers with fp16 conv windows, MXFP4 experts), but
-    # those the step refuses by name (Nemotron-H's one-mixer layers)
-    if name in NOT_FUSED:
-        assert why_not(kept.net) == NOT_FUSED[name]
-    else:
-        assert why_not(kept.net) is None
-        _fused_step_as_the_modules(kept, floats)
+    # routing, MLA, post-norms, DeltaNet and Mamba2 layers with fp16 conv windows, MXFP4
+    # experts, Nemotron-H's one-mixer layers and relu2 experts)
+    assert why_not(kept.net) is None
+    _fused_step_as_the_modules(kept, floats)
     x = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
     top1, kl = judge(kept.forward(x)[0].float(), floats.forward(x)[0].float())
     assert top1 >= 0.99 and kl <= 1e-3

@@ -19,6 +19,8 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import make_checkpoint, save_in_memory_names
+from fixtures.fused_steps import decode, feed
+from fixtures.fused_steps import rel_err as fused_err
 from parity import ParitySuite, ids, rel_err
 from safetensors.torch import load_file, save_file
 
@@ -129,18 +131,30 @@ def test_layers_follow_the_pattern(nemotron):
     assert _ropes(cfg) == "none"
 
 
-def test_fused_cpu_step_and_tensor_parallelism_refuse_by_name(nemotron):
+def test_the_fused_cpu_step_takes_every_layer_kind(nemotron):
+    """Mamba2, NoPE attention, relu2 MLP and MoE layers (relu2 experts, shared expert), each
+    of one sub-block, decode through the C blocks (core/cpu_step.py) as through the modules,
+    ragged rows step by step; `zoo info` says the step is taken."""
     from core import cpu_step
-    from core.parallel import tp
+    from core.cli.info import _decode_path
 
     m, _, root = nemotron
-    assert cpu_step.why_not(m.net) == "block 0 has no MLP (Nemotron-H)"
-    # zoo info's block kinds: one mixer per layer, "3 x Mamba2, 1 x GatedMLP, ..." for M-M*ME
+    assert cpu_step.why_not(m.net) is None
+    # zoo info's block kinds: one mixer per layer, "2 x Mamba2, 1 x GatedMLP, ..." for M-M*ME
     pattern = json.loads((root / "config.json").read_text())["hybrid_override_pattern"]
     want = f"{pattern.count('M')} x Mamba2, {pattern.count('-')} x GatedMLP, 1 x GQAAttention"
+    assert _decode_path(m) == f"eager, fused C blocks (core/cpu_step.py): {cpu_step.kinds(m.net)}"
     assert cpu_step.kinds(m.net).startswith(want)
+    tokens = feed()
+    for got, want in zip(decode(m, True, tokens), decode(m, False, tokens), strict=True):
+        assert fused_err(got, want) < 1e-5
+
+
+def test_tensor_parallelism_refuses_by_name(nemotron):
+    from core.parallel import tp
+
     with pytest.raises(ConfigError, match=r"tp=2: .*run it with tp=1"):
-        tp.check(m.config, 2, "config.json")
+        tp.check(nemotron[0].config, 2, "config.json")
 
 
 def _variant(base, ref, tmp_path, edit_state=None, edit_cfg=None):
