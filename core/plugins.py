@@ -36,6 +36,7 @@ from core.plugin_registry import (
     Registry,
     ToolFormat,
     WeightMap,
+    WeightScales,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "Registry",
     "ToolFormat",
     "WeightMap",
+    "WeightScales",
     "describe_plugins",
     "merge_named_models",
     "plugin_manager",
@@ -81,6 +83,7 @@ BUILTIN_PLUGINS = (
     "plugins.minimax_m2",
     "plugins.deepseek_v4",
     "plugins.granite_hybrid",
+    "plugins.falcon_h1",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

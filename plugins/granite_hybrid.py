@@ -21,7 +21,7 @@ from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 from core.config import DenseMLPSpec, EmbeddingSpec, GQASpec, MoESpec, RuntimeConfig
 from core.config_kinds import Mamba2Spec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig, every_layer_moe
+from core.hfconfig import DecoderConfig, every_layer_moe, json_floats
 from core.hookspecs import hookimpl
 from plugins.deepseek import ROUTED_EXPERTS
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
@@ -65,11 +65,7 @@ class GraniteHybridConfig(DecoderConfig):
     @field_validator("time_step_limit", mode="before")
     @classmethod
     def _infinity(cls, v: Any) -> Any:
-        """transformers 5 writes inf as {"__float__": "Infinity"} (JSON has no inf)."""
-        if isinstance(v, list | tuple):
-            return [float(x["__float__"]) if isinstance(x, dict) and "__float__" in x else x
-                    for x in v]  # fmt: skip
-        return v
+        return json_floats(v)
 
     def layer_kinds(self) -> list[str]:
         """ "mamba" or "attention" per layer (transformers 5's "linear_attention" and
