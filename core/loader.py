@@ -224,19 +224,22 @@ def load_weights(
     for name, target, index in _progress(plan, progress):
         factor = scales.get(_template(name.split(".")))
         t = ckpt.read(name)
-        _part(state[target], index).copy_(t if factor is None else scale_tensor(t, factor))
+        _part(state[target], index).copy_(t if factor is None else scale_tensor(t, factor, name))
     net.load_state_dict(state, strict=True, assign=True)
 
 
-def scale_tensor(t: torch.Tensor, factor: float | tuple[tuple[int, float], ...]) -> torch.Tensor:
-    """t times `factor`, in fp32: a float, or (rows, factor) segments along t's first dim
-    (Falcon-H1's in_proj: one factor each for its z, x, B, C and dt rows)."""
+def scale_tensor(
+    t: torch.Tensor, factor: float | tuple[tuple[int, float], ...], name: str = "a tensor"
+) -> torch.Tensor:
+    """t (checkpoint tensor `name`) times `factor`, in fp32: a float, or (rows, factor)
+    segments along t's first dim (Falcon-H1's in_proj: one factor each for z, x, B, C, dt)."""
     if isinstance(factor, int | float):
         return t.float() * factor
     rows = torch.tensor([n for n, _ in factor])
     if int(rows.sum()) != t.shape[0]:
         raise CheckpointError(
-            f"a weight scale covers {int(rows.sum())} rows of a tensor of {t.shape[0]} rows"
+            f"{name}: its multipliers cover {int(rows.sum())} rows, but it has {t.shape[0]}; "
+            "check that config.json belongs to these weights"
         )
     f = torch.tensor([x for _, x in factor], dtype=torch.float32).repeat_interleave(rows)
     return t.float() * f.view(-1, *([1] * (t.dim() - 1)))
