@@ -23,9 +23,9 @@ from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
 from core.config import EmbeddingSpec
 from core.config_kinds import Mamba2Spec, ParallelMixerSpec
-from core.errors import ConfigError
 from core.hfconfig import DecoderConfig, json_floats
 from core.hookspecs import hookimpl
+from plugins.granite_hybrid import mamba2_spec
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
 
@@ -83,34 +83,13 @@ class FalconH1Config(DecoderConfig):
         )
 
     def mamba_spec(self) -> Mamba2Spec:
-        width, heads, groups = self.mamba_width(), self.mamba_n_heads, self.mamba_n_groups
-        head_dim = width // heads if self.mamba_d_head == "auto" else self.mamba_d_head
-        if head_dim * heads != width:
-            raise ConfigError(
-                f"config.json: mamba_n_heads ({heads}) x mamba_d_head ({self.mamba_d_head}) must "
-                f"be mamba_d_ssm (or mamba_expand x hidden_size) ({width})"
-            )
-        if heads % groups:
-            raise ConfigError(
-                f"config.json: mamba_n_heads ({heads}) is not a multiple of mamba_n_groups "
-                f"({groups})"
-            )
-        if self.mamba_d_conv < 2:
-            raise ConfigError("config.json: field 'mamba_d_conv' must be at least 2")
         norm = "norm_first" if self.mamba_norm_before_gate else "gate_first"
-        return Mamba2Spec(
-            num_heads=heads,
-            head_dim=head_dim,
-            state_size=self.mamba_d_state,
-            n_groups=groups,
-            conv_kernel=self.mamba_d_conv,
-            chunk_size=self.mamba_chunk_size,
-            norm_eps=self.rms_norm_eps,
-            conv_bias=self.mamba_conv_bias,
-            bias=self.mamba_proj_bias,
+        return mamba2_spec(
+            self,
+            self.mamba_width(),
+            "mamba_d_ssm (or mamba_expand x hidden_size)",
             out_bias=self.projectors_bias,
             gated_norm=norm if self.mamba_rms_norm else "none",
-            time_step_limit=tuple(self.time_step_limit or (0.0, float("inf"))),
         )
 
     def attention_layers(self, base: Any) -> tuple[Any, ...]:

@@ -94,6 +94,8 @@ SUITES = {
     # Granite 4.0-H: Mamba2 layers (kernels.ssd_scan) beside NoPE / RoPE attention, the shared
     # MLP with and without routed experts, Granite's multipliers
     "tests/plugins/test_granite_hybrid.py": PREFILL_DECODE,
+    # Falcon-H1: attention and Mamba2 in parallel on every layer, multipliers folded at load
+    "tests/plugins/test_falcon_h1.py": PREFILL_DECODE,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }

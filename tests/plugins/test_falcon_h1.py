@@ -16,7 +16,8 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import make_checkpoint
-from parity import ParitySuite, check_prefill, ids, rel_err
+from parity import ParitySuite, check_prefill, ids
+from test_granite_hybrid import logits_moved, swap_attr, undo_all
 
 from core import ConfigError, load_model
 from core.config_kinds import ParallelMixerSpec
@@ -83,24 +84,11 @@ def test_mamba_normed_before_its_gate(tmp_path):
     check_prefill(load_model(root, max_seq_len=64), ref, x)
     want = ref(x).logits
     norms = [layer.mamba.norm for layer in ref.model.layers]
-    undo = _all(*[_set(n, "norm_before_gate", False) for n in norms])
-    assert _moved(ref, x, want, lambda: undo) > 100 * 1e-4
-    assert _moved(ref, x, want, lambda: _all(*[_fill(n.weight, 1.0) for n in norms])) > 1e-2
-
-
-def _moved(ref, x, want, mutate) -> float:
-    """How far transformers' logits move with `mutate` applied (then undone)."""
-    undo = mutate()
-    try:
-        return rel_err(ref(x).logits, want)
-    finally:
-        undo()
-
-
-def _set(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    return lambda: setattr(obj, name, old)
+    undo = undo_all(*[swap_attr(n, "norm_before_gate", False) for n in norms])
+    assert logits_moved(ref, x, want, lambda: undo) > 100 * 1e-4
+    assert (
+        logits_moved(ref, x, want, lambda: undo_all(*[_fill(n.weight, 1.0) for n in norms])) > 1e-2
+    )
 
 
 def _fill(p, value):
@@ -108,10 +96,6 @@ def _fill(p, value):
     with torch.no_grad():
         p.fill_(value)
     return lambda: p.data.copy_(old)
-
-
-def _all(*undos):
-    return lambda: [u() for u in undos]
 
 
 def _config_to_one(ref, name):
@@ -127,7 +111,7 @@ def _config_to_one(ref, name):
         "ssm_out_multiplier": layers,
     }[name]
     attr = {"attention_out_multiplier": "attn_out_multiplier"}.get(name, name)
-    return _all(*[_set(o, attr, 1.0) for o in where])
+    return undo_all(*[swap_attr(o, attr, 1.0) for o in where])
 
 
 @torch.no_grad()
@@ -140,18 +124,22 @@ def test_each_feature_moves_transformers_logits(falcon):
     layers = ref.model.layers
     switches = {name: (lambda n=name: _config_to_one(ref, n)) for name in MULTIPLIERS}
     switches |= {
-        "mamba branch": lambda: _all(*[_set(la, "ssm_out_multiplier", 0.0) for la in layers]),
-        "attention branch": lambda: _all(*[_set(la, "attn_out_multiplier", 0.0) for la in layers]),
-        "ssm_multipliers": lambda: _all(*[_fill(la.mamba.mup_vector, 1.0) for la in layers]),
-        "mlp_multipliers": lambda: _all(
+        "mamba branch": lambda: undo_all(
+            *[swap_attr(la, "ssm_out_multiplier", 0.0) for la in layers]
+        ),
+        "attention branch": lambda: undo_all(
+            *[swap_attr(la, "attn_out_multiplier", 0.0) for la in layers]
+        ),
+        "ssm_multipliers": lambda: undo_all(*[_fill(la.mamba.mup_vector, 1.0) for la in layers]),
+        "mlp_multipliers": lambda: undo_all(
             *[
-                _set(la.feed_forward, a, 1.0)
+                swap_attr(la.feed_forward, a, 1.0)
                 for la in layers
                 for a in ("gate_multiplier", "down_multiplier")
             ]
         ),
     }
-    moved = {name: _moved(ref, x, want, switch) for name, switch in switches.items()}
+    moved = {name: logits_moved(ref, x, want, switch) for name, switch in switches.items()}
     assert min(moved.values()) > 100 * 1e-4, moved
 
 
