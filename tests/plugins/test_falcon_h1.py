@@ -11,18 +11,23 @@ parity tests would catch Zoo missing it.
 
 from __future__ import annotations
 
+import shutil
 from typing import ClassVar
 
 import pytest
 import torch
 from conftest import make_checkpoint
+from fixtures.recurrent import slow_decay
 from parity import ParitySuite, check_prefill, ids
 from test_granite_hybrid import logits_moved, swap_attr, undo_all
 
 from core import ConfigError, load_model
 from core.config_kinds import ParallelMixerSpec
 from core.cpu_step import why_not
+from core.engine import Engine
 from core.errors import ZooError
+from core.generation import Seq
+from core.sampling import SamplingParams
 from plugins.falcon_h1 import FalconH1Config
 
 VOCAB = 96
@@ -73,6 +78,34 @@ def test_layers_and_multipliers_follow_the_config(falcon):
     assert not hasattr(m.net.model.layers[0].self_attn.mamba, "norm")  # no norm weight
     assert m.net.kv_cache.recurrent and m.net.kv_cache.state_bytes > 0  # snapshots work
     assert "ParallelMixer" in why_not(m.net)  # the fused CPU step refuses it by name
+
+
+def _answer(model, engine: Engine, prompt: list[int]) -> Seq:
+    """Six greedy tokens for `prompt` through `engine`'s step loop."""
+    p = SamplingParams.build(model.defaults, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    s = Seq(prompt, p, set(), None, VOCAB, model.device)
+    engine.add(s)
+    while engine.running:
+        engine.step()
+    return s
+
+
+def test_a_diverging_prompt_resumes_from_a_snapshot(falcon, tmp_path):
+    """Prefix reuse over the parallel layers: a prompt sharing 36 tokens of a 46-token history
+    resumes at the snapshot at 32 (one every 16 tokens): the row's keys cut back to 32 and its
+    Mamba2 state restored from the snapshot; it answers as a cold run. The state decays slowly
+    (fixtures/recurrent.py), so a wrong one would answer wrong."""
+    root = slow_decay(shutil.copytree(falcon[2], tmp_path / "slow"))
+    warm = load_model(root, max_seq_len=64, max_batch_size=2)
+    warm.net.setup_caches(2, 64, snapshots=3, snapshot_interval=16)
+    m = load_model(root, max_seq_len=64, max_batch_size=2, snapshots=0)
+    engine = Engine(warm, 2, reuse=True)
+    history = ids(VOCAB, 1, 40, seed=5)[0].tolist()
+    _answer(warm, engine, history)
+    prompt = history[:36] + ids(VOCAB, 1, 8, seed=6)[0].tolist()
+    got = _answer(warm, engine, prompt)
+    assert got.cached == 32
+    assert got.out == _answer(m, Engine(m, 2), prompt).out
 
 
 @torch.no_grad()
