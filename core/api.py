@@ -173,6 +173,8 @@ def _read_config(ckpt, path: Path):
     dto = arch.config.from_dict(raw, source=source)
     # a family whose checkpoint names depend on a config key adapts its map (Granite 4.0-H)
     arch = replace(arch, weight_map=dto.adapt_weight_map(arch.weight_map))
+    # constant factors folded into weights as they load (Falcon-H1's multipliers)
+    arch = replace(arch, scales=dto.weight_scales())
     return arch, dto.to_runtime(), source
 
 
@@ -220,6 +222,7 @@ def _fill_network(net: CausalLM, ckpt, arch, plan, dt, dev, keep: bool, quantize
         progress=True,
         keep_quantized=keep,
         plan=plan,
+        scales=arch.scales,
     )
     if quantize is not None:
         quantize_model(net, quantize)

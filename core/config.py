@@ -430,22 +430,26 @@ class RuntimeConfig:
         GQA: 2 * layers * kv_heads * head_dim * itemsize; MLA: layers * (kv_lora_rank +
         qk_rope_head_dim) * itemsize.
         """
-        full = [
-            s
-            for s in self.attention_layers
-            if getattr(s, "window", None) is None and not getattr(s, "recurrent", False)
-        ]
-        return sum(prod(x) for s in full for x in s.cache_layout(1, 1).values()) * itemsize
+        full = [s for s in self.attention_layers if getattr(s, "window", None) is None]
+        return sum(prod(x) for s in full for x in _tensors(s, grows=True)) * itemsize
 
     def state_bytes_per_sequence(self, itemsize: int) -> int:
         """Bytes of fixed-size state per sequence: the recurrent layers' (linear attention)
         conv and delta-rule states, whatever the sequence's length; 0 for attention only."""
         return sum(
-            prod(shape) * _itemsize(spec, name, itemsize)
+            prod(spec.cache_layout(1, 1)[name]) * _itemsize(spec, name, itemsize)
             for spec in self.attention_layers
-            if getattr(spec, "recurrent", False)
-            for name, shape in spec.cache_layout(1, 1).items()
+            if getattr(spec, "window", None) is None
+            for name in _tensors(spec, grows=False, names=True)
         )
+
+
+def _tensors(spec: Any, grows: bool, names: bool = False) -> list:
+    """A layer's cache tensors that grow with the sequence (keys, values) or, `grows` False,
+    those that do not (a recurrent state; Falcon-H1's layers hold both): their one-row,
+    one-token shapes, or their `names`."""
+    one, two = spec.cache_layout(1, 1), spec.cache_layout(1, 2)
+    return [n if names else one[n] for n in one if (one[n] != two[n]) == grows]
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -124,6 +124,9 @@ class Mamba2Spec:
     time_step_limit), A = -exp(A_log); the scan h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,
     y_t = h_t C_t + D x_t (head h reads group h // (num_heads / n_groups)); then
     y = RMSNorm(y * silu(z)) over groups of intermediate / n_groups channels, and out_proj.
+    `gated_norm`: "gate_first" (that, mamba_ssm's norm_before_gate=False), "norm_first"
+    (RMSNorm(y) * silu(z): Falcon-H1's mamba_norm_before_gate) or "none" (y * silu(z), no norm
+    nor its weight: Falcon-H1 without mamba_rms_norm).
 
     Its cache is a fixed size per row (`recurrent`): the conv's last conv_kernel - 1 inputs and
     the (head_dim x state_size) state per head, in fp32.
@@ -137,7 +140,9 @@ class Mamba2Spec:
     chunk_size: int
     norm_eps: float
     conv_bias: bool = True  # conv1d.bias
-    bias: bool = False  # in_proj.bias and out_proj.bias
+    bias: bool = False  # in_proj.bias (and out_proj.bias unless out_bias says otherwise)
+    out_bias: bool | None = None  # out_proj.bias; None: as `bias` (Falcon-H1: projectors_bias)
+    gated_norm: Literal["gate_first", "norm_first", "none"] = "gate_first"
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
     rope: Literal["none"] = "none"  # no rotary embedding
     recurrent: ClassVar[bool] = True  # a fixed-size state per row: no per-token cache
@@ -201,6 +206,29 @@ class ShortConvSpec:
     def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
         """The per-row state (seq is not used): the conv's last inputs (B, hidden, L - 1)."""
         return {"conv": (batch, self.hidden, self.l_cache - 1)}
+
+
+@dataclass(frozen=True)
+class ParallelMixerSpec:
+    """Attention and Mamba2 side by side on the same normed input, their outputs summed
+    (Falcon-H1): out = attn(x) + mamba(x). Each keeps its own cache tensors: the attention's
+    per-token keys and values, and Mamba2's fixed-size per-row state, so the cache (which
+    tells them apart per tensor) treats the row as recurrent and snapshots the state."""
+
+    attention: Any  # a GQASpec
+    mamba: Mamba2Spec
+    kind: ClassVar[str] = "attention + mamba2"  # for `zoo info`
+
+    @property
+    def rope(self) -> Any:
+        return self.attention.rope  # the attention's rope: the layer's
+
+    def cache_layout(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """The attention's tensors (k, v), then Mamba2's (conv, ssm), in the module's order."""
+        return self.attention.cache_layout(batch, seq) | self.mamba.cache_layout(batch, seq)
+
+    def cache_dtypes(self) -> dict[str, str]:
+        return self.mamba.cache_dtypes()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from core.config_kinds import SparseMLASpec
 from core.cpu_recurrent import RECURRENT, recurrent_view
 from core.layers import GatedMLP, GQAAttention, Linear, LMHead, RMSNorm
 from core.layers.deltanet import GatedDeltaNet
+from core.layers.mamba2 import Mamba2
 from core.layers.mla import MLAAttention
 from core.layers.moe import MoE
 from core.modeling import CausalLM, DecoderBlock
@@ -94,6 +95,8 @@ def why_not(net: CausalLM) -> str | None:
                     f"block {i}'s DeltaNet heads ({d.num_k_heads} x {d.head_k_dim} keys, "
                     f"{d.num_v_heads} x {d.head_v_dim} values) are not the fused step's"
                 )
+        elif attn_kind is Mamba2 and attn.spec.gated_norm != "gate_first":
+            return f"block {i}'s Mamba2 gates after its norm or has none (Falcon-H1)"
         if attn_kind in RECURRENT and layer.post_norms:
             return f"block {i} has post-norms around a {attn_kind.__name__} layer"
         why = _moe_why_not(mlp) if type(mlp) is MoE else None

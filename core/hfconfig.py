@@ -84,6 +84,15 @@ def text_model_weights(base: dict[str, Any], towers: tuple[str, ...]) -> dict[st
     }
 
 
+def json_floats(v: Any) -> Any:
+    """A list of floats as transformers 5 writes it: inf as {"__float__": "Infinity"} (JSON
+    has no inf), e.g. Mamba2's time_step_limit; anything else as it is."""
+    if isinstance(v, list | tuple):
+        return [float(x["__float__"]) if isinstance(x, dict) and "__float__" in x else x
+                for x in v]  # fmt: skip
+    return v
+
+
 def every_layer_moe(cfg: DecoderConfig, experts_field: str, width: int, **extra: Any) -> MoESpec:
     """Routed experts on every layer, no shared ones, softmax top-k renormalised (Mixtral's
     MoE; `extra`: the MoESpec fields a family adds): `experts_field` names the config key that
@@ -293,6 +302,12 @@ class DecoderConfig(BaseModel):
         where a family's names depend on a config key (Granite 4.0-H's shared MLP is the
         core's MoE shared expert, or the dense MLP of a model without experts)."""
         return base
+
+    def weight_scales(self) -> dict[str, Any]:
+        """Checkpoint tensors (integers as "{}") multiplied by a constant as they load: a
+        float, or (rows, factor) segments along the first dim (Falcon-H1's multipliers, folded
+        into the weights they follow); none by default."""
+        return {}
 
     def logits_scale(self) -> float:
         """What the LM head's logits are multiplied by (1: as they come)."""

@@ -18,7 +18,7 @@ from torch import nn
 from core import quantize
 from core.checkpoint import Checkpoint
 from core.errors import CheckpointError
-from core.plugins import WeightMap
+from core.plugins import WeightMap, WeightScales
 
 log = logging.getLogger("zoo")
 
@@ -189,6 +189,7 @@ def load_weights(
     progress: bool = False,
     keep_quantized: bool = True,
     plan: list | None = None,
+    scales: WeightScales | None = None,
 ) -> None:
     """Fill `net` (built on the meta device) from `ckpt`, converting on the fly.
 
@@ -197,11 +198,21 @@ def load_weights(
     keep_quantized: a linear or embedding weight that the checkpoint stores in a block format
     (GGUF; fp8 on GPUs of compute capability 8.9+) becomes a `QuantWeight` of the same blocks
     instead of floats (core/quantize.py). plan: `plan_load`'s, where the caller made it already.
+    scales: checkpoint tensors multiplied by a constant as they are read (`scale_tensor`).
     """
     plan = plan if plan is not None else plan_load(net, ckpt, weight_map, ignore)
+    scales = scales or {}
     state: dict[str, torch.Tensor] = {}
     if keep_quantized:
         kept, plan = quantize.split_plan(net, ckpt, plan, device)
+        scaled = [
+            n for parts in kept.values() for n, *_ in parts if _template(n.split(".")) in scales
+        ]
+        if scaled:
+            raise CheckpointError(
+                f"{ckpt.path}: {scaled[0]} is stored quantized, but the model folds a multiplier "
+                "into it as it loads; load it with keep_quantized=False (or a float checkpoint)"
+            )
         for target, parts in _progress(list(kept.items()), progress, "keeping quantized"):
             w = quantize.read_kept(ckpt, parts, dtype, device)
             state.update(quantize.install(net, target, w))
@@ -211,8 +222,27 @@ def load_weights(
         for n, p in net.named_parameters()
     )  # fmt: skip
     for name, target, index in _progress(plan, progress):
-        _part(state[target], index).copy_(ckpt.read(name))
+        factor = scales.get(_template(name.split(".")))
+        t = ckpt.read(name)
+        _part(state[target], index).copy_(t if factor is None else scale_tensor(t, factor, name))
     net.load_state_dict(state, strict=True, assign=True)
+
+
+def scale_tensor(
+    t: torch.Tensor, factor: float | tuple[tuple[int, float], ...], name: str = "a tensor"
+) -> torch.Tensor:
+    """t (checkpoint tensor `name`) times `factor`, in fp32: a float, or (rows, factor)
+    segments along t's first dim (Falcon-H1's in_proj: one factor each for z, x, B, C, dt)."""
+    if isinstance(factor, int | float):
+        return t.float() * factor
+    rows = torch.tensor([n for n, _ in factor])
+    if int(rows.sum()) != t.shape[0]:
+        raise CheckpointError(
+            f"{name}: its multipliers cover {int(rows.sum())} rows, but it has {t.shape[0]}; "
+            "check that config.json belongs to these weights"
+        )
+    f = torch.tensor([x for _, x in factor], dtype=torch.float32).repeat_interleave(rows)
+    return t.float() * f.view(-1, *([1] * (t.dim() - 1)))
 
 
 def _part(p: torch.Tensor, index) -> torch.Tensor:

@@ -12,7 +12,7 @@ import difflib
 import functools
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,9 @@ from core.errors import CheckpointError, ConfigError, PluginError
 # prefix rule, applied first: "model.language_model.*": "model.*" renames everything under it,
 # "model.vision_tower.*": None skips it all (core.loader.strip_prefix).
 WeightMap = Mapping[str, "str | tuple[str, str] | None"]
+# checkpoint tensor name (integers as "{}") -> what the loader multiplies it by as it reads it:
+# a float, or (rows, factor) segments along its first dim (core.loader.scale_tensor)
+WeightScales = Mapping[str, "float | tuple[tuple[int, float], ...]"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class Architecture:
     config: type  # a core.hfconfig.DecoderConfig subclass
     weight_map: WeightMap
     plugin: str
+    scales: WeightScales = field(default_factory=dict)  # the config's `weight_scales()`
 
 
 @dataclass(frozen=True)

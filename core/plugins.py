@@ -36,6 +36,7 @@ from core.plugin_registry import (
     Registry,
     ToolFormat,
     WeightMap,
+    WeightScales,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "Registry",
     "ToolFormat",
     "WeightMap",
+    "WeightScales",
     "describe_plugins",
     "merge_named_models",
     "plugin_manager",
@@ -82,6 +84,7 @@ BUILTIN_PLUGINS = (
     "plugins.deepseek_v4",
     "plugins.granite_hybrid",
     "plugins.lfm2",
+    "plugins.falcon_h1",
     "plugins.formats.safetensors",
     "plugins.formats.gguf",
     "plugins.tool_formats",

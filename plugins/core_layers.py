@@ -18,6 +18,7 @@ from core.config_kinds import (
     DenseMoESpec,
     GatedDeltaNetSpec,
     Mamba2Spec,
+    ParallelMixerSpec,
     PerLayerInputSpec,
     ShortConvSpec,
     SparseMLASpec,
@@ -34,6 +35,7 @@ def zoo_register_layers(registry):
     registry.add_layer(GatedDeltaNetSpec, "core.layers.deltanet:GatedDeltaNet")
     registry.add_layer(Mamba2Spec, "core.layers.mamba2:Mamba2")
     registry.add_layer(ShortConvSpec, "core.layers.shortconv:ShortConv")
+    registry.add_layer(ParallelMixerSpec, "core.layers.parallel_mixer:ParallelMixer")
     registry.add_layer(DenseMLPSpec, "core.layers.mlp:GatedMLP")
     registry.add_layer(MoESpec, "core.layers.moe:MoE")
     registry.add_layer(L2NormSpec, "core.layers.norm:L2Norm")

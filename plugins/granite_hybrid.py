@@ -21,12 +21,47 @@ from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 from core.config import DenseMLPSpec, EmbeddingSpec, GQASpec, MoESpec, RuntimeConfig
 from core.config_kinds import Mamba2Spec
 from core.errors import ConfigError
-from core.hfconfig import DecoderConfig, every_layer_moe
+from core.hfconfig import DecoderConfig, every_layer_moe, json_floats
 from core.hookspecs import hookimpl
 from plugins.deepseek import ROUTED_EXPERTS
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
 MAMBA, ATTENTION = ("mamba", "linear_attention"), ("attention", "full_attention")
+
+
+def mamba2_spec(
+    cfg: Any, width: int, what: str = "mamba_expand x hidden_size", **more
+) -> Mamba2Spec:
+    """The `Mamba2Spec` of a config with Granite's mamba_* keys, for an inner width of `width`
+    (`what`: its keys, named in errors) and the `more` fields a family adds; the head width
+    (`mamba_d_head`, "auto": width / mamba_n_heads) and the sizes checked, each error naming
+    its field."""
+    heads, groups = cfg.mamba_n_heads, cfg.mamba_n_groups
+    head_dim = width // heads if cfg.mamba_d_head == "auto" else cfg.mamba_d_head
+    if head_dim * heads != width:
+        raise ConfigError(
+            f"config.json: mamba_n_heads ({heads}) x mamba_d_head ({cfg.mamba_d_head}) must "
+            f"be {what} ({width})"
+        )
+    if heads % groups:
+        raise ConfigError(
+            f"config.json: mamba_n_heads ({heads}) is not a multiple of mamba_n_groups ({groups})"
+        )
+    if cfg.mamba_d_conv < 2:
+        raise ConfigError("config.json: field 'mamba_d_conv' must be at least 2")
+    return Mamba2Spec(
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=cfg.mamba_d_state,
+        n_groups=groups,
+        conv_kernel=cfg.mamba_d_conv,
+        chunk_size=cfg.mamba_chunk_size,
+        norm_eps=cfg.rms_norm_eps,
+        conv_bias=cfg.mamba_conv_bias,
+        bias=cfg.mamba_proj_bias,
+        time_step_limit=tuple(cfg.time_step_limit or (0.0, float("inf"))),
+        **more,
+    )
 
 
 class GraniteHybridConfig(DecoderConfig):
@@ -65,11 +100,7 @@ class GraniteHybridConfig(DecoderConfig):
     @field_validator("time_step_limit", mode="before")
     @classmethod
     def _infinity(cls, v: Any) -> Any:
-        """transformers 5 writes inf as {"__float__": "Infinity"} (JSON has no inf)."""
-        if isinstance(v, list | tuple):
-            return [float(x["__float__"]) if isinstance(x, dict) and "__float__" in x else x
-                    for x in v]  # fmt: skip
-        return v
+        return json_floats(v)
 
     def layer_kinds(self) -> list[str]:
         """ "mamba" or "attention" per layer (transformers 5's "linear_attention" and
@@ -94,33 +125,7 @@ class GraniteHybridConfig(DecoderConfig):
         return replace(super().attention_spec(), softmax_scale=self.attention_multiplier)
 
     def mamba_spec(self) -> Mamba2Spec:
-        width = self.mamba_expand * self.hidden_size
-        heads, groups = self.mamba_n_heads, self.mamba_n_groups
-        head_dim = width // heads if self.mamba_d_head == "auto" else self.mamba_d_head
-        if head_dim * heads != width:
-            raise ConfigError(
-                f"config.json: mamba_n_heads ({heads}) x mamba_d_head ({self.mamba_d_head}) must "
-                f"be mamba_expand x hidden_size ({width})"
-            )
-        if heads % groups:
-            raise ConfigError(
-                f"config.json: mamba_n_heads ({heads}) is not a multiple of mamba_n_groups "
-                f"({groups})"
-            )
-        if self.mamba_d_conv < 2:
-            raise ConfigError("config.json: field 'mamba_d_conv' must be at least 2")
-        return Mamba2Spec(
-            num_heads=heads,
-            head_dim=head_dim,
-            state_size=self.mamba_d_state,
-            n_groups=groups,
-            conv_kernel=self.mamba_d_conv,
-            chunk_size=self.mamba_chunk_size,
-            norm_eps=self.rms_norm_eps,
-            conv_bias=self.mamba_conv_bias,
-            bias=self.mamba_proj_bias,
-            time_step_limit=tuple(self.time_step_limit or (0.0, float("inf"))),
-        )
+        return mamba2_spec(self, self.mamba_expand * self.hidden_size)
 
     def attention_layers(self, base: Any) -> tuple[Any, ...]:
         mamba, specs = self.mamba_spec(), super().attention_layers(base)

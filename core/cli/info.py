@@ -121,7 +121,9 @@ def _attention_detail(c) -> str:
     where they differ ('head_dim 8/16': Gemma 4's window and full layers); nested specs (a
     layer's rope: the rope line) and unset fields left out."""
     a = c.attention
-    same = [s for s in c.attention_layers if type(s) is type(a)]
+    # a parallel layer's attention (Falcon-H1's ParallelMixerSpec) counts as its own
+    same = [s for s in (getattr(s, "attention", s) for s in c.attention_layers)
+            if type(s) is type(a)]  # fmt: skip
 
     def values(key: str) -> str:
         seen = list(dict.fromkeys(getattr(s, key) for s in same))

@@ -33,9 +33,11 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(s.num_heads))
         self.A_log = nn.Parameter(torch.zeros(s.num_heads))
         self.D = nn.Parameter(torch.ones(s.num_heads))
-        self.norm = nn.Module()  # the gated, grouped RMSNorm (weight, not 1 + w)
-        self.norm.weight = nn.Parameter(torch.ones(s.intermediate))
-        self.out_proj = Linear(s.intermediate, hidden, bias=s.bias)
+        if s.gated_norm != "none":
+            self.norm = nn.Module()  # the gated, grouped RMSNorm (weight, not 1 + w)
+            self.norm.weight = nn.Parameter(torch.ones(s.intermediate))
+        out_bias = s.bias if s.out_bias is None else s.out_bias
+        self.out_proj = Linear(s.intermediate, hidden, bias=out_bias)
 
     def forward(
         self,
@@ -76,9 +78,13 @@ class Mamba2(nn.Module):
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm(y * silu(z)) over groups of `norm_group_size` channels, times the weight,
-        in fp32 (the gate comes before the norm: mamba_ssm's norm_before_gate=False)."""
-        s = self.spec
-        h = y.float() * F.silu(z.float())
+        in fp32 (spec.gated_norm "gate_first": mamba_ssm's norm_before_gate=False);
+        RMSNorm(y) * silu(z) ("norm_first"), or y * silu(z) alone ("none")."""
+        s, gate = self.spec, F.silu(z.float())
+        if s.gated_norm == "none":
+            return y.float() * gate
+        h = y.float() * gate if s.gated_norm == "gate_first" else y.float()
         g = h.view(*h.shape[:-1], -1, s.norm_group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.norm_eps)
-        return self.norm.weight * g.view(h.shape)
+        g = self.norm.weight * g.view(h.shape)
+        return g if s.gated_norm == "gate_first" else g * gate

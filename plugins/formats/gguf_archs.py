@@ -46,6 +46,8 @@ from plugins.formats.gguf_families import (
     join_kv_b,
 )
 from plugins.formats.gguf_fixes import (
+    FALCON_H1_KEYS,
+    FALCON_H1_TENSORS,
     GRANITE_HYBRID_FIXES,
     HYBRID_KEYS,
     NEMOTRON_H_FIXES,
@@ -56,6 +58,7 @@ from plugins.formats.gguf_fixes import (
     QWEN3_NEXT_FIXES,
     QWEN3_NEXT_TENSORS,
     Fix,
+    falcon_h1_config,
     hybrid_config,
     nemotron_h_config,
 )
@@ -320,6 +323,19 @@ ARCHITECTURES = {
         config=LFM2_KEYS,
         configure=configure_lfm2,
         fixes={"blk.{}.shortconv.conv": Fix(values=lambda w: w.unsqueeze(1))},
+    ),
+    # Falcon-H1: attention and Mamba2 in every layer, the multipliers folded into the weights
+    # (gguf_fixes.py); Mamba2's tensors and keys as Granite 4.0-H's; q/k rows as the hub's (the
+    # converter's Mamba2 path does not permute them)
+    "falcon-h1": Arch(
+        "falcon_h1",
+        tensors={**{k: v for k, v in GRANITE_HYBRID.items() if ".ssm_" in k}, **FALCON_H1_TENSORS},
+        config={
+            **{k: v for k, v in GRANITE_HYBRID_KEYS.items() if k.startswith("ssm.")},
+            **FALCON_H1_KEYS,
+        },
+        configure=falcon_h1_config,
+        fixes=GRANITE_HYBRID_FIXES,
     ),
     # llama.cpp's minimax-m2 graph: sigmoid scores plus the bias, renormalised; no MTP written
     "minimax-m2": Arch(

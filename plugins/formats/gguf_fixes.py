@@ -280,3 +280,32 @@ def nemotron_h_config(meta: Callable[..., Any], cfg: dict[str, Any], path: Path)
         cfg["mamba_head_dim"] = meta("ssm.inner_size") // meta("ssm.time_step_rank")
     cfg["norm_topk_prob"] = bool(meta("expert_weights_norm", False))
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+# --- Falcon-H1 (falcon-h1) ---------------------------------------------------------------------
+# conversion/falcon_h1.py: Mamba2's tensors as Granite 4.0-H's (GRANITE_HYBRID_FIXES); every
+# muP multiplier folded into the weights it follows (the embedding and the head too), so the
+# file's model has none; pre_ff_layernorm written without a leaf (`blk.N.ffn_norm`); whether
+# Mamba2 has its gated norm (mamba_rms_norm) stored only as the ssm_norm tensors, and
+# llama.cpp's graph gates before that norm (mamba_norm_before_gate false, as TII's configs).
+_FH = "model.layers.{}"
+FALCON_H1_TENSORS = {  # beside TENSOR_NAMES and Granite 4.0-H's ssm_* names
+    "output_norm": "model.final_layernorm",
+    "blk.{}.ffn_gate": f"{_FH}.feed_forward.gate_proj",
+    "blk.{}.ffn_up": f"{_FH}.feed_forward.up_proj",
+    "blk.{}.ffn_down": f"{_FH}.feed_forward.down_proj",
+    "blk.{}.ffn_norm": f"{_FH}.pre_ff_layernorm.weight",  # a whole name: no leaf in the file
+}
+FALCON_H1_KEYS = {"ssm.inner_size": "mamba_d_ssm"}  # beside Granite 4.0-H's ssm.* keys
+
+
+def falcon_h1_config(meta: Callable[..., Any], cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Mamba2's head width from ssm.inner_size / ssm.time_step_rank, and its gated norm from
+    whether the file has one (gate first: llama.cpp's graph)."""
+    from plugins.formats.gguf_reader import GGUFFile
+
+    if meta("ssm.inner_size") and meta("ssm.time_step_rank"):
+        cfg["mamba_d_head"] = meta("ssm.inner_size") // meta("ssm.time_step_rank")
+    cfg["mamba_rms_norm"] = "blk.0.ssm_norm.weight" in GGUFFile(path).tensors
+    cfg["mamba_norm_before_gate"] = False
+    return cfg

@@ -11,7 +11,7 @@ from conftest import LLAMA31, LLAMA32
 from safetensors.torch import load_file, save_file
 
 from core import CheckpointError, ConfigError, load_model
-from core.loader import map_name, strip_prefix
+from core.loader import map_name, scale_tensor, strip_prefix
 from plugins.llama3 import WEIGHT_MAP
 
 
@@ -179,3 +179,19 @@ def test_prefix_rules_rename_or_skip_a_subtree():
     assert strip_prefix("vision_tower.encoder.layers.0.fc1.weight", wm) is None
     assert strip_prefix("vision_towers.x.weight", wm) == "vision_towers.x.weight"  # whole parts
     assert strip_prefix("model.norm.weight", wm) == "model.norm.weight"
+
+
+def test_scale_tensor_by_a_factor_or_row_segments():
+    """A weight scale (DecoderConfig.weight_scales, Falcon-H1's multipliers): a float times the
+    whole tensor, or (rows, factor) segments along its first dim, each row times its own."""
+    t = torch.ones(5, 3)
+    assert torch.equal(scale_tensor(t, 2.0), torch.full((5, 3), 2.0))
+    rows = scale_tensor(t, ((2, 3.0), (3, 0.5)))
+    assert torch.equal(rows[:, 0], torch.tensor([3.0, 3.0, 0.5, 0.5, 0.5]))
+    assert torch.equal(
+        scale_tensor(torch.ones(5), ((4, 2.0), (1, 1.0))), torch.tensor([2.0] * 4 + [1.0])
+    )
+    with pytest.raises(
+        CheckpointError, match=r"in_proj\.weight: its multipliers cover 4 rows, but it has 5"
+    ):
+        scale_tensor(t, ((4, 1.0),), "model.layers.0.mamba.in_proj.weight")

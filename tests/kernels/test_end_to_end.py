@@ -98,6 +98,8 @@ SUITES = {
     # LFM2 / LFM2-MoE: short-conv layers (their conv in torch) beside attention with per-head
     # q/k norms, sigmoid-routed experts with an expert bias
     "tests/plugins/test_lfm2.py": PREFILL_DECODE,
+    # Falcon-H1: attention and Mamba2 in parallel on every layer, multipliers folded at load
+    "tests/plugins/test_falcon_h1.py": PREFILL_DECODE,
     "examples/zoo-granite/tests/test_zoo_granite.py": EXAMPLE_TESTS,
     "examples/zoo-stablelm/tests/test_zoo_stablelm.py": EXAMPLE_TESTS,
 }

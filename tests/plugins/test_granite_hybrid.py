@@ -123,7 +123,7 @@ def test_the_fused_cpu_step_equals_the_modules(granite):
         assert rel_err(got, want) < 5e-5
 
 
-def _moved(ref, x, want, mutate) -> float:
+def logits_moved(ref, x, want, mutate) -> float:
     """How far transformers' logits move with `mutate` applied (then undone)."""
     undo = mutate()
     try:
@@ -132,7 +132,7 @@ def _moved(ref, x, want, mutate) -> float:
         undo()
 
 
-def _set(obj, name, value):
+def swap_attr(obj, name, value):
     old = getattr(obj, name)
     setattr(obj, name, value)
     return lambda: setattr(obj, name, old)
@@ -167,7 +167,7 @@ def _same_groups(mixer):
     return undo
 
 
-def _all(*undos):
+def undo_all(*undos):
     return lambda: [u() for u in undos]
 
 
@@ -181,19 +181,21 @@ def test_each_feature_moves_transformers_logits(moe):
     layers = ref.model.layers
     mixers = [layer.mamba for layer in layers if layer.mamba is not None]
     switches = {
-        "conv bias": lambda: _all(*[_zero(mx.conv1d.bias) for mx in mixers]),
-        "D": lambda: _all(*[_zero(mx.D) for mx in mixers]),
-        "2 groups": lambda: _all(*[_same_groups(mx) for mx in mixers]),
-        "rope": lambda: _set(ref.model, "rotary_emb", None),
-        "embedding_multiplier": lambda: _set(ref.model, "embedding_multiplier", 1.0),
-        "residual_multiplier": lambda: _all(
-            *[_set(la, "residual_multiplier", 1.0) for la in layers]
+        "conv bias": lambda: undo_all(*[_zero(mx.conv1d.bias) for mx in mixers]),
+        "D": lambda: undo_all(*[_zero(mx.D) for mx in mixers]),
+        "2 groups": lambda: undo_all(*[_same_groups(mx) for mx in mixers]),
+        "rope": lambda: swap_attr(ref.model, "rotary_emb", None),
+        "embedding_multiplier": lambda: swap_attr(ref.model, "embedding_multiplier", 1.0),
+        "residual_multiplier": lambda: undo_all(
+            *[swap_attr(la, "residual_multiplier", 1.0) for la in layers]
         ),
-        "attention_multiplier": lambda: _set(layers[1].self_attn, "scaling", 12**-0.5),
-        "logits_scaling": lambda: _set(ref.config, "logits_scaling", 1.0),
-        "shared MLP": lambda: _all(*[_zero(la.shared_mlp.output_linear.weight) for la in layers]),
+        "attention_multiplier": lambda: swap_attr(layers[1].self_attn, "scaling", 12**-0.5),
+        "logits_scaling": lambda: swap_attr(ref.config, "logits_scaling", 1.0),
+        "shared MLP": lambda: undo_all(
+            *[_zero(la.shared_mlp.output_linear.weight) for la in layers]
+        ),
     }
-    moved = {name: _moved(ref, x, want, switch) for name, switch in switches.items()}
+    moved = {name: logits_moved(ref, x, want, switch) for name, switch in switches.items()}
     assert min(moved.values()) > 100 * 1e-4, moved
 
 
@@ -210,7 +212,7 @@ def test_time_step_limit_clamps_dt(moe, tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), "time_step_limit": limit}))
     clamped = load_model(tmp_path / "clamped", max_seq_len=64)
     mixers = [layer.mamba for layer in ref.model.layers if layer.mamba is not None]
-    undo = _all(*[_set(mx, "time_step_limit", limit) for mx in mixers])
+    undo = undo_all(*[swap_attr(mx, "time_step_limit", limit) for mx in mixers])
     try:
         assert rel_err(ref(x).logits, free) > 100 * 1e-4
         check_prefill(clamped, ref, x)
