@@ -1,5 +1,6 @@
 """Prefix reuse across `Model.generate` / `stream` calls (load_model's `prefix_cache`): a chat's
-next turn prefills only its new tokens, on an attention model (the tiny Llama) and on a
+next turn prefills only its new tokens, on an attention model (the tiny Llama, with a chat
+tokenizer: streams have text) and on a
 recurrent hybrid (its live state; fixtures/recurrent.py's slowly decaying one, which answers
 wrong from a wrong state), with greedy tokens equal to a cold run's; a write outside the engine
 forgets what the rows hold; a batch of fresh prompts still prefills in one padded forward."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LLAMA32, make_checkpoint
+from conftest import chat_llama_folder, make_checkpoint
 from fixtures.recurrent import HYBRID, counted, slow_decay
 
 from core import load_model
@@ -24,9 +25,11 @@ def models(tmp_path_factory):
 
     def get(kind: str):
         if kind not in made:
-            spec = LLAMA32 if kind == "attention" else HYBRID
-            root = make_checkpoint(tmp_path_factory.mktemp(kind), spec)[0]
-            root = root if kind == "attention" else slow_decay(root)
+            root = tmp_path_factory.mktemp(kind)
+            if kind == "attention":
+                root = chat_llama_folder(root)
+            else:
+                root = slow_decay(make_checkpoint(root, HYBRID)[0])
             made[kind] = load_model(root, max_seq_len=128, max_batch_size=2)
         return made[kind]
 
@@ -91,3 +94,50 @@ def test_a_fresh_batch_prefills_in_one_padded_forward(models, monkeypatch):
     assert calls == [13] and [r.cached_tokens for r in got] == [0, 0]
     want = cold(model, batch)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_each_row_of_a_batch_resumes_its_own_history(models, monkeypatch):
+    """A ragged batch's next turn: each prompt resumes from the row its history is in."""
+    model = models("attention")
+    model.reset()
+    batch = [[8, *tokens(12, 8)], [9, *tokens(7, 9)]]
+    first = model.generate(batch, **GREEDY)
+    turns = [
+        p + r.token_ids + tokens(4, 10 + i)
+        for i, (p, r) in enumerate(zip(batch, first, strict=True))
+    ]
+    calls = counted(model, monkeypatch)
+    got = model.generate(turns, **GREEDY)
+    held = [len(p) + NEW - 1 for p in batch]
+    assert [r.cached_tokens for r in got] == held and calls == [5, 5]
+    assert [r.token_ids for r in got] == [r.token_ids for r in cold(model, turns)]
+
+
+def test_a_stream_closed_early_frees_its_row_and_keeps_what_it_fed(models):
+    """A stream stopped between two steps (Ctrl-C in zoo chat while a piece prints) frees its
+    row, which holds the prompt and the tokens fed so far: the next turn resumes from them."""
+    model = models("attention")
+    model.reset()
+    history = tokens(30, 12)
+    stream = model.stream(history, **GREEDY)
+    next(stream)
+    stream.close()
+    assert not any(model.slots.busy)
+    again = model.generate(history + tokens(5, 13), max_new_tokens=2, temperature=0.0)
+    assert again.cached_tokens == len(history)
+
+
+def test_a_failed_step_forgets_the_rows(models):
+    """An error inside a step (here from a token callback) leaves the rows' contents unknown:
+    they are freed and forgotten, and the next call prefills its whole prompt."""
+    model = models("attention")
+    model.reset()
+    history = tokens(30, 14)
+
+    def boom(row, token, logprob):
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        list(model.stream(history, on_token=boom, **GREEDY))
+    assert not any(model.slots.busy)
+    assert model.generate(history, **GREEDY).cached_tokens == 0
