@@ -8,10 +8,11 @@ sequences into free rows, and each `step()`
   intact, but a recurrent state would keep it, so a busy row's state is held across the step
   and a free row's marked stale: `_placeholders`);
 - then prefills: prompts that start together at rows 0..B-1 in one right-padded forward (a
-  batch given to `generate`), otherwise one chunk per prefilling row, oldest first, under a
-  token budget (`chunk`, less one token per decoding row: the server's), a recurrent model's
-  prompt whole (after the decode, so no placeholder reaches a state mid-prompt), split where
-  its row snapshots its state when `reuse` (core/slots.py);
+  batch given to `generate` that reuses nothing: `admit`; it takes no snapshots), otherwise
+  one chunk per prefilling row, oldest first, under a token budget (`chunk`, less one token
+  per decoding row: the server's), a recurrent model's prompt whole (after the decode, so no
+  placeholder reaches a state mid-prompt), split where its row snapshots its state when
+  `reuse` (core/slots.py);
 - samples every sequence that has logits in one place (`_sample`: logit bias, grammar masks,
   penalties, each row's sampler, log-probabilities), then hands each its token (`Seq.take`:
   stop checks, text).
