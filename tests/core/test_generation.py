@@ -159,8 +159,8 @@ def test_usage_counts(base, model):
 def test_timings_are_read_around_prefill_and_decode(base, model, monkeypatch):
     """The loop reads the clock before the prefill (t0), once the first token is on the host
     (t1) and after the last token (t2): time to first token t1 - t0, prefill tokens/s
-    prompt tokens read (not cached) / (t1 - t0), decode tokens/s (new - 1) / (t2 - t1). With the real clock, both
-    spans lie inside the call's own wall time."""
+    prompt tokens read (not cached) / (t1 - t0), decode tokens/s (new - 1) / (t2 - t1). With
+    the real clock, both spans lie inside the call's own wall time."""
     import time
     from types import SimpleNamespace
 
