@@ -271,6 +271,7 @@ def load_model(
     tp: int = 1,
     kv_dtype: str | torch.dtype | None = None,
     snapshots: int = SNAPSHOTS,
+    prefix_cache: bool = True,
 ) -> Model:
     """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
@@ -292,6 +293,10 @@ def load_model(
     copies of its state to keep, taken every 256 tokens, from which a later prompt sharing a
     prefix resumes (core/slots.py); 0: none, a prompt then resumes only where a row's whole
     history is its prefix. Each costs the recurrent state's bytes per row (`zoo info`).
+    prefix_cache: cache rows keep what they hold between `generate` / `stream` calls, and a
+    prompt starts from the longest prefix a row holds (a chat's next turn prefills only its new
+    tokens; `Model.prefix_cache` turns it off later too). False: every call prefills its whole
+    prompt.
     """
     if quantize is not None:
         check_kind(quantize)  # before any download or read
@@ -328,4 +333,4 @@ def load_model(
     net.eval().requires_grad_(False)  # inference only: no autograd in eager or compiled steps
     _log_loaded(path, cfg, net, dev, dt, kv, max_batch_size, seq, max_seq_len, t0)
     with kernel_errors():  # a compiled step resolves every kernel now (ZOO_KERNELS)
-        return Model(net, tokenizer, path, gen_config, compile=compile)
+        return Model(net, tokenizer, path, gen_config, compile=compile, prefix_cache=prefix_cache)

@@ -8,10 +8,11 @@ sequences into free rows, and each `step()`
   intact, but a recurrent state would keep it, so a busy row's state is held across the step
   and a free row's marked stale: `_placeholders`);
 - then prefills: prompts that start together at rows 0..B-1 in one right-padded forward (a
-  batch given to `generate`), otherwise one chunk per prefilling row, oldest first, under a
-  token budget (`chunk`, less one token per decoding row: the server's), a recurrent model's
-  prompt whole (after the decode, so no placeholder reaches a state mid-prompt), split where
-  its row snapshots its state when `reuse` (core/slots.py);
+  batch given to `generate` that reuses nothing: `admit`; it takes no snapshots), otherwise
+  one chunk per prefilling row, oldest first, under a token budget (`chunk`, less one token
+  per decoding row: the server's), a recurrent model's prompt whole (after the decode, so no
+  placeholder reaches a state mid-prompt), split where its row snapshots its state when
+  `reuse` (core/slots.py);
 - samples every sequence that has logits in one place (`_sample`: logit bias, grammar masks,
   penalties, each row's sampler, log-probabilities), then hands each its token (`Seq.take`:
   stop checks, text).
@@ -61,17 +62,21 @@ class Engine:
     """Rows of `model`'s cache and the sequences in them. `model` gives `net` (the forward:
     `net(ids, start_pos, logits_at=, lengths=, row=)`), `step` (a `DecodeStep`), `device`,
     `config.vocab_size`; both are read at each step. `chunk`: prompt tokens a step prefills
-    (None: whole prompts); `reuse`: start prompts from a prefix some row holds."""
+    (None: whole prompts); `reuse`: start prompts from a prefix some row holds; `slots`: what
+    the rows hold, kept from earlier engines over the same cache (`Model.slots`; None: new)."""
 
-    def __init__(self, model, rows: int, *, chunk: int | None = None, reuse: bool = False):
+    def __init__(
+        self,
+        model,
+        rows: int,
+        *,
+        chunk: int | None = None,
+        reuse: bool = False,
+        slots: Slots | None = None,
+    ):
         self.model, self.chunk, self.reuse = model, chunk, reuse
         self.ahead = bool(getattr(model, "ahead", False))
-        cache = getattr(model.net, "kv_cache", None)
-        if cache is None:  # a forward without a cache of its own (tests' references)
-            self.slots = Slots(rows, rows, False)
-        else:
-            snaps = (cache.snapshots, cache.snapshot_interval)
-            self.slots = Slots(rows, cache.kept, cache.recurrent, model.net, *snaps)
+        self.slots = Slots.of(model.net, rows) if slots is None else slots
         self.running: list[Seq] = []  # in admission order
         self.counts = self.seen = None  # penalties' per-row state, made when first needed
         self._pending: _Sampled | None = None  # sampled, not read yet (ahead)
@@ -82,9 +87,10 @@ class Engine:
     def free(self) -> int:
         return len(self.slots.free)
 
-    def add(self, seq: Seq) -> None:
-        """Admit `seq` into a free row (from a prefix some row holds, where `reuse`)."""
-        seq.row, seq.cached = self.slots.acquire(seq.ids, self.reuse)
+    def add(self, seq: Seq, row: int | None = None) -> None:
+        """Admit `seq` into a free row (from a prefix some row holds, where `reuse`), or into
+        free `row` from position 0."""
+        seq.row, seq.cached = self.slots.acquire(seq.ids, self.reuse, row)
         seq.pos = seq.cached
         if penalizes(seq.params):
             if self.counts is None:
@@ -96,12 +102,25 @@ class Engine:
             self.seen[seq.row, seq.ids] = True
         self.running.append(seq)
 
-    def clear(self) -> list[Seq]:
-        """Drop every running sequence (after a failed step: what the rows hold is unknown)."""
+    def admit(self, seqs: list[Seq]) -> None:
+        """Admit a batch (`Model.generate`'s): each from the longest prefix a row holds, or,
+        where no row holds one for any of them, into rows 0..B-1 (free), which prefill
+        together in one right-padded forward and decode as rows [:B], as on a cold cache."""
+        slots = self.slots
+        fresh = not any(slots.busy[: len(seqs)]) and not (
+            self.reuse and any(slots.reusable(s.ids) for s in seqs)
+        )
+        for i, seq in enumerate(seqs):
+            self.add(seq, i if fresh else None)
+
+    def clear(self, forget: bool = True) -> list[Seq]:
+        """Drop every running sequence: after a failed step (what the rows hold is unknown:
+        forgotten), or between steps (`forget` False: the rows hold what was fed)."""
         dropped, self.running, self._pending, self._batch = self.running, [], None, None
         for seq in dropped:
             self.slots.release(seq.row)
-        self.slots.forget()
+        if forget:
+            self.slots.forget()
         return dropped
 
     # --- one step ------------------------------------------------------------------------------
@@ -169,7 +188,7 @@ class Engine:
         if not seqs:
             return [], None
         net, dev = self.model.net, self.model.device
-        snapping = self.reuse and self.slots.snapshots
+        snapping = self.reuse and self.slots.snapshots and len(seqs) == 1  # (a batch: none)
         if self.chunk is None and not snapping and self._together(seqs):
             ids, lens = right_padded([s.ids for s in seqs], dev)  # `lengths`: no padding in rings
             for s in seqs:

@@ -33,7 +33,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    cached_tokens: int | None = None  # prompt tokens read from the server's prefix cache
+    cached_tokens: int | None = None  # prompt tokens a cache row already held (not prefilled)
 
     @property
     def usage(self) -> dict:
@@ -190,18 +190,20 @@ class Seq:
             prompt_tokens=len(self.ids),
             logprobs=self.logprobs,
             timings=timings,
+            cached_tokens=self.cached,
         )
 
 
 def batch_timings(seqs: list[Seq]) -> dict[str, float]:
     """A batch's timings, read now that it has ended: time to its first token (from the
-    first sequence's start), prefill and decode rates over all its rows."""
+    first sequence's start), prefill (of the prompt tokens no row held) and decode rates over
+    all its rows."""
     t_end = time.perf_counter()
     t0 = min(s.t0 for s in seqs)
     first = min((s.t_first for s in seqs if s.t_first is not None), default=t_end)
     n_decode = sum(max(len(s.out) - 1, 0) for s in seqs)  # tokens after each row's first
     return {
         "time_to_first_token_s": first - t0,
-        "prefill_tokens_per_s": sum(len(s.ids) for s in seqs) / max(first - t0, 1e-9),
+        "prefill_tokens_per_s": sum(len(s.ids) - s.cached for s in seqs) / max(first - t0, 1e-9),
         "decode_tokens_per_s": n_decode / max(t_end - first, 1e-9),
     }

@@ -16,6 +16,7 @@ from core.errors import RequestError
 from core.generation import GenerationResult, Seq, TokenLogprob, batch_timings
 from core.modeling import CausalLM, kernel_errors
 from core.sampling import SamplingParams, defaults_from_generation_config
+from core.slots import Slots
 from core.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -32,7 +33,13 @@ def _ids(value: Any) -> list[int] | None:
 
 
 class Model:
-    """A loaded model. Not thread-safe: one caller at a time (the server queues requests)."""
+    """A loaded model. Not thread-safe: one caller at a time (the server queues requests).
+
+    Its cache rows keep what they hold between calls (`slots`): with `prefix_cache` (on by
+    default) `generate` / `stream` start each prompt from the longest prefix a row holds, so
+    a chat's next turn prefills only its new tokens. Whatever writes the cache outside the
+    engine (`forward`, `reset`, `embed`) forgets them; so must a caller of `net` itself
+    (`forget`)."""
 
     def __init__(
         self,
@@ -41,8 +48,11 @@ class Model:
         path: Path,
         generation_config: dict[str, Any] | None = None,
         compile: bool = False,
+        prefix_cache: bool = True,
     ):
         self.net = net
+        self.prefix_cache = prefix_cache
+        self._slots: tuple[Any, Any, Slots] | None = None  # (cache, lead, its rows' contents)
         self.step = DecodeStep(net, compile)
         # launch each decode step before reading the last one's tokens: GPUs run async
         self.ahead = self.device.type == "cuda"
@@ -73,6 +83,23 @@ class Model:
     def max_batch_size(self) -> int:
         return self.net.kv_cache.max_batch_size
 
+    @property
+    def slots(self) -> Slots:
+        """What each row of the cache holds (core/slots.py), shared by every engine over this
+        model (`generate`, `stream`, the server's scheduler); new for a new cache
+        (`net.setup_caches`) or a new tensor-parallel lead."""
+        cache, lead = self.net.kv_cache, self.net.lead
+        held = self._slots
+        if held is None or held[0] is not cache or held[1] is not lead:
+            held = self._slots = (cache, lead, Slots.of(self.net, cache.max_batch_size))
+        return held[2]
+
+    def forget(self) -> None:
+        """Make what the cache rows hold unknown (nothing is reused): after writing the cache
+        other than through the engine, e.g. calling `net` directly."""
+        if self._slots is not None:
+            self._slots[2].forget()
+
     @torch.inference_mode()
     def forward(
         self,
@@ -99,11 +126,13 @@ class Model:
             )
         if lengths is not None:
             lengths = torch.as_tensor(lengths, device=self.device)
+        self.forget()
         with kernel_errors():
             return self.net(input_ids.to(self.device), start_pos, lengths=lengths)
 
     def reset(self) -> None:
         """Clear the KV cache."""
+        self.forget()
         self.net.kv_cache.reset()
 
     # --- embeddings ---------------------------------------------------------------------------
@@ -157,6 +186,8 @@ class Model:
             )
         p, out = pooling or self.pooling, []
         size = 1 if row is not None else self.max_batch_size
+        if row is None:  # (a row: the server's, taken from its slots holding nothing)
+            self.forget()
         with kernel_errors():
             for k in range(0, len(ids), size):
                 # right-padded: causal rows never see padding
@@ -242,21 +273,26 @@ class Model:
 
         Checks nothing: callers validate prompts and lengths first (as `generate` does), and
         iterate under `torch.inference_mode()`.
+
+        With `prefix_cache`, each prompt starts from the longest prefix a row holds (`slots`);
+        a failed step forgets what the rows hold, a loop closed early keeps it.
         """
         ps = params if isinstance(params, list) else [params] * len(ids)
-        engine = Engine(self, self.max_batch_size)
+        engine = Engine(self, self.max_batch_size, reuse=self.prefix_cache, slots=self.slots)
         pieces: list[tuple[int, str]] = []
         seqs = [
             _Row(i, pieces, cancelled, on_token, x, p, self.stop_ids(p), self.tokenizer,
                  self.config.vocab_size, self.device)
             for i, (x, p) in enumerate(zip(ids, ps, strict=True))
         ]  # fmt: skip
-        for seq in seqs:
-            engine.add(seq)
-        while engine.running:
-            engine.step()
-            yield from pieces
-            pieces.clear()
+        try:
+            _run(engine, seqs)
+            while engine.running:
+                _run(engine)
+                yield from pieces
+                pieces.clear()
+        finally:  # (closed between steps: its rows hold what was fed)
+            engine.clear(forget=False)
         timings = batch_timings(seqs)
         return [s.result(timings) for s in seqs]
 
@@ -299,6 +335,19 @@ class Model:
         """
         with torch.inference_mode():
             return TextStream(self.token_loop(*self._start([prompt], params), on_token=on_token))
+
+
+def _run(engine: Engine, seqs: list[Seq] | None = None) -> None:
+    """Admit seqs, or take one step; on any failure (Ctrl-C included) the rows' contents are
+    unknown: forgotten."""
+    try:
+        if seqs is None:
+            engine.step()
+        else:
+            engine.admit(seqs)
+    except BaseException:
+        engine.clear()
+        raise
 
 
 class _Row(Seq):

@@ -47,6 +47,16 @@ class Slots:
         self._released = [0] * n  # when each row was last freed (least recent is taken first)
         self._clock = 0
 
+    @classmethod
+    def of(cls, net, rows: int) -> Slots:
+        """Slots for `rows` rows of `net`'s cache (none: a forward without a cache of its own,
+        tests' references; nothing is reused)."""
+        cache = getattr(net, "kv_cache", None)
+        if cache is None:
+            return cls(rows, rows, False)
+        snaps = (cache.snapshots, cache.snapshot_interval)
+        return cls(rows, cache.kept, cache.recurrent, net, *snaps)
+
     @property
     def free(self) -> list[int]:
         return [r for r, b in enumerate(self.busy) if not b]
@@ -66,12 +76,15 @@ class Slots:
             return n
         return max((p for p in self.snaps[row] if p <= n), default=0)
 
-    def acquire(self, ids: list[int], reuse: bool = True) -> tuple[int, int]:
+    def acquire(
+        self, ids: list[int], reuse: bool = True, row: int | None = None
+    ) -> tuple[int, int]:
         """Take a free row for prompt `ids`: (row, prompt tokens it already holds). The row
         then holds just those tokens (a recurrent row: their state); the rest of the prompt is
-        the caller's to prefill."""
+        the caller's to prefill. `row`: that free row, from position 0 (reusing nothing)."""
         free = self.free
-        lru = min(free, key=lambda r: self._released[r])
+        lru = min(free, key=lambda r: self._released[r]) if row is None else row
+        reuse = reuse and row is None
         own = max(free, key=lambda r: (self.match(r, ids), -self._released[r])) if reuse else lru
         best = max(range(len(self.busy)), key=lambda r: self.match(r, ids)) if reuse else own
         n_own, n_best = self.match(own, ids) if reuse else 0, self.match(best, ids) if reuse else 0
@@ -131,8 +144,13 @@ class Slots:
         self._clock += 1
         self.busy[row], self._released[row] = False, self._clock
 
+    def reusable(self, ids: list[int]) -> bool:
+        """Whether some row holds a prefix of `ids` that a prompt may resume after."""
+        return any(self.match(r, ids) for r in range(len(self.busy)))
+
     def forget(self) -> None:
-        """Every row's contents unknown (after a failed step): nothing is reused."""
+        """Every row's contents unknown (after a failed step, or a write outside the engine):
+        nothing is reused."""
         for fed, snaps in zip(self.fed, self.snaps, strict=True):
             fed.clear()
             snaps.clear()

@@ -241,8 +241,11 @@ def measure(
     """Prefill and decode figures through `Model.generate` (what users get), best of `repeat`.
 
     peak_gbps: the device's peak memory bandwidth; by default a datasheet figure for GPUs we
-    can name, and measured on CPUs (`cpu_stream_gbps`)."""
+    can name, and measured on CPUs (`cpu_stream_gbps`). Every run prefills its whole prompt:
+    the model's prefix cache is turned off (repeats share their prompts)."""
     from core.quantize import weight_formats
+
+    model.prefix_cache = False
 
     dev, cfg = model.device, model.config
     itemsize = model.net.kv_cache.dtype.itemsize  # the cache's own (fp16 on CPUs, quantized)
@@ -303,7 +306,9 @@ def measure(
 def compare_transformers(model, source: Path, *, prompt: list[int], decode_tokens: int,
                          repeat: int, compile_hf: bool) -> dict[str, Any]:  # fmt: skip
     """Greedy generate of the same prompt on the same weights, alternating Zoo and
-    transformers; returns median end-to-end tokens/s of each and the ratio."""
+    transformers; returns median end-to-end tokens/s of each and the ratio. Zoo's prefix cache
+    is turned off: each run prefills the whole prompt, as transformers' does."""
+    model.prefix_cache = False
     from transformers import AutoModelForCausalLM
 
     kw = {"dtype": model.dtype}

@@ -62,11 +62,12 @@ def _answer(
         finally:  # even where stdout is gone (a closed pipe): the stream ends its request
             stream.close()
     if stream.result is not None:
-        t = stream.result.timings
-        n = len(stream.result.token_ids)
+        t, res = stream.result.timings, stream.result
+        n = len(res.token_ids)
         prefill, decode = t["prefill_tokens_per_s"], t["decode_tokens_per_s"]
+        cached = f" ({res.cached_tokens} cached)" if res.cached_tokens else ""
         print(
-            f"[{stream.result.prompt_tokens} prompt tokens at {prefill:.1f} tok/s, "
+            f"[{res.prompt_tokens} prompt tokens{cached} at {prefill:.1f} tok/s, "
             f"{n} new tokens at {decode:.1f} tok/s]",
             file=sys.stderr,
         )

@@ -52,7 +52,10 @@ class Scheduler:
         self.model = model
         self.metrics = metrics or ServerMetrics("")
         self.max_queue = max_queue  # None: unbounded
-        self.engine = Engine(model, model.max_batch_size, chunk=CHUNK, reuse=True)
+        # the model's slots: what its rows hold is known to `generate` after the server, too
+        self.engine = Engine(
+            model, model.max_batch_size, chunk=CHUNK, reuse=True, slots=model.slots
+        )
         cache = getattr(model.net, "kv_cache", None)
         if cache is not None:  # a row's recurrent state and its snapshots, in bytes
             self.metrics.row_bytes(cache.state_bytes, cache.snapshot_bytes)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from core.embedding import Pooling
-from core.generation import GenerationResult, Seq, TokenLogprob
+from core.generation import Seq, TokenLogprob
 from core.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,8 +73,3 @@ class ServedSeq(Seq):
     def on_text(self, piece: str) -> None:
         if self.job.stream:
             self.job.emit("text", piece)
-
-    def result(self, timings: dict[str, float] | None = None) -> GenerationResult:
-        out = super().result(timings)
-        out.cached_tokens = self.cached
-        return out

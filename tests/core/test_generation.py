@@ -151,6 +151,7 @@ def test_usage_counts(base, model):
         "prompt_tokens": n_prompt,
         "completion_tokens": 7,
         "total_tokens": n_prompt + 7,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},  # (the prefix cache's)
     }
     assert len(out.token_ids) == 7
 
@@ -158,8 +159,8 @@ def test_usage_counts(base, model):
 def test_timings_are_read_around_prefill_and_decode(base, model, monkeypatch):
     """The loop reads the clock before the prefill (t0), once the first token is on the host
     (t1) and after the last token (t2): time to first token t1 - t0, prefill tokens/s
-    prompt / (t1 - t0), decode tokens/s (new - 1) / (t2 - t1). With the real clock, both
-    spans lie inside the call's own wall time."""
+    prompt tokens read (not cached) / (t1 - t0), decode tokens/s (new - 1) / (t2 - t1). With
+    the real clock, both spans lie inside the call's own wall time."""
     import time
     from types import SimpleNamespace
 
@@ -168,11 +169,12 @@ def test_timings_are_read_around_prefill_and_decode(base, model, monkeypatch):
     n_prompt = len(base[2].encode(PROMPT))
     clock = iter([100.0, 100.25, 102.0])
     monkeypatch.setattr(core.generation, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    t = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True).timings
+    out = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    t = out.timings
     assert t == pytest.approx(
         {
             "time_to_first_token_s": 0.25,
-            "prefill_tokens_per_s": n_prompt / 0.25,
+            "prefill_tokens_per_s": (n_prompt - out.cached_tokens) / 0.25,
             "decode_tokens_per_s": 7 / 1.75,
         }
     )
@@ -427,7 +429,7 @@ def test_batch_equals_each_prompt_alone(base, model, model4, kw):
         alone = model.generate(prompt, **kw)
         assert got.token_ids == alone.token_ids == expected(base, prompt, **kw)
         assert got.text == alone.text and got.finish_reason == alone.finish_reason
-        assert got.usage == alone.usage
+        assert got.prompt_tokens == alone.prompt_tokens  # (cached tokens: each model's own)
         if kw.get("logprobs"):
             for a, b in zip(got.logprobs, alone.logprobs, strict=True):
                 assert abs(a.logprob - b.logprob) < 1e-4
@@ -512,6 +514,8 @@ def run_loop(base, prompts, per_row: list[dict] | None = None, hooks: dict | Non
         tokenizer=Tokenizer.from_folder(root),
         max_batch_size=len(ids),
         stop_ids=lambda p: set(p.stop_token_ids),
+        prefix_cache=False,
+        slots=None,  # (the engine's own)
     )
     loop = Model.token_loop(model, ids, p, **hooks)
     pieces = [[] for _ in prompts]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_checkpoint
-from fixtures.recurrent import slow_decay
+from fixtures.recurrent import counted, slow_decay
 
 from core import RequestError, load_model
 from core.engine import Engine
@@ -76,14 +76,6 @@ def answer(engine: Engine, ids: list[int], new: int = 6) -> Seq:
     engine.add(s)
     finish(engine, s)
     return s
-
-
-def counted(model, monkeypatch) -> list[int]:
-    """The prompt tokens each forward of `model` is given (decode steps run elsewhere)."""
-    calls, forward = [], model.net.forward
-    monkeypatch.setattr(model.net, "forward", lambda x, *a, **k: (calls.append(x.shape[1]),
-                        forward(x, *a, **k))[1])  # fmt: skip
-    return calls
 
 
 def test_next_turn_resumes_after_the_whole_history(models):
