@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_checkpoint
-from fixtures.recurrent import counted, slow_decay
+from fixtures.recurrent import HYBRID, counted, slow_decay
 
 from core import RequestError, load_model
 from core.engine import Engine
@@ -21,14 +21,6 @@ from core.generation import Seq
 from core.sampling import SamplingParams
 
 VOCAB, ROWS, SEQ, EVERY, KEEP = 96, 2, 256, 16, 3
-HYBRID = dict(
-    model_type="qwen3_next", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-    num_experts=0, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-    linear_value_head_dim=16, linear_conv_kernel_dim=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=SEQ,
-    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
 MAMBA2 = dict(
     model_type="granitemoehybrid", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
     shared_intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
