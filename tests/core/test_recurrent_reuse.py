@@ -170,3 +170,14 @@ def test_snapshots_are_bounded_and_hold_the_state_at_their_position(models):
 def test_snapshots_must_not_be_negative(models):
     with pytest.raises(RequestError, match="snapshots"):
         load_model(models[1].path, snapshots=-1)
+
+
+@pytest.mark.parametrize(("snapshots", "every"), [(-1, 16), (3, 0)])
+def test_bad_snapshot_settings_are_refused_before_the_cache_is_replaced(models, snapshots, every):
+    """setup_caches with a negative count or an interval under one token: a RequestError
+    naming both (an interval of 0 used to fail mid-serving, at the first snapshot's modulo),
+    and the model keeps the cache it had."""
+    cache = models[0].net.kv_cache
+    with pytest.raises(RequestError, match=r"snapshots .* snapshot_interval"):
+        models[0].net.setup_caches(ROWS, SEQ, snapshots=snapshots, snapshot_interval=every)
+    assert models[0].net.kv_cache is cache
