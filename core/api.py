@@ -122,9 +122,12 @@ def _cache_dtype(kv_dtype, dt: torch.dtype, dev: torch.device, quantized: bool) 
     return torch.float16 if dev.type == "cpu" and quantized else dt
 
 
-def _cache_length(cfg, weights: int, kv: torch.dtype, dev, batch: int, asked: int | None) -> int:
+def _cache_length(
+    cfg, weights: int, kv: torch.dtype, dev, batch: int, asked: int | None, snapshots: int = 0
+) -> int:
     """max_seq_len: the one asked for; else on CPUs the model's context, or as much of it as
-    fits beside the weights; else min(context, DEFAULT_MAX_SEQ_LEN)."""
+    fits beside the weights (and the recurrent states' `snapshots`); else min(context,
+    DEFAULT_MAX_SEQ_LEN)."""
     if asked is not None:
         return asked
     context = cfg.max_position_embeddings
@@ -132,6 +135,7 @@ def _cache_length(cfg, weights: int, kv: torch.dtype, dev, batch: int, asked: in
     if dev.type != "cpu" or free is None:
         return min(context, DEFAULT_MAX_SEQ_LEN)
     budget = FIT_SHARE * free - FIT_SPARE - weights - cfg.kv_bytes(kv.itemsize, 0, batch)
+    budget -= snapshots * batch * cfg.state_bytes_per_sequence(kv.itemsize)
     per_token = cfg.kv_bytes_per_token(kv.itemsize) * batch
     fits = int(budget // per_token) if per_token else context
     return max(1, min(context, fits))
@@ -152,6 +156,7 @@ def _check_fits(
             f"the KV cache for {batch} x {seq} tokens needs {cache:,} bytes ({cache / gib:.2f} "
             f"GiB) on top of {weights / gib:.2f} GiB of weights, but only {free / gib:.2f} GiB "
             f"is free on {device}; pass a smaller max_seq_len or max_batch_size"
+            + (" (or fewer snapshots)" if snapshots and cfg.state_bytes_per_sequence(1) else "")
         )
 
 
@@ -317,7 +322,7 @@ def load_model(
         plan = plan_load(net, ckpt, arch.weight_map, net.ignored_checkpoint_names())
         weights, kept = held_bytes(net, ckpt, plan, dt, dev, keep)
         kv = _cache_dtype(kv_dtype, dt, dev, kept > 0 or quantize is not None)
-        seq = _cache_length(net.config, weights, kv, dev, max_batch_size, max_seq_len)
+        seq = _cache_length(net.config, weights, kv, dev, max_batch_size, max_seq_len, snapshots)
         _check_fits(net.config, weights, kv, dev, max_batch_size, seq, snapshots)
         _fill_network(net, ckpt, arch, plan, dt, dev, keep, quantize)
         if check_finite:

@@ -219,6 +219,15 @@ class ParallelMixerSpec:
     mamba: Mamba2Spec
     kind: ClassVar[str] = "attention + mamba2"  # for `zoo info`
 
+    def __post_init__(self):
+        # the cache tells a ring from a state by the layer's `window`, which this layer has
+        # not: a sliding attention's ring would be kept and snapshotted as a recurrent state
+        if getattr(self.attention, "window", None) is not None:
+            raise ValueError(
+                "ParallelMixerSpec: its attention has a sliding window, which a parallel layer "
+                "does not support (only full attention beside Mamba2)"
+            )
+
     @property
     def rope(self) -> Any:
         return self.attention.rope  # the attention's rope: the layer's

@@ -32,6 +32,7 @@ import mmap
 import torch
 
 from core.config import RuntimeConfig
+from core.errors import RequestError
 
 ALIGN = 64  # bytes: each cache tensor starts on a cache line
 # Snapshots of a recurrent row's state: 8 per row, every 256 tokens (thinned evenly once full,
@@ -60,6 +61,11 @@ class StaticKVCache:
         snapshots: int = SNAPSHOTS,
         snapshot_interval: int = SNAPSHOT_INTERVAL,
     ):
+        if snapshots < 0 or snapshot_interval < 1:  # (before any allocation: a cache kept)
+            raise RequestError(
+                f"snapshots ({snapshots}) must be 0 (off) or more and snapshot_interval "
+                f"({snapshot_interval}) at least 1 token"
+            )
         specs = cfg.attention_layers
         layouts = [spec.cache_layout(max_batch_size, max_seq_len) for spec in specs]
         self.names = [tuple(layout) for layout in layouts]  # per layer

@@ -211,7 +211,8 @@ def load_weights(
         if scaled:
             raise CheckpointError(
                 f"{ckpt.path}: {scaled[0]} is stored quantized, but the model folds a multiplier "
-                "into it as it loads; load it with keep_quantized=False (or a float checkpoint)"
+                "into it as it loads; load with dequantize=True (zoo --dequantize) to convert it "
+                "to floats, or from a float checkpoint"
             )
         for target, parts in _progress(list(kept.items()), progress, "keeping quantized"):
             w = quantize.read_kept(ckpt, parts, dtype, device)

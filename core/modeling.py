@@ -77,6 +77,12 @@ class DecoderBlock(nn.Module):
             self.post_attention_layernorm = build(cfg.norm, h, cfg.norm)
         if not isinstance(mlp, NoSubBlock):
             self.mlp = build(mlp, h, mlp)
+        elif cfg.post_norms or cfg.per_layer_input is not None or cfg.layer_scalar:
+            # (forward returns after the attention: these would be skipped without a word)
+            raise ValueError(
+                f"layer {index}: a block without an MLP takes no post-norms, per-layer inputs "
+                "nor layer scalar"
+            )
         self.post_norms = cfg.post_norms
         # tensor parallelism (core/parallel/tp.py): sums the attention's and the MLP's partial
         # outputs (this rank's heads / intermediate rows) over the ranks; None on one rank

@@ -115,6 +115,8 @@ class Experts(nn.Module):
         i, b = spec.intermediate_size, spec.bias
         self.glu, self.scale_input, self.act = spec.glu, spec.scale_input, spec.act
         self.gated = spec.gated
+        if spec.gated and spec.act == "relu2":  # (its kernel would run SiLU, silently)
+            raise ValueError("relu2 experts are non-gated ones: MoESpec(gated=False)")
         if spec.gated:
             self.gate_up_proj = StackedLinear(spec.num_experts, hidden, {"gate": i, "up": i}, b)
         elif spec.act != "relu2" or spec.glu is not None or b:

@@ -12,7 +12,8 @@ import torch
 from conftest import LLAMA32
 
 from core import ConfigError
-from core.config_kinds import Mamba2Spec
+from core.config import GQASpec
+from core.config_kinds import Mamba2Spec, ParallelMixerSpec
 from core.layers.mamba2 import Mamba2
 from core.parallel import tp as tp_mod
 from plugins.llama3 import LlamaConfig
@@ -99,3 +100,13 @@ def test_tensor_parallelism_refuses_mamba2_by_name():
     hybrid = dataclasses.replace(cfg, attention_layers=(cfg.attention, SPEC))
     with pytest.raises(ConfigError, match=r"layer 1's Mamba2Spec is not a kind .* tp=1"):
         tp_mod.check(hybrid, 2, "config.json")
+
+
+def test_a_parallel_layer_refuses_a_sliding_attention():
+    """Falcon-H1's parallel layer beside a sliding attention: refused, since the cache would
+    take the ring (no position dim, no window on the layer's spec) for a recurrent state,
+    snapshot it and offer its wrapped positions as a prefix."""
+    full = GQASpec(num_heads=2, num_kv_heads=1, head_dim=16)
+    assert ParallelMixerSpec(attention=full, mamba=SPEC).attention is full
+    with pytest.raises(ValueError, match="sliding window"):
+        ParallelMixerSpec(attention=dataclasses.replace(full, window=8), mamba=SPEC)

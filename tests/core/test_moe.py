@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -195,3 +196,14 @@ def test_bf16_router_picks_what_an_fp32_router_picks(name):
         assert g_row.keys() == w_row.keys()
         for k in w_row:
             assert g_row[k] == pytest.approx(w_row[k], rel=1e-5)
+
+
+def test_gated_relu2_experts_are_refused():
+    """relu2 experts are Nemotron-H's non-gated ones; gated ones would run the experts'
+    SiLU kernel (and the fused CPU step reads relu2 as non-gated), so the spec is refused."""
+    spec = MoESpec(
+        num_experts=4, top_k=2, intermediate_size=16, num_shared_experts=0, layers=(0,), act="relu2"
+    )
+    with pytest.raises(ValueError, match="relu2 experts"):
+        MoE(32, spec)
+    MoE(32, dataclasses.replace(spec, gated=False))  # Nemotron-H's: built

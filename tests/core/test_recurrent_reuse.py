@@ -154,3 +154,38 @@ def test_snapshots_are_bounded_and_hold_the_state_at_their_position(models):
 def test_snapshots_must_not_be_negative(models):
     with pytest.raises(RequestError, match="snapshots"):
         load_model(models[1].path, snapshots=-1)
+
+
+@pytest.mark.parametrize(("snapshots", "every"), [(-1, 16), (3, 0)])
+def test_bad_snapshot_settings_are_refused_before_the_cache_is_replaced(models, snapshots, every):
+    """setup_caches with a negative count or an interval under one token: a RequestError
+    naming both (an interval of 0 used to fail mid-serving, at the first snapshot's modulo),
+    and the model keeps the cache it had."""
+    cache = models[0].net.kv_cache
+    with pytest.raises(RequestError, match=r"snapshots .* snapshot_interval"):
+        models[0].net.setup_caches(ROWS, SEQ, snapshots=snapshots, snapshot_interval=every)
+    assert models[0].net.kv_cache is cache
+
+
+def test_an_automatic_cache_length_leaves_room_for_the_snapshots(models, monkeypatch):
+    """On CPUs without max_seq_len, the cache is sized to what fits beside the weights: the
+    snapshots' bytes come off that budget too (else the length chosen could overrun the memory
+    check that counts them)."""
+    from core import api
+
+    cfg, kv = models[0].config, torch.float32
+    token, state = cfg.kv_bytes_per_token(4), cfg.state_bytes_per_sequence(4)
+    spare = api.FIT_SPARE + cfg.kv_bytes(4, 0, ROWS) + 250 * ROWS * token  # 250 tokens a row
+    monkeypatch.setattr(api, "available_memory", lambda device: int(spare / api.FIT_SHARE) + 1)
+    dev = torch.device("cpu")
+    assert api._cache_length(cfg, 0, kv, dev, ROWS, None) == 250
+    room = (250 * token - KEEP * state) // token  # 25 (gated DeltaNet), 137 (Mamba2)
+    assert 0 < room < 250 and api._cache_length(cfg, 0, kv, dev, ROWS, None, KEEP) == room
+
+
+def test_a_cache_too_large_names_the_snapshots_among_the_fixes(models, monkeypatch):
+    from core import api
+
+    monkeypatch.setattr(api, "available_memory", lambda device: 1 << 10)
+    with pytest.raises(RequestError, match=r"max_batch_size \(or fewer snapshots\)"):
+        load_model(models[1].path, max_seq_len=SEQ, max_batch_size=ROWS, snapshots=KEEP)

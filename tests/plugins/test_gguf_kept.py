@@ -292,3 +292,23 @@ def test_the_copys_k_quant_blocks_hold_the_values(kind, rms):
     assert np.all(np.abs(got - x).reshape(-1, per) <= 1.6 * step[:, None] + 1e-6)
     assert np.all(got[0, :256] == 0)
     assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < rms
+
+
+def test_a_scaled_weight_stored_quantized_names_the_option_that_loads_it(
+    checkpoint, tmp_path, monkeypatch
+):
+    """A weight the family folds a multiplier into (Falcon-H1's `weight_scales`) cannot stay in
+    its blocks: the error names the tensor and load_model's own option, dequantize=True, which
+    loads it scaled."""
+    from plugins.llama3 import LlamaConfig
+
+    _, ref = checkpoint(UNTIED)
+    path = llama_gguf(tmp_path / "q8.gguf", ref, UNTIED, kind=T.Q8_0)
+    plain = load_model(path, dtype="float32", dequantize=True)
+    scales = {"model.layers.{}.self_attn.o_proj.weight": 2.0}
+    monkeypatch.setattr(LlamaConfig, "weight_scales", lambda self: scales)
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight.*dequantize=True"):
+        load_model(path, dtype="float32")
+    scaled = load_model(path, dtype="float32", dequantize=True)
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(scaled.net.state_dict()[o], 2 * plain.net.state_dict()[o])

@@ -277,3 +277,17 @@ def test_bad_configs_name_the_field(changes, message):
     raw = {k: v for k, v in MOE.items() if k != "layers_block_type"}
     with pytest.raises(ConfigError, match=message):
         NemotronHConfig.from_dict({**raw, **changes}).to_runtime()
+
+
+def test_a_block_without_mlp_refuses_what_it_would_skip():
+    """A NoSubBlock MLP ends the block after its attention, so post-norms, per-layer inputs or
+    a layer scalar on such a layer (no family has them) are refused, not silently skipped."""
+    from dataclasses import replace
+
+    from core.modeling import DecoderBlock
+
+    cfg = NemotronHConfig.from_dict(dict(COMMON, hybrid_override_pattern="M-")).to_runtime()
+    DecoderBlock(cfg, 0)  # Mamba2 alone: built
+    for more in (dict(post_norms=True), dict(layer_scalar=True)):
+        with pytest.raises(ValueError, match="layer 0: a block without an MLP"):
+            DecoderBlock(replace(cfg, **more), 0)
