@@ -18,6 +18,15 @@ if not torch.cuda.is_available():
 # the test session's, never read from or written to the user's ~/.cache/zoo
 os.environ["ZOO_CACHE"] = tempfile.mkdtemp(prefix="zoo-test-cache-")
 
+# The longest test files run first: `make test` hands files to its worker processes in this
+# order (pytest-xdist --dist loadfile), so one that takes minutes starts while the other
+# workers take the rest, instead of running alone at the end.
+FIRST = ("tests/kernels/test_end_to_end.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in FIRST)  # stable: the rest as is
+
 # A Llama 3.2-style tiny model: GQA (4 q heads / 2 kv heads), explicit head_dim != hidden/heads,
 # llama3 rope scaling, tied embeddings.
 LLAMA32 = dict(
