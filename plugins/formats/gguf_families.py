@@ -402,6 +402,13 @@ def configure_granite_hybrid(
     hybrid, whatever position_embedding_type says)."""
     kv = meta("attention.head_count_kv")
     kv = list(kv) if isinstance(kv, list | tuple | np.ndarray) else [kv] * cfg["num_hidden_layers"]
+    if not any(kv):  # llama.cpp's graph would take every layer for Mamba2 and miss tensors
+        raise ConfigError(
+            f"{path}: granitehybrid.attention.head_count_kv is 0 on every layer, so the file has "
+            'no attention layer; llama.cpp\'s converter finds them by layer_types "attention" '
+            'and skips transformers 5\'s "full_attention": convert again from a config.json '
+            'whose layer_types say "mamba" / "attention" (as IBM\'s repos do)'
+        )
     cfg["num_key_value_heads"] = max(int(n) for n in kv)
     cfg["layer_types"] = ["attention" if n else "mamba" for n in kv]
     inner, heads = meta("ssm.inner_size"), meta("ssm.time_step_rank")

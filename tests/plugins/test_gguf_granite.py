@@ -58,3 +58,17 @@ def test_the_file_decodes_on_the_fused_cpu_step(loaded):
     tokens = feed()
     for got, want in zip(decode(ours, True, tokens), decode(ours, False, tokens), strict=True):
         assert rel_err(got, want) < 5e-5  # as test_granite_hybrid's fused check
+
+
+def test_a_file_without_attention_layers_is_refused_by_name(tmp_path):
+    """llama.cpp's converter finds the attention layers by layer_types "attention"; from a
+    config saved by transformers 5 ("full_attention") it writes head_count_kv 0 everywhere
+    (and the attention tensors anyway): refused naming the key and the fix, not as a 0 kv
+    heads validation error."""
+    from core import ConfigError
+    from plugins.formats.gguf_families import configure_granite_hybrid
+
+    meta = {"attention.head_count_kv": [0, 0, 0, 0]}
+    with pytest.raises(ConfigError, match=r"head_count_kv is 0 on every layer.*\"attention\""):
+        configure_granite_hybrid(lambda k, d=None: meta.get(k, d), {"num_hidden_layers": 4},
+                                 tmp_path / "x.gguf")  # fmt: skip
