@@ -16,6 +16,17 @@ PEERS = {
 }
 
 
+def check_before_ranks(args: argparse.Namespace) -> None:
+    """What --tp N refuses before it starts the ranks (each would say it, after loading)."""
+    from core.errors import RequestError
+
+    if args.random_weights and not args.compare:
+        raise RequestError(RANDOM_TP)
+
+
+RANDOM_TP = "--random-weights runs in one process; drop --tp or --random-weights"
+
+
 def bench_command(args: argparse.Namespace) -> None:
     import importlib.util
     import tempfile
@@ -146,7 +157,7 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
             shape = None
     t0 = time.perf_counter()
     if shape and ranks(args) > 1:
-        raise RequestError("--random-weights runs in one process; drop --tp or --random-weights")
+        raise RequestError(RANDOM_TP)
     if shape:
         model = bench.random_model(
             shape, device=args.device, dtype=args.dtype, compile=args.compile, **sizes

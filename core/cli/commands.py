@@ -9,7 +9,7 @@ import sys
 
 from core.chat.reasoning import Reasoner, reader
 from core.cli import info
-from core.cli.bench_command import PEERS, bench_command
+from core.cli.bench_command import PEERS, bench_command, check_before_ranks
 from core.cli.common import DEFAULT_MODEL, load, prompt_ids, ranks, sampling
 from core.errors import ConfigError, RequestError, ZooError
 
@@ -343,7 +343,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--json", help="also write the report as JSON to this file ('-': stdout)")
     b.add_argument("--peak-gbps", type=float, help="the device's peak memory GB/s (default: "
                    "a datasheet figure for known GPUs, measured on CPUs)")  # fmt: skip
-    b.set_defaults(func=bench_command)
+    b.set_defaults(func=bench_command, before_ranks=check_before_ranks)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -395,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         if tp > 1 and "LOCAL_RANK" not in os.environ:  # not a rank yet: start N of them
             from core.parallel.distributed import launch
 
+            check = getattr(args, "before_ranks", None)  # said once, before N ranks say it
+            if check is not None:
+                check(args)
             return launch(tp, sys.argv[1:] if argv is None else list(argv))
         args.func(args)
         sys.stdout.flush()  # here, so that a closed pipe is met inside this try

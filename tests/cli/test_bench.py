@@ -241,6 +241,19 @@ def test_compare_without_transformers_is_one_line(monkeypatch, capsys):
     )
 
 
+def test_random_weights_with_tp_is_one_line_before_any_rank_starts(monkeypatch, capsys):
+    """Said once by the launcher, not by each rank after it checked the shape's memory."""
+    from core.cli import commands as cli
+    from core.parallel import distributed
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(distributed, "launch", lambda *a: pytest.fail("started the ranks"))
+    assert cli.main(["bench", "lfm2-350m", "--random-weights", "--tp", "2"]) == 1
+    assert capsys.readouterr().err == (
+        "zoo: error: --random-weights runs in one process; drop --tp or --random-weights\n"
+    )
+
+
 # --- --compare llama.cpp (llama-cpp-python: an optional extra, zoo[llama-cpp]) -----------------
 
 NO_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is None
