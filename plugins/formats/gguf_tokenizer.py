@@ -14,7 +14,7 @@ from typing import Any
 from core.errors import ConfigError
 from core.tokenizer import Tokenizer
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # llama.cpp's token types
 SPECIAL_IDS = {
     "bos_token": "bos_token_id",
     "eos_token": "eos_token_id",
@@ -77,6 +77,9 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer | None:
     # grow the vocabulary past the embedding (transformers skips those too).
     control = [t for t, k in zip(tokens, types, strict=False) if k == CONTROL]
     control += [t for t in special.values() if t and t not in control]
+    # padding rows the converter names "[PAD{id}]" (UNUSED): text llama.cpp never prints, so
+    # special here (skipped in answers) rather than read as the letters of their name
+    control += [t for t, k in zip(tokens, types, strict=False) if k == UNUSED]
     tok.add_special_tokens(
         [AddedToken(t, normalized=False, special=True) for t in control if _fits(t, spelled)]
     )

@@ -333,6 +333,16 @@ def test_tokenizer_and_chat_template_come_from_the_file(case, loaded):
     assert ours.tokenizer.eos_token_id == theirs.tokenizer.eos_token_id
 
 
+def test_padding_rows_decode_to_nothing_as_in_the_checkpoint(loaded):
+    """The embedding's rows past the tokenizer, which the converter names "[PAD{id}]" (type
+    UNUSED): an answer that samples one shows nothing, as from the checkpoint and llama.cpp,
+    not the letters of that name."""
+    ours, theirs = loaded
+    ids = [40, VOCAB - 1, 41]
+    assert ours.tokenizer.decode(ids) == theirs.tokenizer.decode(ids)
+    assert "PAD" not in ours.tokenizer.decode(ids)
+
+
 def test_q8_0_file_kept_meets_the_standard(case):
     """llama.cpp's converter writes the linear weights as Q8_0 blocks; Zoo keeps them as
     stored and is judged as llama.cpp judges a quantization: against the same file
