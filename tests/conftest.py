@@ -27,6 +27,7 @@ FIRST = ("tests/kernels/test_end_to_end.py",)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in FIRST)  # stable: the rest as is
 
+
 # A Llama 3.2-style tiny model: GQA (4 q heads / 2 kv heads), explicit head_dim != hidden/heads,
 # llama3 rope scaling, tied embeddings.
 LLAMA32 = dict(
