@@ -48,38 +48,44 @@ static void gates(const zdelta_t *d, int64_t v, int64_t *z, int64_t *b, int64_t 
     *b = d->hk * G + kh * 2 * r + i, *a = *b + r;
 }
 
-// Channel c's conv for the M rows: in_proj's value x (row n of proj) joins the row's window;
-// the K taps over [window | x] (plus the channel's bias), then SiLU, into mixed. A row at
-// position 0 starts from an empty window (the module zeroes it). An fp16 window holds x
-// rounded to fp16, and the module convolves that rounded x too.
+// Channel c of one row (its cache row `row`, at position `pos`): x joins the row's window; the
+// K taps over [window | x] plus the channel's bias, returned before any activation. A row at
+// position 0 starts from an empty window (the module zeroes it). An fp16 window holds x rounded
+// to fp16, and the module convolves that rounded x too.
+float zoo_conv_tap(const zconv_t *cv, int64_t c, int64_t row, int64_t pos, float x) {
+    const int64_t K = cv->kernel, at = row * cv->sb + c * (K - 1);
+    const float *w = cv->w + c * K;
+    float win[K];
+    if (pos == 0) {
+        memset(win, 0, (K - 1) * sizeof(float));
+    } else if (cv->half) {
+        zoo_half_to_float((const uint16_t *)cv->cache + at, win, K - 1);
+    } else {
+        memcpy(win, (const float *)cv->cache + at, (K - 1) * sizeof(float));
+    }
+    win[K - 1] = x;
+    if (cv->half) {  // to fp16 and back: the value the window keeps
+        uint16_t x16;
+        zoo_float_to_half(&win[K - 1], &x16, 1);
+        zoo_half_to_float(&x16, &win[K - 1], 1);
+    }
+    float acc = 0.0f;
+    for (int64_t j = 0; j < K; j++) acc += w[j] * win[j];
+    if (cv->bias) acc += cv->bias[c];
+    if (cv->half)
+        zoo_float_to_half(win + 1, (uint16_t *)cv->cache + at, K - 1);
+    else
+        memcpy((float *)cv->cache + at, win + 1, (K - 1) * sizeof(float));
+    return acc;
+}
+
+// Channel c's conv for the M rows: in_proj's value x (row n of proj) through zoo_conv_tap,
+// then SiLU, into mixed.
 void zoo_conv_channel(const zconv_t *cv, const float *proj, int64_t N, float *mixed, int64_t C,
                       int64_t n, int64_t c, int64_t M, const int64_t *pos, const int64_t *rows) {
-    const int64_t K = cv->kernel;
-    const float *w = cv->w + c * K;
     for (int64_t r = 0; r < M; r++) {
-        const int64_t at = (rows ? rows[r] : r) * cv->sb + c * (K - 1);
-        float win[K];
-        if (pos[r] == 0) {
-            memset(win, 0, (K - 1) * sizeof(float));
-        } else if (cv->half) {
-            zoo_half_to_float((const uint16_t *)cv->cache + at, win, K - 1);
-        } else {
-            memcpy(win, (const float *)cv->cache + at, (K - 1) * sizeof(float));
-        }
-        win[K - 1] = proj[r * N + n];
-        if (cv->half) {  // to fp16 and back: the value the window keeps
-            uint16_t x16;
-            zoo_float_to_half(&win[K - 1], &x16, 1);
-            zoo_half_to_float(&x16, &win[K - 1], 1);
-        }
-        float acc = 0.0f;
-        for (int64_t j = 0; j < K; j++) acc += w[j] * win[j];
-        if (cv->bias) acc += cv->bias[c];
+        const float acc = zoo_conv_tap(cv, c, rows ? rows[r] : r, pos[r], proj[r * N + n]);
         mixed[r * C + c] = acc * zoo_sigmoid(acc);
-        if (cv->half)
-            zoo_float_to_half(win + 1, (uint16_t *)cv->cache + at, K - 1);
-        else
-            memcpy((float *)cv->cache + at, win + 1, (K - 1) * sizeof(float));
     }
 }
 

@@ -141,13 +141,17 @@ void zoo_delta(const zdelta_t *d, const float *xn, float *h, int64_t M, int64_t 
                qx_t *px, char *buf, spin_barrier_t *bar, float scale);
 
 // A causal depthwise conv over each row's window of its last kernel - 1 inputs, kept in a cache
-// (gated DeltaNet's q|k|v, Mamba2's x|B|C): one filter (and bias) per channel, then SiLU.
+// (gated DeltaNet's q|k|v and Mamba2's x|B|C, then SiLU; LFM2's B * x): one filter (and bias)
+// per channel.
 typedef struct {
     const float *w, *bias;  // (C, kernel); (C,) or NULL
     void *cache;            // (B, C, kernel - 1), fp16 if `half`
     int64_t kernel, sb, half;  // sb: the cache's row stride (elements)
 } zconv_t;
-// Channel c (row n of proj (M, N)) for the M rows, into mixed (M, C); the windows updated.
+// Channel c of one row: x joins the window in cache row `row` (empty at position 0); the taps
+// plus the bias, before any activation.
+float zoo_conv_tap(const zconv_t *cv, int64_t c, int64_t row, int64_t pos, float x);
+// Channel c (row n of proj (M, N)) for the M rows, SiLU'd into mixed (M, C); the windows updated.
 void zoo_conv_channel(const zconv_t *cv, const float *proj, int64_t N, float *mixed, int64_t C,
                       int64_t n, int64_t c, int64_t M, const int64_t *pos, const int64_t *rows);
 
