@@ -25,7 +25,7 @@ from core.config import EmbeddingSpec
 from core.config_kinds import Mamba2Spec, ParallelMixerSpec
 from core.hfconfig import DecoderConfig, json_floats
 from core.hookspecs import hookimpl
-from plugins.granite_hybrid import mamba2_spec
+from plugins.granite_hybrid import mamba2_names, mamba2_spec
 from plugins.llama3 import WEIGHT_MAP as LLAMA3_WEIGHT_MAP
 
 
@@ -150,11 +150,7 @@ WEIGHT_MAP = {
     # the attention and the Mamba2 mixer run as the block's self_attn (a ParallelMixer)
     **_ATTN,
     f"{_L}.self_attn.o_proj": f"{_L}.self_attn.attn.o_proj",
-    f"{_L}.mamba": f"{_L}.self_attn.mamba",  # A_log, D, dt_bias
-    **{
-        f"{_L}.mamba.{m}": f"{_L}.self_attn.mamba.{m}"
-        for m in ("in_proj", "conv1d", "norm", "out_proj")
-    },
+    **mamba2_names(f"{_L}.mamba", f"{_L}.self_attn.mamba"),
     # the MLP is feed_forward, behind pre_ff_layernorm; the final norm is final_layernorm
     f"{_L}.feed_forward.gate_proj": (f"{_L}.mlp.gate_up_proj", "gate"),
     f"{_L}.feed_forward.up_proj": (f"{_L}.mlp.gate_up_proj", "up"),

@@ -64,6 +64,13 @@ def mamba2_spec(
     )
 
 
+def mamba2_names(hub: str, core: str) -> dict[str, str]:
+    """Weight-map entries for a Mamba2 mixer stored under `hub` and run as the module at `core`
+    (hub names kept: A_log, D, dt_bias directly under it, then its submodules)."""
+    subs = ("in_proj", "conv1d", "norm", "out_proj")
+    return {hub: core, **{f"{hub}.{m}": f"{core}.{m}" for m in subs}}
+
+
 class GraniteHybridConfig(DecoderConfig):
     """Defaults are transformers' GraniteMoeHybridConfig's."""
 
@@ -165,8 +172,7 @@ _MOE = f"{_L}.block_sparse_moe"
 WEIGHT_MAP = {
     **LLAMA3_WEIGHT_MAP,
     # the Mamba2 mixer runs as the block's self_attn, under its hub names
-    f"{_L}.mamba": f"{_L}.self_attn",  # A_log, D, dt_bias
-    **{f"{_L}.mamba.{m}": f"{_L}.self_attn.{m}" for m in ("in_proj", "conv1d", "norm", "out_proj")},
+    **mamba2_names(f"{_L}.mamba", f"{_L}.self_attn"),
     # the routed experts, stored stacked: input_linear is [gate | up] per expert
     f"{_MOE}.router.layer": f"{_L}.mlp.gate",
     f"{_MOE}.input_linear": f"{_L}.mlp.experts.gate_up_proj",

@@ -27,6 +27,7 @@ from core.config_kinds import Mamba2Spec, NoSubBlock
 from core.errors import ConfigError
 from core.hfconfig import DecoderConfig
 from core.hookspecs import hookimpl
+from plugins.granite_hybrid import mamba2_names
 
 LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # layers_block_type's words, transformers 5's and the hub's older ones
@@ -228,8 +229,7 @@ WEIGHT_MAP = {
     f"{_MIXER}.shared_experts.up_proj": f"{_L}.mlp.shared_experts.up_proj",
     f"{_MIXER}.shared_experts.down_proj": f"{_L}.mlp.shared_experts.down_proj",
     # Mamba2: the mixer runs as the block's self_attn (A_log, D, dt_bias directly under it)
-    _MIXER: f"{_L}.self_attn",
-    **{f"{_MIXER}.{m}": f"{_L}.self_attn.{m}" for m in ("in_proj", "conv1d", "norm", "out_proj")},
+    **mamba2_names(_MIXER, f"{_L}.self_attn"),
     "mtp.*": None,  # multi-token prediction: not run
 }
 
