@@ -5,6 +5,8 @@
 // (2) each thread's share of the channels, B * x joining the channel's window in the cache
 // (a channel reads and writes only its own cache entries), the K taps, times C; (3) out_proj,
 // each thread its columns of h.
+#include <stddef.h>
+
 #include "step.h"
 
 int64_t zoo_sconv_arena(const zsconv_t *s, int64_t M) {
