@@ -17,6 +17,7 @@ from core.model import Model
 from core.modeling import CausalLM, kernel_errors
 from core.plugins import registry
 from core.quantize import check_kind, held_bytes, quantize_model
+from core.speculative import SpecConfig, make_speculator
 
 log = logging.getLogger("zoo")
 
@@ -277,6 +278,7 @@ def load_model(
     kv_dtype: str | torch.dtype | None = None,
     snapshots: int = SNAPSHOTS,
     prefix_cache: bool = True,
+    speculative: str | dict | SpecConfig | None = None,
 ) -> Model:
     """Load a model: a registry name, a local folder or .gguf file, or a hub repo id.
 
@@ -302,7 +304,13 @@ def load_model(
     prompt starts from the longest prefix a row holds (a chat's next turn prefills only its new
     tokens; `Model.prefix_cache` turns it off later too). False: every call prefills its whole
     prompt.
+    speculative: decode speculatively (core/speculative.py, docs/speculative.md): "ngram"
+    (prompt lookup), "mtp" (the checkpoint's multi-token-prediction layers), or a dict such
+    as {"method": "draft", "draft": "smollm2", "k": 4} (a draft model sharing the tokenizer,
+    loaded with this model's device, dtype and cache sizes). The same tokens as without it
+    (greedy), or the same distribution (sampling), in fewer steps.
     """
+    spec = SpecConfig.of(speculative)  # (refused before any download or read)
     if quantize is not None:
         check_kind(quantize)  # before any download or read
     if device is not None:
@@ -338,4 +346,7 @@ def load_model(
     net.eval().requires_grad_(False)  # inference only: no autograd in eager or compiled steps
     _log_loaded(path, cfg, net, dev, dt, kv, max_batch_size, seq, max_seq_len, t0)
     with kernel_errors():  # a compiled step resolves every kernel now (ZOO_KERNELS)
-        return Model(net, tokenizer, path, gen_config, compile=compile, prefix_cache=prefix_cache)
+        model = Model(net, tokenizer, path, gen_config, compile=compile, prefix_cache=prefix_cache)
+    draft = dict(device=dev, dtype=dt, max_seq_len=seq, max_batch_size=max_batch_size)
+    model.speculator = make_speculator(spec, model, **draft)
+    return model

@@ -35,6 +35,7 @@ import torch
 from core.generation import Seq, TokenLogprob
 from core.sampling import next_tokens, penalizes, sampler_groups
 from core.slots import Slots
+from core.spec_step import Verifier
 from core.structured import Masks
 
 
@@ -75,7 +76,11 @@ class Engine:
         slots: Slots | None = None,
     ):
         self.model, self.chunk, self.reuse = model, chunk, reuse
-        self.ahead = bool(getattr(model, "ahead", False))
+        # speculative decoding (core/speculative.py): the model's, where it was loaded with it
+        self.spec = getattr(model, "speculator", None)
+        self.verifier = Verifier(self) if self.spec is not None else None
+        # (a verify reads its tokens on the host before the next step: nothing runs ahead)
+        self.ahead = bool(getattr(model, "ahead", False)) and self.spec is None
         self.slots = Slots.of(model.net, rows) if slots is None else slots
         self.running: list[Seq] = []  # in admission order
         self.counts = self.seen = None  # penalties' per-row state, made when first needed
@@ -118,7 +123,7 @@ class Engine:
         forgotten), or between steps (`forget` False: the rows hold what was fed)."""
         dropped, self.running, self._pending, self._batch = self.running, [], None, None
         for seq in dropped:
-            self.slots.release(seq.row)
+            self._release(seq)
         if forget:
             self.slots.forget()
         return dropped
@@ -136,12 +141,16 @@ class Engine:
             self._step_ahead(self._pending)
         else:  # decode first: a row prefilled now takes no placeholder before its first token
             seqs = [s for s in self.running if s.decoding and not s.finish]
+            drafts = self.verifier.plan(seqs) if self.verifier is not None else {}
+            seqs = [s for s in seqs if id(s) not in drafts]
             logits = None
             if seqs:
                 last = _to_device([s.out[-1] for s in seqs], self.model.device)
                 logits = self._decode(seqs, last)
                 for s in seqs:
                     self.slots.feed(s.row, [s.out[-1]], self.reuse)
+            if drafts:  # (each takes its tokens now)
+                self.verifier.run(drafts)
             done, first = self._prefill(prefilling)
             seqs, logits = seqs + done, _cat(logits, first)
             if seqs:
@@ -153,8 +162,13 @@ class Engine:
         ended = [s for s in self.running if s.finish]
         for seq in ended:
             self.running.remove(seq)
-            self.slots.release(seq.row)
+            self._release(seq)
         return ended
+
+    def _release(self, seq: Seq) -> None:
+        self.slots.release(seq.row)
+        if self.spec is not None:
+            self.spec.release(seq)
 
     def _step_ahead(self, last: _Sampled) -> None:
         """Decode on the tokens `last` sampled, still on the device, then read them."""
@@ -189,7 +203,8 @@ class Engine:
             return [], None
         net, dev = self.model.net, self.model.device
         snapping = self.reuse and self.slots.snapshots and len(seqs) == 1  # (a batch: none)
-        if self.chunk is None and not snapping and self._together(seqs):
+        hidden = self.spec is not None and self.spec.proposer.wants_hidden  # (row by row)
+        if self.chunk is None and not snapping and not hidden and self._together(seqs):
             ids, lens = right_padded([s.ids for s in seqs], dev)  # `lengths`: no padding in rings
             for s in seqs:
                 s.pos, self.slots.fed[s.row] = len(s.ids), list(s.ids)
@@ -212,16 +227,26 @@ class Engine:
     def _feed(self, s: Seq, end: int) -> torch.Tensor:
         """Prompt tokens [s.pos, end) into s's row, split where the row snapshots its state
         (reuse only); the logits of the last one (1, 1, V)."""
-        net, dev = self.model.net, self.model.device
         while s.pos < end:
             due = self.slots.due(s.row) if self.reuse else None
             stop = end if due is None else min(end, due)
             chunk = s.ids[s.pos : stop]
-            at = torch.tensor([len(chunk) - 1], device=dev)
-            logits = net(torch.tensor([chunk], device=dev), s.pos, logits_at=at, row=s.row)
+            logits = self.forward_row(s, chunk, s.pos)[None]
             self.slots.feed(s.row, chunk, self.reuse)
             s.pos = stop
         return logits
+
+    def forward_row(self, s: Seq, ids: list[int], start: int, every: bool = False) -> torch.Tensor:
+        """Feed ids at positions start.. of s's row: the logits of the last (1, V), or of each
+        (`every`: (T, V)). A proposer that reads the target's hidden states sees them."""
+        net, dev = self.model.net, self.model.device
+        x = torch.tensor([ids], device=dev)
+        if self.spec is not None and self.spec.proposer.wants_hidden:
+            hidden = net.blocks(x, start, row=s.row)
+            self.spec.proposer.observe(s, start, ids, hidden[0])
+            return net.head(hidden if every else hidden[:, -1:])[0]
+        at = None if every else torch.tensor([len(ids) - 1], device=dev)
+        return net(x, start, logits_at=at, row=s.row)[0]
 
     def _together(self, seqs: list[Seq]) -> bool:
         """Whether seqs are whole fresh prompts in rows 0..B-1 and nothing else runs."""
@@ -314,10 +339,14 @@ class Engine:
         host, *lps = sampled.read()  # the step's one wait for the device
         lps = _logprobs(*lps, host) if lps else [None] * len(host)
         for s, t, lp in zip(sampled.seqs, host, lps, strict=True):
-            s.take(t, lp)
-            if not s.finish and penalizes(s.params):  # penalties count what was generated
-                self.counts[s.row, t] += 1
-                self.seen[s.row, t] = True
+            self.took(s, t, lp)
+
+    def took(self, s: Seq, t: int, lp: TokenLogprob | None) -> None:
+        """Hand s its token t; its penalties count what was generated."""
+        s.take(t, lp)
+        if not s.finish and penalizes(s.params):
+            self.counts[s.row, t] += 1
+            self.seen[s.row, t] = True
 
 
 def right_padded(ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 
 from core.errors import RequestError
 from core.sampling import SamplingParams
+from core.speculative import SpecStats
 from core.structured import make_constraint
 from core.tokenizer import StreamDecoder, Tokenizer
 
@@ -34,6 +35,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     cached_tokens: int | None = None  # prompt tokens a cache row already held (not prefilled)
+    # speculative decoding's drafts and acceptances for this sequence (None: it drafted none)
+    speculation: SpecStats | None = None
 
     @property
     def usage(self) -> dict:
@@ -111,6 +114,7 @@ class Seq:
         self.row = -1  # set by the engine on admission: the cache row it holds ...
         self.cached = 0  # ... how many prompt tokens that row already held ...
         self.pos = 0  # ... and how many positions of it hold this sequence's tokens
+        self.spec: SpecStats | None = None  # its drafts' counts (speculative decoding)
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
 
@@ -191,6 +195,7 @@ class Seq:
             logprobs=self.logprobs,
             timings=timings,
             cached_tokens=self.cached,
+            speculation=self.spec,
         )
 
 

@@ -25,9 +25,19 @@ shape), in the same zero-until-written mapping), into which `snapshot(row, slot)
 row's live state and from which `restore(src, slot, dst)` puts one back into a row. Which
 position each slot holds is the engine's rows' business (core/slots.py); `snapshot_interval`
 is the spacing they take them at.
+
+Speculative decoding (core/speculative.py) feeds a row k + 1 tokens of which only the first
+few may be kept: `keep(row, start, n)` saves what a forward over positions start..start+n-1
+overwrites beyond those positions (a ring's slots, which hold older positions; a recurrent
+row's whole state) and `rewind` puts back what the rejected positions overwrote (a recurrent
+state: the state before all n, the caller re-feeds the kept tokens). Full layers keep nothing:
+positions past a row's length are never read, and are overwritten as it grows.
 """
 
+from __future__ import annotations
+
 import mmap
+from typing import NamedTuple
 
 import torch
 
@@ -80,6 +90,12 @@ class StaticKVCache:
             for spec, names in zip(specs, self.names, strict=True)
         ]
         windows = [getattr(spec, "window", None) for spec in specs]
+        # per layer, per tensor: a ring's position dim (a sliding layer's slots), or None
+        self.ring_dims = [
+            tuple(_grows(spec, 1, name) if w is not None and d is None else None
+                  for name, d in zip(names, dims, strict=True))
+            for spec, w, names, dims in zip(specs, windows, self.names, self.seq_dims, strict=True)
+        ]  # fmt: skip
         # per layer, per tensor: whether it is a recurrent state (no position dim, no window)
         states = [
             tuple(w is None and d is None for d in dims)
@@ -150,7 +166,7 @@ class StaticKVCache:
         """Layer i's cache tensors, in the order its attention's forward() takes them."""
         return self.layers[i]
 
-    def row(self, r: int) -> "RowView":
+    def row(self, r: int) -> RowView:
         """The cache as a batch of one, row r: a forward given it writes that row in place."""
         if r not in self._rows:
             self._rows[r] = RowView([tuple(t[r : r + 1] for t in bufs) for bufs in self.layers])
@@ -184,6 +200,32 @@ class StaticKVCache:
         for live, t in zip(self.live_states, held, strict=True):
             live[row].copy_(t)
 
+    def keep(self, row: int, start: int, n: int) -> Kept | None:
+        """Before a forward of n tokens at positions start.. of `row` that may be cut back: a
+        copy of what it overwrites that older positions hold (ring slots; recurrent states).
+        None where it overwrites nothing of the kind (full attention only)."""
+        rings = []
+        for bufs, dims in zip(self.layers, self.ring_dims, strict=True):
+            for t, d in zip(bufs, dims, strict=True):
+                if d is not None:
+                    size = t.shape[d]
+                    if n > size:
+                        raise ValueError(f"{n} tokens overwrite a ring of {size} slots twice")
+                    slots = (torch.arange(start, start + n) % size).to(t.device)
+                    rings.append((t[row], d - 1, slots, t[row].index_select(d - 1, slots)))
+        states = self.hold(row) if self.recurrent else None
+        return Kept(rings, states) if rings or states is not None else None
+
+    def rewind(self, row: int, kept: Kept, n: int) -> bool:
+        """After that forward, keep only its first n positions: the slots later ones overwrote
+        get their old contents back. True where a recurrent state went back to before the
+        forward: the caller feeds the n kept tokens again."""
+        for t, d, slots, old in kept.rings:
+            t.index_copy_(d, slots[n:], old.narrow(d, n, old.shape[d] - n))
+        if kept.states is not None:
+            self.put(row, kept.states)
+        return kept.states is not None
+
     def reset(self) -> None:
         """Zero every tensor (on CPUs: the pages go back to the system and read as zeros)."""
         if self._area is not None and hasattr(mmap, "MADV_DONTNEED"):
@@ -192,6 +234,14 @@ class StaticKVCache:
         for bufs in [*self.layers, self._snap]:
             for t in bufs:
                 t.zero_()
+
+
+class Kept(NamedTuple):
+    """What `StaticKVCache.keep` saved: per ring tensor (the row's view, its position dim,
+    the slots written, their old contents), and the row's recurrent state (or None)."""
+
+    rings: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]
+    states: list[torch.Tensor] | None
 
 
 class RowView:

@@ -17,6 +17,7 @@ from core.generation import GenerationResult, Seq, TokenLogprob, batch_timings
 from core.modeling import CausalLM, kernel_errors
 from core.sampling import SamplingParams, defaults_from_generation_config
 from core.slots import Slots
+from core.speculative import Speculator
 from core.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -51,6 +52,8 @@ class Model:
         prefix_cache: bool = True,
     ):
         self.net = net
+        # speculative decoding (core/speculative.py), set by load_model(speculative=...)
+        self.speculator: Speculator | None = None
         self.prefix_cache = prefix_cache
         self._slots: tuple[Any, Any, Slots] | None = None  # (cache, lead, its rows' contents)
         self.step = DecodeStep(net, compile)

@@ -1,0 +1,319 @@
+"""Speculative decoding: what proposes draft tokens, how many, and how they are accepted.
+
+The engine (core/engine.py) asks a sequence's proposer for up to k tokens that follow what it
+has (`Proposer.propose`), feeds its last token and the k drafts at their positions in one
+forward (a verify), and takes the target model's tokens position by position while they
+agree with the drafts (greedy: the argmax; sampling: the rejection rule of Leviathan et al.
+2023 / Chen et al. 2023, `accept_draft`, so the tokens are distributed exactly as the target
+model's). The first disagreement is replaced by the target's own token, and a verify that
+accepts all k adds the target's next token too: every verify takes 1 to k + 1 tokens. What the
+rejected positions wrote into the cache is rolled back (`StaticKVCache.keep` / `rewind`).
+
+Proposers: prompt lookup (`NgramProposer`: the tokens that followed the latest earlier
+occurrence of the sequence's last n tokens), a draft model (core/spec_draft.py) and a
+checkpoint's own multi-token-prediction layers (`mtp`). k adapts per sequence to how many
+drafts it has been accepting (`AdaptiveK`), down to proposing nothing when they do not pay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from core.errors import ConfigError
+
+METHODS = ("ngram", "draft", "mtp")
+
+
+class SpecConfig(BaseModel):
+    """`load_model(..., speculative=...)`: a method name ("ngram", "mtp"), a dict of these
+    fields, or a SpecConfig. `draft`: the draft model (any name `load_model` takes, or a
+    loaded `Model`) for method "draft"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    method: Literal["ngram", "draft", "mtp"]
+    k: int = Field(8, ge=1, le=15)  # most tokens drafted per step (vLLM's num_speculative_tokens)
+    adaptive: bool = True  # k follows each sequence's acceptance (False: always k)
+    ngram_max: int = Field(4, ge=1)  # prompt lookup matches the last n tokens, n from max ...
+    ngram_min: int = Field(2, ge=1)  # ... down to min (vLLM's prompt_lookup_max / _min)
+    draft: Any = None  # method "draft": a name or path, or a loaded Model
+
+    @classmethod
+    def of(cls, value: Any) -> SpecConfig | None:
+        """None, a method name, a dict or a SpecConfig -> a SpecConfig (None: no speculation);
+        a bad value raises a ConfigError naming it."""
+        if value is None or isinstance(value, SpecConfig):
+            return value
+        if isinstance(value, str):
+            value = {"method": value}
+        try:
+            spec = cls.model_validate(value)
+        except ValidationError as err:
+            bad = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in err.errors()
+            )
+            raise ConfigError(
+                f"speculative={value!r} is not a speculative-decoding setting ({bad}); pass "
+                f"one of {', '.join(METHODS)}, or a dict such as "
+                "{'method': 'draft', 'draft': 'smollm2', 'k': 4}"
+            ) from None
+        if spec.ngram_min > spec.ngram_max:
+            raise ConfigError(
+                f"speculative ngram_min ({spec.ngram_min}) exceeds ngram_max ({spec.ngram_max})"
+            )
+        if (spec.method == "draft") != (spec.draft is not None):
+            raise ConfigError(
+                "speculative method 'draft' needs a draft model and only it takes one: pass "
+                "{'method': 'draft', 'draft': NAME} (`--draft NAME` on the command line)"
+            )
+        return spec
+
+
+class Draft(NamedTuple):
+    """Proposed tokens, and the distributions they were drawn from (k, V) when sampled (None:
+    chosen deterministically, as prompt lookup and greedy drafting do: q is one-hot)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Proposer:
+    """Drafts tokens for sequences (core/generation.py `Seq`: `ids` the prompt, `out` the
+    tokens taken, `out[-1]` not fed to the model yet, `row` its cache row, `params`)."""
+
+    # the target model's last hidden states (before the final norm) of every position the
+    # engine feeds a row are handed to `observe` (MTP layers read them)
+    wants_hidden = False
+
+    def propose(self, seq, k: int) -> Draft | None:
+        """Up to k tokens to follow seq's tokens (None or no tokens: nothing this step)."""
+        raise NotImplementedError
+
+    def observe(self, seq, start: int, ids: list[int], hidden: torch.Tensor) -> None:
+        """(wants_hidden) the engine fed ids at positions start.. of seq's row: hidden (T, H)."""
+
+    def accepted(self, seq, n: int) -> None:
+        """The target took the first n of the tokens last proposed for seq."""
+
+    def release(self, seq) -> None:
+        """seq ended: forget what is kept for it."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier place where the sequence's last n tokens occur
+    (n from `longest` down to `shortest`) and propose the tokens that followed it there. Each
+    sequence keeps an index of its n-grams (n-gram -> where its next token is), extended as
+    tokens come, so a lookup costs a few dict reads whatever the length."""
+
+    def __init__(self, longest: int = 4, shortest: int = 2):
+        self.longest, self.shortest = longest, shortest
+        self._index: dict[int, _Grams] = {}  # by id(seq)
+
+    def propose(self, seq, k: int) -> Draft | None:
+        grams = self._index.get(id(seq))
+        if grams is None or grams.seq is not seq:
+            grams = self._index[id(seq)] = _Grams(seq, self.longest)
+        toks = grams.extend()
+        for n in range(min(self.longest, len(toks) - 1), self.shortest - 1, -1):
+            at = grams.after[n - 1].get(tuple(toks[-n:]))
+            if at is not None:
+                return Draft(toks[at : at + k])
+        return None
+
+    def release(self, seq) -> None:
+        self._index.pop(id(seq), None)
+
+
+class _Grams:
+    """One sequence's n-grams (n = 1..longest): where the token after each one's latest
+    occurrence is, over the tokens whose next token is known."""
+
+    def __init__(self, seq, longest: int):
+        self.seq, self.tokens = seq, []
+        self.after: list[dict[tuple[int, ...], int]] = [{} for _ in range(longest)]
+
+    def extend(self) -> list[int]:
+        toks, seq = self.tokens, self.seq
+        new = seq.ids[len(toks) :] if len(toks) < len(seq.ids) else []
+        new = new + seq.out[max(0, len(toks) - len(seq.ids)) :]
+        for t in new:
+            toks.append(t)
+            end = len(toks) - 1  # the grams ending before this token are followed by it
+            for n, index in enumerate(self.after, start=1):
+                if end - n >= 0:
+                    index[tuple(toks[end - n : end])] = end
+        return toks
+
+
+class AdaptiveK:
+    """How many tokens a sequence drafts next: the k in 0..k_max that maximizes the expected
+    tokens per unit of step time, (1 + r + ... + r^k) / (1 + cost * k), with r the rate at
+    which its drafts were accepted lately (a decaying count, starting at `prior`) and `cost`
+    a drafted token's share of a step's time. At k = 0 it still drafts one token every
+    `probe` steps (doubling up to `max_probe` while none is accepted), so a sequence that
+    starts repeating itself is noticed."""
+
+    def __init__(self, k_max: int, cost: float = 0.15, prior: float = 0.6, decay: float = 0.8):
+        self.k_max, self.cost, self.decay = k_max, cost, decay
+        self.hits, self.trials = 2 * prior, 2.0
+        self.idle, self.probe = 0, 4
+        self.max_probe = 32
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.trials
+
+    def next(self) -> int:
+        r, best, best_k = self.rate, 1.0, 0
+        gain = 1.0
+        for k in range(1, self.k_max + 1):
+            gain += r**k
+            if gain / (1 + self.cost * k) > best:
+                best, best_k = gain / (1 + self.cost * k), k
+        if best_k:
+            return best_k
+        self.idle += 1
+        if self.idle < self.probe:
+            return 0
+        self.idle = 0
+        return 1
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A verify of `drafted` tokens took the first `accepted`."""
+        d = self.decay
+        self.hits = d * self.hits + accepted
+        self.trials = d * self.trials + accepted + (accepted < drafted)
+        if accepted:
+            self.probe = 4
+        elif self.rate < 0.1:
+            self.probe = min(2 * self.probe, self.max_probe)
+
+
+@dataclass
+class SpecStats:
+    """Counts of drafts and acceptances, as vLLM's spec-decode metrics: verifies that had
+    drafts (`drafts`), tokens drafted, drafted tokens accepted, and accepted per position."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        for i, n in enumerate(other.accepted_per_pos):
+            if i < len(self.accepted_per_pos):
+                self.accepted_per_pos[i] += n
+            else:
+                self.accepted_per_pos.append(n)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Drafted tokens accepted / drafted (0 when none was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify took on average, the target's own one included (vLLM's mean
+        acceptance length): 1 + accepted / drafts."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+class Speculator:
+    """A model's speculative decoding: its proposer, each running sequence's k, and the
+    counts of drafts and acceptances since load (`stats`; each sequence's own: `seq.spec`)."""
+
+    def __init__(self, config: SpecConfig, proposer: Proposer, cost: float = 0.15):
+        self.config, self.proposer, self.cost = config, proposer, cost
+        self.stats = SpecStats()
+        self._k: dict[int, AdaptiveK] = {}  # by id(seq)
+
+    def plan(self, seq, limit: int) -> Draft | None:
+        """seq's draft for this step: at most `limit` tokens (what its max_new_tokens and the
+        cache leave room for), as many as its k says; None: it decodes one token."""
+        if seq.spec is None:
+            seq.spec = SpecStats()
+            self._k[id(seq)] = AdaptiveK(self.config.k, self.cost)
+        k = self._k[id(seq)].next() if self.config.adaptive else self.config.k
+        k = min(k, limit)
+        draft = self.proposer.propose(seq, k) if k > 0 else None
+        if draft is None or not draft.tokens:
+            return None
+        if len(draft.tokens) > k:
+            probs = None if draft.probs is None else draft.probs[:k]
+            draft = Draft(draft.tokens[:k], probs)
+        return draft
+
+    def update(self, seq, drafted: int, accepted: int) -> None:
+        """A verify of seq's `drafted` tokens accepted the first `accepted`."""
+        if drafted:
+            self.stats.add(drafted, accepted)
+            seq.spec.add(drafted, accepted)
+            self._k[id(seq)].update(drafted, accepted)
+        self.proposer.accepted(seq, accepted)
+
+    def release(self, seq) -> None:
+        self._k.pop(id(seq), None)
+        self.proposer.release(seq)
+
+
+def make_speculator(config: SpecConfig | None, model, **load: Any) -> Speculator | None:
+    """The Speculator for `model` (core/model.py `Model`) that `config` asks for; `load`: the
+    load_model arguments a draft model is loaded with (device, dtype, cache sizes)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        proposer: Proposer = NgramProposer(config.ngram_max, config.ngram_min)
+    elif config.method == "draft":
+        from core.spec_draft import DraftProposer
+
+        proposer = DraftProposer.load(config.draft, model, **load)
+    else:
+        from core.spec_mtp import MTPProposer
+
+        proposer = MTPProposer.of(model)
+    return Speculator(config, proposer)
+
+
+def accept_draft(
+    p: torch.Tensor, token: int, q: torch.Tensor | None, generator: torch.Generator | None
+) -> tuple[bool, torch.Tensor | None]:
+    """The rejection rule for one drafted `token` under the target's distribution p (V,) and
+    the proposal's q (V,; None: one-hot on token): accept with probability min(1, p/q); else
+    the distribution to draw the replacement from, max(0, p - q) normalized. Together they
+    give tokens distributed as p whatever q is."""
+    pt = float(p[token])
+    qt = 1.0 if q is None else float(q[token])
+    u = torch.rand((), generator=generator, device=p.device).item()
+    if qt > 0 and u < min(1.0, pt / qt):
+        return True, None
+    if q is None:
+        rest = p.clone()
+        rest[token] = 0
+    else:
+        rest = (p - q).clamp_(min=0)
+    total = float(rest.sum())
+    if not math.isfinite(total) or total <= 0:  # (p == q: no mass left; take p itself)
+        return False, p
+    return False, rest / total
+
+
+def probs_to_logits(p: torch.Tensor) -> torch.Tensor:
+    """A distribution as logits whose softmax is p (-inf where p is 0), for `draw`."""
+    return p.log()
