@@ -27,6 +27,7 @@ either way.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,6 +80,8 @@ class Engine:
         # speculative decoding (core/speculative.py): the model's, where it was loaded with it
         self.spec = getattr(model, "speculator", None)
         self.verifier = Verifier(self) if self.spec is not None else None
+        if self.spec is not None:  # (wall clock measures a step only where it is synchronous)
+            self.spec.timed = model.device.type == "cpu"
         # (a verify reads its tokens on the host before the next step: nothing runs ahead)
         self.ahead = bool(getattr(model, "ahead", False)) and self.spec is None
         self.slots = Slots.of(model.net, rows) if slots is None else slots
@@ -146,7 +149,10 @@ class Engine:
             logits = None
             if seqs:
                 last = _to_device([s.out[-1] for s in seqs], self.model.device)
+                t0 = time.perf_counter()
                 logits = self._decode(seqs, last)
+                if self.spec is not None and self.spec.timed:  # (what a verify is weighed by)
+                    self.spec.cost.plain(time.perf_counter() - t0)
                 for s in seqs:
                     self.slots.feed(s.row, [s.out[-1]], self.reuse)
             if drafts:  # (each takes its tokens now)

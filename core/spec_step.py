@@ -9,6 +9,8 @@ back (`StaticKVCache.keep` / `rewind`; a recurrent row is fed its kept tokens ag
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from core.sampling import apply_penalties, draw, filter_logits, penalizes
@@ -47,7 +49,10 @@ class Verifier:
         items = list(drafts.values())
         feeds = [[s.out[-1], *d.tokens] for s, d in items]
         kept = [cache.keep(s.row, s.pos, len(f)) for (s, _), f in zip(items, feeds, strict=True)]
+        t0 = time.perf_counter()
         logits = self._logits(items, feeds)
+        if self.spec.timed:  # (the tokens it drafted, against a plain step's time)
+            self.spec.cost.verify(sum(len(d.tokens) for _, d in items), time.perf_counter() - t0)
         for (s, d), f, held, x in zip(items, feeds, kept, logits, strict=True):
             start = s.pos
             a = self._accept(s, d, x)

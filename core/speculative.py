@@ -150,48 +150,94 @@ class _Grams:
         return toks
 
 
+class StepCost:
+    """What a verify of k drafts costs against a plain decode step, learned from the steps
+    the engine times (CPUs: wall clock; elsewhere the prior): `ratio(k)` = verify time /
+    plain step time, a line fitted through the recent mean time of each k seen (with one k
+    seen: the prior's slope through it; none: the prior, 1 + `per_token` k)."""
+
+    def __init__(self, per_token: float = 0.15, decay: float = 0.9):
+        self.per_token, self.decay = per_token, decay
+        self.plain_s: float | None = None  # recent mean of a plain step's seconds
+        self.verify_s: dict[int, tuple[float, float]] = {}  # k -> (recent mean s, weight)
+
+    def plain(self, seconds: float) -> None:
+        d = self.decay
+        self.plain_s = seconds if self.plain_s is None else d * self.plain_s + (1 - d) * seconds
+
+    def verify(self, k: int, seconds: float) -> None:
+        mean, w = self.verify_s.get(k, (seconds, 0.0))
+        self.verify_s[k] = (mean + (seconds - mean) / min(w + 1, 1 / (1 - self.decay)), w + 1)
+
+    def ratio(self, k: int) -> float:
+        if self.plain_s is None or not self.verify_s:
+            return 1 + self.per_token * k
+        pts = [(j, m / self.plain_s, w) for j, (m, w) in self.verify_s.items()]
+        total = sum(w for _, _, w in pts)
+        mk = sum(j * w for j, _, w in pts) / total
+        mr = sum(r * w for _, r, w in pts) / total
+        var = sum(w * (j - mk) ** 2 for j, _, w in pts)
+        slope = self.per_token
+        if var > 0:  # (never below zero: noise must not make long drafts look free)
+            slope = max(0.0, sum(w * (j - mk) * (r - mr) for j, r, w in pts) / var)
+        return max(mr + slope * (k - mk), 1e-3)
+
+
 class AdaptiveK:
     """How many tokens a sequence drafts next: the k in 0..k_max that maximizes the expected
-    tokens per unit of step time, (1 + r + ... + r^k) / (1 + cost * k), with r the rate at
-    which its drafts were accepted lately (a decaying count, starting at `prior`) and `cost`
-    a drafted token's share of a step's time. At k = 0 it still drafts one token every
-    `probe` steps (doubling up to `max_probe` while none is accepted), so a sequence that
-    starts repeating itself is noticed."""
+    tokens per unit of time, (1 + r + ... + r^k) / cost.ratio(k), against 1 for a plain step,
+    with r the rate at which its drafts were accepted lately (a decaying count, starting at
+    `prior`). At k = 0 it still drafts now and then (a probe: the k that would pay were r
+    `hopeful`), spaced so that probes cost at most `overhead` of the time, and twice as far
+    apart after each probe that accepted nothing, so a sequence that starts repeating itself
+    is noticed."""
 
-    def __init__(self, k_max: int, cost: float = 0.15, prior: float = 0.6, decay: float = 0.8):
+    def __init__(
+        self,
+        k_max: int,
+        cost: StepCost,
+        prior: float = 0.6,
+        decay: float = 0.8,
+        hopeful: float = 0.8,
+        overhead: float = 0.02,
+    ):
         self.k_max, self.cost, self.decay = k_max, cost, decay
         self.hits, self.trials = 2 * prior, 2.0
-        self.idle, self.probe = 0, 4
-        self.max_probe = 32
+        self.hopeful, self.overhead = hopeful, overhead
+        self.idle, self.backoff = 0, 1
 
     @property
     def rate(self) -> float:
         return self.hits / self.trials
 
-    def next(self) -> int:
-        r, best, best_k = self.rate, 1.0, 0
-        gain = 1.0
+    def _best(self, r: float) -> tuple[int, float]:
+        """(the k that maximizes tokens per unit of time at acceptance rate r, that figure)."""
+        best, best_k, gain = 1.0, 0, 1.0
         for k in range(1, self.k_max + 1):
             gain += r**k
-            if gain / (1 + self.cost * k) > best:
-                best, best_k = gain / (1 + self.cost * k), k
-        if best_k:
-            return best_k
+            if gain / self.cost.ratio(k) > best:
+                best, best_k = gain / self.cost.ratio(k), k
+        return best_k, best
+
+    def next(self) -> int:
+        k, _ = self._best(self.rate)
+        if k:
+            self.idle = 0
+            return k
+        k = self._best(self.hopeful)[0] or 1
+        spacing = max(4.0, (self.cost.ratio(k) - 1) / self.overhead) * self.backoff
         self.idle += 1
-        if self.idle < self.probe:
+        if self.idle < spacing:
             return 0
         self.idle = 0
-        return 1
+        return k
 
     def update(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens took the first `accepted`."""
         d = self.decay
         self.hits = d * self.hits + accepted
         self.trials = d * self.trials + accepted + (accepted < drafted)
-        if accepted:
-            self.probe = 4
-        elif self.rate < 0.1:
-            self.probe = min(2 * self.probe, self.max_probe)
+        self.backoff = 1 if accepted else min(2 * self.backoff, 8)
 
 
 @dataclass
@@ -239,8 +285,10 @@ class Speculator:
     """A model's speculative decoding: its proposer, each running sequence's k, and the
     counts of drafts and acceptances since load (`stats`; each sequence's own: `seq.spec`)."""
 
-    def __init__(self, config: SpecConfig, proposer: Proposer, cost: float = 0.15):
-        self.config, self.proposer, self.cost = config, proposer, cost
+    def __init__(self, config: SpecConfig, proposer: Proposer):
+        self.config, self.proposer = config, proposer
+        self.cost = StepCost()  # the engine times its steps into it ...
+        self.timed = False  # ... where they run synchronously (CPUs): set by the engine
         self.stats = SpecStats()
         self._k: dict[int, AdaptiveK] = {}  # by id(seq)
 
@@ -250,6 +298,8 @@ class Speculator:
         if seq.spec is None:
             seq.spec = SpecStats()
             self._k[id(seq)] = AdaptiveK(self.config.k, self.cost)
+            if self.cost.plain_s is None and self.config.adaptive and self.timed:
+                return None  # (a plain step first: what a verify is measured against)
         k = self._k[id(seq)].next() if self.config.adaptive else self.config.k
         k = min(k, limit)
         draft = self.proposer.propose(seq, k) if k > 0 else None
