@@ -103,6 +103,11 @@ def make_constraint(p: Any, tok: Tokenizer | None, vocab_size: int, eos: set[int
         return None
     if tok is None:
         raise RuntimeError("structured output needs the model's tokenizer")
+    if not eos:  # (llguidance ends a grammar on one; it would raise a bare ValueError)
+        raise RequestError(
+            "json_schema / json_object need a token that ends the answer, and ignore_eos=True "
+            "leaves none: drop ignore_eos, or name one in stop_token_ids"
+        )
     return Constraint(schema, tok, vocab_size, eos)
 
 

@@ -119,3 +119,13 @@ def test_a_grammar_that_gives_out_fails_its_row_alone(model, question):
     loop = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
     with pytest.raises(RequestError, match="grammar gave out"):
         model.generate(question, max_new_tokens=8, json_schema=loop, temperature=0.0)
+
+
+def test_json_with_ignore_eos_is_refused_by_name(model, question):
+    """A grammar ends on an eos token; ignore_eos leaves none: a RequestError, not llguidance's
+    bare ValueError (the server answers 400)."""
+    with pytest.raises(RequestError, match="ignore_eos"):
+        model.generate(question, max_new_tokens=8, json_object=True, ignore_eos=True)
+    r = model.generate(question, max_new_tokens=40, json_object=True, ignore_eos=True,
+                       stop_token_ids=[2])  # fmt: skip
+    assert r.text.startswith("{")
