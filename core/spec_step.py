@@ -17,12 +17,18 @@ from core.sampling import apply_penalties, draw, filter_logits, penalizes
 from core.speculative import Draft, accept_draft
 from core.structured import Masks
 
+MAX_CHAIN = 16  # the most tokens a fused call is asked to take (FusedStep.takes_chain says)
+
 
 class Verifier:
     """The speculative part of an `Engine` step, for the engine's `spec` (a Speculator)."""
 
     def __init__(self, engine):
         self.engine, self.spec = engine, engine.spec
+        # the most tokens one fused call verifies (0: each row through its own forward)
+        takes = getattr(engine.model.step, "takes_chain", None)
+        fits = [n for n in range(2, MAX_CHAIN + 1) if takes is not None and takes(n)]
+        self.chain = 0 if self.spec.proposer.wants_hidden or not fits else max(fits)
 
     def plan(self, seqs: list) -> dict[int, tuple]:
         """The decoding sequences that draft this step: id(seq) -> (seq, Draft). A proposer
@@ -30,12 +36,13 @@ class Verifier:
         every position."""
         cache = self.engine.model.net.kv_cache
         every = self.spec.proposer.wants_hidden
-        out = {}
+        limit_all, out = self.spec.config.k, {}
         for s in seqs:
             limit = min(
                 s.params.max_new_tokens - len(s.out) - 1,  # a verify takes up to k + 1 tokens
                 cache.max_seq_len - 1 - s.pos,
                 cache.kept - 1,  # (k + 1 positions must fit a sliding layer's ring)
+                self.chain - 1 if self.chain else limit_all,  # (one fused call per row)
             )
             draft = self.spec.plan(s, limit)
             if draft is not None or every:
@@ -67,20 +74,26 @@ class Verifier:
         from core.engine import _to_device
 
         eng = self.engine
+        if not self.chain:
+            return [
+                eng.forward_row(s, f, s.pos, every=True).float()
+                for (s, _), f in zip(items, feeds, strict=True)
+            ]
         step, dev = eng.model.step, eng.model.device
-        n = sum(len(f) for f in feeds)
-        chain = getattr(step, "takes_chain", None)
-        if not self.spec.proposer.wants_hidden and chain is not None and chain(n):
-            pos = [s.pos + i for (s, _), f in zip(items, feeds, strict=True) for i in range(len(f))]
-            rows = [s.row for (s, _), f in zip(items, feeds, strict=True) for _ in f]
-            ids = [t for f in feeds for t in f]
-            out = step(_to_device(ids, dev), _to_device(pos, dev), max(pos) + 1,
-                       rows=_to_device(rows, dev))  # fmt: skip
-            return list(out.float().split([len(f) for f in feeds]))
-        return [
-            eng.forward_row(s, f, s.pos, every=True).float()
-            for (s, _), f in zip(items, feeds, strict=True)
-        ]
+        out, group, size = [], [], 0
+        for i, f in enumerate([*feeds, None]):  # rows packed into calls of <= chain tokens
+            if group and (f is None or size + len(f) > self.chain):
+                pos = [items[j][0].pos + n for j in group for n in range(len(feeds[j]))]
+                rows = [items[j][0].row for j in group for _ in feeds[j]]
+                ids = [t for j in group for t in feeds[j]]
+                x = step(_to_device(ids, dev), _to_device(pos, dev), max(pos) + 1,
+                         rows=_to_device(rows, dev))  # fmt: skip
+                out += x.float().split([len(feeds[j]) for j in group])
+                group, size = [], 0
+            if f is not None:
+                group.append(i)
+                size += len(f)
+        return out
 
     def _accept(self, s, d: Draft, x: torch.Tensor) -> int:
         """Hand s the target's tokens for its verified positions x (k + 1, V) while they
