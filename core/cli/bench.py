@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from core.cli import speculation
 from core.errors import RequestError
 
 # Peak memory bandwidth (GB/s) of devices we can name, for "fraction of peak".
@@ -38,6 +39,7 @@ class BenchReport:
     compare: dict[str, Any] = field(default_factory=dict)
     compiled: bool = False  # decode step compiled (load_model(compile=True), --compile)
     peak_source: str = ""  # where peak_bandwidth_gbps comes from
+    speculative: str = ""  # the method decoding drafts with ("": none); acceptance per batch
 
 
 def synchronize(device: torch.device) -> None:
@@ -261,6 +263,7 @@ def measure(
         kv_bytes_per_token=cfg.kv_bytes_per_token(itemsize),
         kv_cache_bytes=model.net.kv_cache.nbytes,
         compiled=model.step.compiled is not None,
+        speculative=speculation.method(model),
     )
     greedy = {"temperature": 0.0, "ignore_eos": True}
     # Each figure's first run is not timed: it builds what that shape needs (kernels; compiled,
@@ -275,7 +278,7 @@ def measure(
         report.prefill[n] = {"time_to_first_token_s": best, "tokens_per_s": n / best}
     for b in batches:
         prompts = random_prompt(cfg.vocab_size, b, 32)
-        rates = []
+        rates, drafts = [], speculation.snapshot(model)
         for _ in range(repeat + 1):
             res = model.generate(
                 prompts if b > 1 else prompts[0], max_new_tokens=decode_tokens, **greedy
@@ -288,6 +291,7 @@ def measure(
         bytes_per_step += b * context * report.kv_bytes_per_token
         gbps = bytes_per_step / step_s / 1e9
         report.decode[b] = {"tokens_per_s": tps, "step_ms": step_s * 1e3, "achieved_gbps": gbps}
+        report.decode[b].update(speculation.since(model, drafts))  # (the runs' drafts)
     synchronize(dev)
     report.peak_memory_bytes = _peak_memory(dev)
     if peak_gbps:
@@ -373,7 +377,8 @@ def render(report: BenchReport) -> str:
     gib = 2**30
     lines = [
         f"model    {report.model}  ({report.params / 1e6:,.0f}M parameters, {report.dtype}"
-        f"{', decode step compiled' if report.compiled else ''})",
+        f"{', decode step compiled' if report.compiled else ''}"
+        f"{', speculative ' + report.speculative if report.speculative else ''})",
         f"device   {report.device}; load {report.load_s:.2f} s; peak memory "
         f"{report.peak_memory_bytes / gib:.2f} GiB",
         f"weights  {report.weight_bytes / gib:.2f} GiB; KV {report.kv_bytes_per_token:,} B/token, "
@@ -389,13 +394,17 @@ def render(report: BenchReport) -> str:
         lines.append(
             f"{n:>10} {r['time_to_first_token_s'] * 1e3:>10.1f} {r['tokens_per_s']:>12,.0f}"
         )
-    lines += ["", f"{'decode B':>10} {'step ms':>10} {'tokens/s':>12} {'GB/s':>10} {'of peak':>8}"]
+    spec = f" {'accepted':>9} {'tok/step':>9}" if report.speculative else ""
+    lines += ["", f"{'decode B':>10} {'step ms':>10} {'tokens/s':>12} {'GB/s':>10} {'of peak':>8}"
+              + spec]  # fmt: skip
     for b, r in report.decode.items():
         frac = f"{r['fraction_of_peak']:.0%}" if "fraction_of_peak" in r else "n/a"
         lines.append(
             f"{b:>10} {r['step_ms']:>10.2f} {r['tokens_per_s']:>12,.1f} "
-            f"{r['achieved_gbps']:>10.1f} {frac:>8}"
+            f"{r['achieved_gbps']:>10.1f} {frac:>8}" + (speculation.columns(r) if spec else "")
         )
+    if spec:
+        lines.append("   (speculative: step ms and GB/s per token, as if each took a step)")
     if report.compare.get("peer") == "llama.cpp":
         from core.cli.bench_llamacpp import render_lines
 

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from core.cli.common import load, prompt_ids, ranks
+from core.cli.speculation import speculative
 
 # --compare peer -> (module to import, what to pip install)
 PEERS = {
@@ -71,9 +72,10 @@ def bench_command(args: argparse.Namespace) -> None:
             path, ids = model.path, _compare_prompt(model, args, lens[0])
             del model  # the two engines' own processes load it; this one waits
             keys = ("device", "dtype", "compile", "dequantize", "quantize", "kv_dtype")  # as load
+            options = {k: getattr(args, k) for k in keys} | {"speculative": speculative(args)}
             report.compare = compare_llama_cpp(
                 path, prompt=ids, decode_tokens=args.decode_tokens, repeat=args.repeat,
-                load={k: getattr(args, k) for k in keys}, ctx=args.ctx,
+                load=options, ctx=args.ctx,
             )  # fmt: skip
     print(bench.render(report))
     if args.json:
@@ -162,6 +164,17 @@ def _bench_model(args: argparse.Namespace, tmp, sizes: dict):
         model = bench.random_model(
             shape, device=args.device, dtype=args.dtype, compile=args.compile, **sizes
         )
+        _speculate(model, args, sizes)
     else:
         model = load(args, path, **sizes)
     return model, time.perf_counter() - t0
+
+
+def _speculate(model, args: argparse.Namespace, sizes: dict) -> None:
+    """--spec / --draft on random weights (built without load_model): the speculator that
+    load_model(speculative=...) would give them."""
+    from core.speculative import SpecConfig, make_speculator
+
+    config = SpecConfig.of(speculative(args))
+    draft = dict(device=model.device, dtype=model.dtype, **sizes)  # (a draft model's load)
+    model.speculator = make_speculator(config, model, **draft)

@@ -8,7 +8,7 @@ import os
 import sys
 
 from core.chat.reasoning import Reasoner, reader
-from core.cli import info
+from core.cli import info, speculation
 from core.cli.bench_command import PEERS, bench_command, check_before_ranks
 from core.cli.common import DEFAULT_MODEL, load, prompt_ids, ranks, sampling
 from core.errors import ConfigError, RequestError, ZooError
@@ -68,7 +68,7 @@ def _answer(
         cached = f" ({res.cached_tokens} cached)" if res.cached_tokens else ""
         print(
             f"[{res.prompt_tokens} prompt tokens{cached} at {prefill:.1f} tok/s, "
-            f"{n} new tokens at {decode:.1f} tok/s]",
+            f"{n} new tokens at {decode:.1f} tok/s{speculation.stats_note(model, res)}]",
             file=sys.stderr,
         )
         if cut and stream.result.finish_reason == "length":
@@ -267,6 +267,7 @@ def _add_run(sub) -> None:
     run = sub.add_parser("run", help="answer one prompt, streamed to stdout")
     _model_options(run)
     _compile_option(run)
+    speculation.add_options(run)
     run.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt (or -p PROMPT)")
     run.add_argument("--prompt", "-p", default=None)
     run.add_argument("--raw", action="store_true", help="send the prompt without chat template")
@@ -283,6 +284,7 @@ def _add_chat(sub) -> None:
     chat = sub.add_parser("chat", help="an interactive chat in the terminal")
     _model_options(chat)
     _compile_option(chat)
+    speculation.add_options(chat)
     _sampling_options(chat)
     chat.set_defaults(func=_chat)
 
@@ -291,6 +293,7 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see docs/serve.md)")
     _model_options(serve)
     _compile_option(serve)
+    speculation.add_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -324,6 +327,7 @@ def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="throughput, latency, memory and bandwidth figures")
     _model_options(b)
     _compile_option(b)
+    speculation.add_options(b)
     b.add_argument("--shape", help="a registry name whose shape to use with --random-weights")
     b.add_argument("--random-weights", action="store_true", help="no download: random weights")
     b.add_argument("--prompt-lens", default="128,512,2048", help="prefill lengths")
@@ -392,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(message)s")
     tp = getattr(args, "tp", None) or 1
     try:
+        speculation.speculative(args)  # its flags refused before a port, a rank or a load
         if tp > 1 and "LOCAL_RANK" not in os.environ:  # not a rank yet: start N of them
             from core.parallel.distributed import launch
 

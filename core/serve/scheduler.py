@@ -59,6 +59,8 @@ class Scheduler:
         cache = getattr(model.net, "kv_cache", None)
         if cache is not None:  # a row's recurrent state and its snapshots, in bytes
             self.metrics.row_bytes(cache.state_bytes, cache.snapshot_bytes)
+        if getattr(model, "speculator", None) is not None:  # vLLM's spec-decode counters
+            self.metrics.speculating(model.speculator)
         self.waiting: queue.SimpleQueue[Job | EmbedJob | None] = queue.SimpleQueue()
         # taken off `waiting`, not yet in a row (FIFO)
         self.pending: deque[Job | EmbedJob] = deque()
@@ -207,5 +209,7 @@ class Scheduler:
                 self.metrics.finished(seq.job.clock, None)
                 seq.job.emit("error", err)
             return
+        finally:
+            self.metrics.drafted()
         for seq in ended:
             self._end(seq)
