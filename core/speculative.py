@@ -106,7 +106,8 @@ class Proposer:
 
 class NgramProposer(Proposer):
     """Prompt lookup: find the latest earlier place where the sequence's last n tokens occur
-    (n from `longest` down to `shortest`) and propose the tokens that followed it there. Each
+    (n from `longest` down to `shortest`) and propose the tokens that followed it there, the
+    copy running on into its own drafts where it reaches the end (a loop repeats). Each
     sequence keeps an index of its n-grams (n-gram -> where its next token is), extended as
     tokens come, so a lookup costs a few dict reads whatever the length."""
 
@@ -121,8 +122,12 @@ class NgramProposer(Proposer):
         toks = grams.extend()
         for n in range(min(self.longest, len(toks) - 1), self.shortest - 1, -1):
             at = grams.after[n - 1].get(tuple(toks[-n:]))
-            if at is not None:
-                return Draft(toks[at : at + k])
+            if at is not None:  # (the copy runs on into its own drafts: a loop of any period)
+                draft = []
+                for i in range(k):
+                    j = at + i
+                    draft.append(toks[j] if j < len(toks) else draft[j - len(toks)])
+                return Draft(draft)
         return None
 
     def release(self, seq) -> None:

@@ -19,7 +19,10 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     # "7 8" occurs twice before the end (followed by 1 2, then by 5 6); "6 7 8" once (by 5 6)
     s = _Seq([7, 8, 1, 2, 6, 7, 8, 5, 6, 9, 4], out=[6, 7, 8])
     assert p.propose(s, 2).tokens == [5, 6]
-    assert p.propose(s, 9).tokens == [5, 6, 9, 4, 6, 7, 8]  # up to the end of what it has
+    # past the end of what it has, the copy runs on into its own drafts
+    assert p.propose(s, 9).tokens == [5, 6, 9, 4, 6, 7, 8, 5, 6]
+    loop = _Seq([3, 9], out=[3, 9, 3])  # a loop of two: drafts as long as asked
+    assert p.propose(loop, 5).tokens == [9, 3, 9, 3, 9]
     s.out += [3]  # "8 3": never seen before
     assert p.propose(s, 2) is None
     s.out += [1]  # "3 1" unseen, and n = 1 is below `shortest`
