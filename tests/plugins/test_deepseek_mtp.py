@@ -1,11 +1,12 @@
-"""DeepSeek V3's multi-token-prediction layer (core/mtp.py) and drafting with it
-(core/spec_mtp.py) on a tiny hub-style checkpoint whose MTP layer holds random weights of its own.
+"""The multi-token-prediction layer of DeepSeek V3 and GLM-4.5 (core/mtp.py) and drafting with it
+(core/spec_mtp.py) on tiny hub-style checkpoints whose MTP layer holds random weights of its own.
 
 transformers skips the layer, and DeepSeek's inference code drops it (inference/convert.py), so
 the reference is written here from its published description (DeepSeek-V3 technical report
 section 2.2, README_WEIGHTS.md) in the concatenation order of the code that runs the released
-weights (vLLM's deepseek_mtp.py, SGLang's deepseek_nextn.py: `eh_proj([enorm(embed(t_{i+1}));
-hnorm(h_i)])`), with transformers' own DeepseekV3DecoderLayer as the layer.
+weights (vLLM's deepseek_mtp.py and glm4_moe_mtp.py, SGLang's deepseek_nextn.py:
+`eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])`), with transformers' own decoder layer of the
+family as the layer.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch
 from parity import rel_err
 from safetensors.torch import load_file, save_file
 from test_deepseek import make_deepseek
+from test_glm4_moe import GLM45, make_glm
 
 from core import ConfigError, load_model
 from core.speculative import SpecConfig, make_speculator
 
-N = 3  # the tiny V3's num_hidden_layers: its MTP layer is model.layers.3
+N = 3  # the tiny models' num_hidden_layers: their MTP layer is model.layers.3
 PROMPTS = [[0, 5, 17, 3, 99, 42, 8], [0, 77, 12, 12, 64]]
 
 
@@ -45,14 +47,22 @@ def randomize_mtp(root) -> None:
 
 
 class ReferenceMTP:
-    """The MTP layer from the checkpoint's tensors: transformers' decoder layer at index N
-    (an MoE layer, as V3's is), its RMSNorms, eh_proj and the head copy."""
+    """The MTP layer from the checkpoint's tensors: transformers' decoder layer of the family
+    at index N (an MoE layer, as V3's and GLM-4.5's are), its RMSNorms, eh_proj, head copy."""
 
     def __init__(self, ref, root):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3DecoderLayer,
-            DeepseekV3RMSNorm,
-        )
+        if ref.config.model_type == "glm4_moe":
+            from transformers.models.glm4_moe.modeling_glm4_moe import (
+                Glm4MoeDecoderLayer as Layer,
+            )
+            from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm as Norm
+        else:
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+                DeepseekV3DecoderLayer as Layer,
+            )
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+                DeepseekV3RMSNorm as Norm,
+            )
 
         cfg, self.ref = ref.config, ref
         own = {
@@ -60,12 +70,14 @@ class ReferenceMTP:
             for n, t in load_file(root / "model.safetensors").items()
             if n.startswith(f"model.layers.{N}.")
         }
-        self.block = DeepseekV3DecoderLayer(cfg, N).eval()
-        self.block.load_state_dict(stacked(own, cfg.n_routed_experts), strict=False)
+        self.block = Layer(cfg, N).eval()
+        extra = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+        layer = {k: v for k, v in own.items() if not k.startswith(extra)}
+        self.block.load_state_dict(stacked(layer, cfg.n_routed_experts))
         assert self.block.mlp.gate.e_score_correction_bias.abs().sum() > 0
         self.norms = {}
         for name in ("enorm", "hnorm", "shared_head.norm"):
-            self.norms[name] = DeepseekV3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norms[name] = Norm(cfg.hidden_size, cfg.rms_norm_eps)
             self.norms[name].weight.data.copy_(own[f"{name}.weight"])
         self.eh_proj, self.embed = own["eh_proj.weight"], own["embed_tokens.weight"]
         self.head = own["shared_head.head.weight"]
@@ -104,25 +116,26 @@ def stacked(own: dict, experts: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def v3(tmp_path_factory):
-    """(checkpoint folder, transformers model, reference MTP)."""
-    root, ref = make_deepseek(tmp_path_factory.mktemp("v3mtp"), "v3", mtp_layers=1)
+def checkpoint(family: str, root):
+    """(folder, transformers model) of a tiny DeepSeek V3 or GLM-4.5 with an MTP layer."""
+    if family == "glm-4.5":
+        return make_glm(root, GLM45, mtp=1)
+    return make_deepseek(root, "v3", mtp_layers=1)
+
+
+@pytest.fixture(scope="module", params=["v3", "glm-4.5"])
+def built(request, tmp_path_factory):
+    """(checkpoint folder, transformers model, reference MTP, the model without speculation,
+    the model with its MTP layer), per family."""
+    root, ref = checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     randomize_mtp(root)
-    return root, ref, ReferenceMTP(ref, root)
+    kw = dict(dtype="float32", device="cpu", max_seq_len=64, max_batch_size=2)
+    plain, spec = load_model(root, **kw), load_model(root, speculative="mtp", **kw)
+    return root, ref, ReferenceMTP(ref, root), plain, spec
 
 
-@pytest.fixture(scope="module")
-def loaded(v3):
-    """(the model without speculation, the model with its MTP layer)."""
-    root = v3[0]
-    kw = dict(dtype="float32", device="cpu", max_seq_len=64)
-    return load_model(root, **kw), load_model(root, speculative="mtp", **kw)
-
-
-def test_mtp_logits_match_reference(v3, loaded):
-    _, _, mtp_ref = v3
-    model = loaded[1]
+def test_mtp_logits_match_reference(built):
+    _, _, mtp_ref, _, model = built
     ids = PROMPTS[0] + [23, 61, 2, 90]
     h_ref = mtp_ref.hidden(ids)
     y_ref, ref_logits = mtp_ref(ids[1:], h_ref[:-1])
@@ -149,11 +162,11 @@ def reference_drafts(mtp_ref, toks: list[int], pos: int, k: int) -> list[torch.T
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_mtp_same_tokens_and_drafts_match_reference(v3, loaded, k):
+def test_greedy_mtp_same_tokens_and_drafts_match_reference(built, k):
     """Greedy decoding with MTP drafts gives plain greedy's tokens; every draft the proposer
     made in the engine (prefill, verifies, rejected positions overwritten) is the reference's
     greedy draft from the whole sequence so far."""
-    plain, spec = loaded
+    *_, mtp_ref, plain, spec = built
     spec.speculator = make_speculator(SpecConfig(method="mtp", k=k, adaptive=False), spec)
     proposer, made = spec.speculator.proposer, []
     propose = proposer.propose
@@ -164,30 +177,34 @@ def test_greedy_mtp_same_tokens_and_drafts_match_reference(v3, loaded, k):
         return draft
 
     proposer.propose = recording
-    for prompt in PROMPTS:
-        want = plain.generate(prompt, max_new_tokens=12, temperature=0.0)
+    want = [plain.generate(p, max_new_tokens=12, temperature=0.0).token_ids for p in PROMPTS]
+    for prompt, tokens in zip(PROMPTS, want, strict=True):
         got = spec.generate(prompt, max_new_tokens=12, temperature=0.0)
-        assert got.token_ids == want.token_ids
+        assert got.token_ids == tokens
         assert got.speculation is not None and got.speculation.draft_tokens > 0
+    batch = spec.generate(PROMPTS, max_new_tokens=12, temperature=0.0)  # two rows at once
+    assert [r.token_ids for r in batch] == want
     assert made and all(len(d) == n for *_, n, d in made) and max(n for *_, n, _ in made) == k
     for toks, pos, n, draft in made[:6]:
-        for logits, d in zip(reference_drafts(v3[2], toks, pos, n), draft, strict=True):
+        for logits, d in zip(reference_drafts(mtp_ref, toks, pos, n), draft, strict=True):
             assert float(logits.max() - logits[d]) <= 1e-4 * float(logits.abs().max())
 
 
-def test_mtp_less_load_ignores_its_weights(loaded):
-    plain, spec = loaded
+def test_mtp_less_load_ignores_its_weights(built):
+    *_, plain, spec = built
     assert plain.net.mtp is None and plain.speculator is None
     assert not any(".layers.3." in n for n, _ in plain.net.named_parameters())
     assert spec.net.mtp is not None
 
 
-def test_checkpoint_without_mtp_refused_by_name(v3, tmp_path):
-    root = v3[0]
+def test_checkpoint_without_mtp_refused_by_name(built, tmp_path):
+    root = built[0]
     cfg = json.loads((root / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
     (tmp_path / "model.safetensors").symlink_to(root / "model.safetensors")
-    with pytest.raises(ConfigError, match=r"config\.json.*deepseek_v3.*no multi-token.*ngram"):
+    with pytest.raises(
+        ConfigError, match=r"config\.json.*(deepseek_v3|glm4_moe).*no multi-token.*ngram"
+    ):
         load_model(tmp_path, speculative="mtp", dtype="float32", device="cpu")
     with pytest.raises(ConfigError, match=r"tp=2.*ngram"):
         load_model(root, speculative="mtp", tp=2, dtype="float32", device="cpu")
