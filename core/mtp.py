@@ -121,11 +121,14 @@ def mtp_network(cfg: RuntimeConfig, ckpt, source: str, tp: int = 1) -> MTPNetwor
     other = "pass speculative='ngram' (prompt lookup) or a draft model instead"
     if cfg.mtp is None:
         why = (
-            "declares no multi-token-prediction layers (num_nextn_predict_layers: 0)"
+            "has no multi-token-prediction layer Zoo runs"
             if not cfg.mtp_layers
-            else f"has {cfg.mtp_layers} MTP layer(s) of a kind Zoo does not run yet"
+            else f"has {cfg.mtp_layers} multi-token-prediction layer(s) of a kind Zoo does not run"
         )
-        raise ConfigError(f"{source}: this {cfg.model_type} model {why}; {other}")
+        raise ConfigError(
+            f"{source}: this {cfg.model_type} model {why} (it runs DeepSeek V3's and GLM-4.5's, "
+            f"`num_nextn_predict_layers`); {other}"
+        )
     if tp != 1:
         raise ConfigError(f"speculative='mtp' runs on one rank only, not tp={tp}; {other}")
     prefix = f"model.layers.{cfg.num_layers}."

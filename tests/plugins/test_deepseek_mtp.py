@@ -197,6 +197,20 @@ def test_mtp_less_load_ignores_its_weights(built):
     assert spec.net.mtp is not None
 
 
+def test_sampling_and_row_copies(built):
+    """Sampling drafts greedily (the engine's rejection rule takes a one-hot proposal); a row
+    copy (prefix reuse from another row) copies the MTP cache's row with the main cache's."""
+    spec = built[-1]
+    out = spec.generate(PROMPTS[0], max_new_tokens=8, temperature=0.9, seed=5)
+    assert len(out.token_ids) == 8 and out.speculation.draft_tokens > 0
+    cache = spec.net.mtp.kv_cache
+    spec.net.copy_rows(0, 1, 5)
+    for t, d in zip(cache.layer(0), cache.seq_dims[0], strict=True):  # d: the position dim
+        held = t[0].narrow(d - 1, 0, 5)
+        assert torch.equal(t[1].narrow(d - 1, 0, 5), held) and held.abs().sum() > 0
+    spec.forget()
+
+
 def test_checkpoint_without_mtp_refused_by_name(built, tmp_path):
     root = built[0]
     cfg = json.loads((root / "config.json").read_text())
