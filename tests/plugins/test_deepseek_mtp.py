@@ -161,19 +161,19 @@ def reference_drafts(mtp_ref, toks: list[int], pos: int, k: int) -> list[torch.T
     return out
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_mtp_same_tokens_and_drafts_match_reference(built, k):
-    """Greedy decoding with MTP drafts gives plain greedy's tokens; every draft the proposer
-    made in the engine (prefill, verifies, rejected positions overwritten) is the reference's
-    greedy draft from the whole sequence so far."""
+def test_greedy_mtp_same_tokens_and_drafts_match_reference(built):
+    """Greedy decoding with MTP drafts gives plain greedy's tokens; the drafts the proposer
+    made in the engine (prefill, verifies, rejected positions overwritten; 3 tokens a step,
+    fewer near max_new_tokens) are the reference's greedy drafts from the sequence so far."""
     *_, mtp_ref, plain, spec = built
+    k = 3
     spec.speculator = make_speculator(SpecConfig(method="mtp", k=k, adaptive=False), spec)
     proposer, made = spec.speculator.proposer, []
     propose = proposer.propose
 
     def recording(seq, n):
         draft = propose(seq, n)
-        made.append((seq.ids + seq.out, seq.pos, n, draft.tokens))
+        made.append((seq.ids + seq.out, seq.pos, n, draft.tokens, seq.cached))
         return draft
 
     proposer.propose = recording
@@ -184,8 +184,12 @@ def test_greedy_mtp_same_tokens_and_drafts_match_reference(built, k):
         assert got.speculation is not None and got.speculation.draft_tokens > 0
     batch = spec.generate(PROMPTS, max_new_tokens=12, temperature=0.0)  # two rows at once
     assert [r.token_ids for r in batch] == want
-    assert made and all(len(d) == n for *_, n, d in made) and max(n for *_, n, _ in made) == k
-    for toks, pos, n, draft in made[:6]:
+    assert made and all(len(d) == n for *_, n, d, _ in made)
+    # a prompt resumed from a prefix a row holds was not fed: its MTP entries there are what
+    # the row holds (stale at its end), so only the prompts fed whole are checked
+    made = [m[:4] for m in made if m[4] == 0]
+    assert max(n for *_, n, _ in made) == k and min(n for *_, n, _ in made) < k  # (at the end)
+    for toks, pos, n, draft in made[:4] + made[-2:]:
         for logits, d in zip(reference_drafts(mtp_ref, toks, pos, n), draft, strict=True):
             assert float(logits.max() - logits[d]) <= 1e-4 * float(logits.abs().max())
 
