@@ -224,5 +224,13 @@ def test_checkpoint_without_mtp_refused_by_name(built, tmp_path):
         ConfigError, match=r"config\.json.*(deepseek_v3|glm4_moe).*no multi-token.*ngram"
     ):
         load_model(tmp_path, speculative="mtp", dtype="float32", device="cpu")
+    stripped = tmp_path / "stripped"  # MTP declared, its tensors gone (a stripped copy)
+    stripped.mkdir()
+    (stripped / "config.json").write_text(json.dumps(cfg))
+    state = load_file(root / "model.safetensors")
+    own = {k: v for k, v in state.items() if not k.startswith(f"model.layers.{N}.")}
+    save_file(own, stripped / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"declares 1 MTP layer.*no model\.layers\.3\.\*"):
+        load_model(stripped, speculative="mtp", dtype="float32", device="cpu")
     with pytest.raises(ConfigError, match=r"tp=2.*ngram"):
         load_model(root, speculative="mtp", tp=2, dtype="float32", device="cpu")
