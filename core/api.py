@@ -15,6 +15,7 @@ from core.kv_cache import SNAPSHOTS
 from core.loader import load_weights, plan_load
 from core.model import Model
 from core.modeling import CausalLM, kernel_errors
+from core.mtp import mtp_network
 from core.plugins import registry
 from core.quantize import check_kind, held_bytes, quantize_model
 from core.speculative import SpecConfig, make_speculator
@@ -215,7 +216,7 @@ def _build_network(cfg, tp: int, sharding) -> CausalLM:
     return net
 
 
-def _fill_network(net: CausalLM, ckpt, arch, plan, dt, dev, keep: bool, quantize) -> None:
+def _fill_network(net, ckpt, arch, plan, dt, dev, keep: bool, quantize) -> None:
     """Read the checkpoint into `net` on `dev` (quantized blocks kept as they are when `keep`),
     then quantize it at load when asked."""
     load_weights(
@@ -320,19 +321,27 @@ def load_model(
     try:
         arch, cfg, source = _read_config(ckpt, path)
         dev, dt = resolve_device_dtype(device, dtype, cfg.dtype)
+        # speculative="mtp": the checkpoint's MTP layer too, loaded the same way (core/mtp.py)
+        mtp = mtp_network(cfg, ckpt, source, tp) if spec and spec.method == "mtp" else None
         sharding = None
         if tp != 1:  # a rank's own part of the model and of the checkpoint
             sharding, dev, ckpt = _shard(ckpt, arch, cfg, tp, dev, source, compile, quantize)
         _check_positive(max_seq_len, max_batch_size, snapshots)
         t0 = time.perf_counter()
         net = _build_network(cfg, tp, sharding)
+        parts = [p for p in (net, mtp) if p is not None]
         keep = not dequantize and quantize is None and sharding is None
-        plan = plan_load(net, ckpt, arch.weight_map, net.ignored_checkpoint_names())
-        weights, kept = held_bytes(net, ckpt, plan, dt, dev, keep)
+        plans = [plan_load(p, ckpt, arch.weight_map, p.ignored_checkpoint_names()) for p in parts]
+        held = [
+            held_bytes(p, ckpt, plan, dt, dev, keep) for p, plan in zip(parts, plans, strict=True)
+        ]
+        weights, kept = sum(w for w, _ in held), sum(k for _, k in held)
         kv = _cache_dtype(kv_dtype, dt, dev, kept > 0 or quantize is not None)
         seq = _cache_length(net.config, weights, kv, dev, max_batch_size, max_seq_len, snapshots)
         _check_fits(net.config, weights, kv, dev, max_batch_size, seq, snapshots)
-        _fill_network(net, ckpt, arch, plan, dt, dev, keep, quantize)
+        for p, plan in zip(parts, plans, strict=True):
+            _fill_network(p, ckpt, arch, plan, dt, dev, keep, quantize)
+        net.mtp = mtp
         if check_finite:
             _check_finite(net, path)
         if dev.type == "cpu":  # decode streams every weight: fewer TLB misses in 2 MiB pages

@@ -339,6 +339,18 @@ class MoESpec:
         return DenseMLPSpec(self.shared_width, self.shared_bias)
 
 
+@dataclass(frozen=True)
+class MTPSpec:
+    """A multi-token-prediction layer of DeepSeek V3's kind (also GLM-4.5's), stored after the
+    decoder's as `model.layers.{num_layers}.*`: the next token's embedding and a position's
+    last hidden state, each RMS-normed, concatenated and projected back to the hidden size,
+    then a decoder layer of these kinds (core/mtp.py). `mlp`: a DenseMLPSpec or MoESpec (its
+    `layers` unread)."""
+
+    attention: Any
+    mlp: Any
+
+
 # --- the whole model -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -366,6 +378,9 @@ class RuntimeConfig:
     moe: MoESpec | None = None  # None: a dense model
     embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)
     mtp_layers: int = 0  # checkpoint layers past num_layers (multi-token prediction): not loaded
+    # ... unless speculative decoding runs the first (load_model(speculative="mtp")), of this
+    # kind; None: the family's MTP layers (if any) are not of a kind the core runs
+    mtp: MTPSpec | None = None
     logits_scale: float = 1.0  # the LM head's logits are multiplied by this (Granite: 1/scaling)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2); None: off
     # a norm on each sub-block's output before its residual add, besides the pre-norms

@@ -19,6 +19,7 @@ from core.config import (
     EmbeddingSpec,
     GQASpec,
     MoESpec,
+    MTPSpec,
     RMSNormSpec,
     RopeSpec,
     RuntimeConfig,
@@ -329,6 +330,11 @@ class DecoderConfig(BaseModel):
         """Extra checkpoint layers past num_hidden_layers that the model does not run."""
         return 0
 
+    def mtp_spec(self) -> MTPSpec | None:
+        """The first of those as speculative decoding runs it (core/mtp.py); None: none, or not
+        of a kind the core runs."""
+        return None
+
     def runtime_dtype(self) -> str:
         name = (self.dtype or self.torch_dtype or "float32").removeprefix("torch.")
         if name not in DTYPES:
@@ -362,6 +368,7 @@ class DecoderConfig(BaseModel):
             moe=self.moe_spec(),
             embedding=self.embedding_spec(),
             mtp_layers=self.mtp_layers(),
+            mtp=self.mtp_spec(),
             logits_scale=self.logits_scale(),
             final_softcap=self.final_softcap(),
             post_norms=self.post_norms(),

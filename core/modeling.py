@@ -200,6 +200,9 @@ class CausalLM(nn.Module):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, tied_to=tied)
         self.kv_cache: StaticKVCache | None = None
+        # the checkpoint's MTP layer (core/mtp.py `MTPNetwork`), set once loaded where
+        # speculative decoding runs it; its cache rows follow this cache's (setup, copies)
+        self.mtp: nn.Module | None = None
         # tensor parallelism's rank 0 (core/parallel/distributed.py `Lead`): tells the other
         # ranks of each forward and row copy before running it; None on one rank
         self.lead = None
@@ -248,6 +251,8 @@ class CausalLM(nn.Module):
             self.rotary if r == self.config.rope else RotaryEmbedding(r, max_seq_len, w.device)
             for r in self.rope_specs
         )
+        if self.mtp is not None:
+            self.mtp.setup_caches(max_batch_size, max_seq_len, dtype or w.dtype, w.device)
 
     def forward(
         self,
@@ -326,6 +331,8 @@ class CausalLM(nn.Module):
         if self.lead is not None:
             self.lead.copy(src, dst, n)
         self.kv_cache.copy(src, dst, n)
+        if self.mtp is not None:
+            self.mtp.copy_rows(src, dst, n)
 
     # Recurrent rows' snapshots (core/kv_cache.py): one rank only, as tensor parallelism
     # refuses recurrent layers; here beside copy_rows so that every row op goes through the net.

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
-from core.config import MLASpec, MoESpec, RopeSpec
+from core.config import MLASpec, MoESpec, MTPSpec, RopeSpec
 from core.errors import ConfigError
 from core.hfconfig import DecoderConfig
 from core.hfrope import yarn_mscale
@@ -142,7 +142,19 @@ class DeepseekV2Config(DecoderConfig):
         return g, tg
 
     def mtp_layers(self) -> int:
-        return self.num_nextn_predict_layers  # differs from llama3: skipped, not loaded
+        return self.num_nextn_predict_layers  # differs from llama3: skipped, unless speculating
+
+    def mtp_spec(self) -> MTPSpec | None:
+        """The MTP layer is built as a decoder layer at index num_hidden_layers would be: this
+        attention, and the MoE where that index is an MoE layer (V3: from first_k_dense_replace
+        on)."""
+        if not self.num_nextn_predict_layers:
+            return None
+        n, moe = self.num_hidden_layers, self.moe_spec()
+        routed = (
+            moe is not None and n >= self.first_k_dense_replace and n % self.moe_layer_freq == 0
+        )
+        return MTPSpec(self.attention_spec(), moe if routed else self.mlp_spec())
 
 
 class DeepseekV3Config(DeepseekV2Config):

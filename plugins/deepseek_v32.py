@@ -35,6 +35,9 @@ class DeepseekV32Config(DeepseekV3Config):
     def rope_interleaved(self) -> bool:
         return True  # differs from v3: MLA's rope is always interleaved (no rope_interleave key)
 
+    def mtp_spec(self) -> None:
+        return None  # differs from v3: its MTP layer's sparse attention is not run (untested)
+
     def index_rope_interleaved(self) -> bool:
         default = False  # V3.2's indexer rotates half-split pairs, unlike its MLA
         return default if self.indexer_rope_interleave is None else self.indexer_rope_interleave
