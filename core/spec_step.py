@@ -28,7 +28,7 @@ class Verifier:
         # the most tokens one fused call verifies (0: each row through its own forward)
         takes = getattr(engine.model.step, "takes_chain", None)
         fits = [n for n in range(2, MAX_CHAIN + 1) if takes is not None and takes(n)]
-        self.chain = 0 if self.spec.proposer.wants_hidden or not fits else max(fits)
+        self.chain = 0 if not fits or self.spec.proposer.wants_hidden else max(fits)
 
     def plan(self, seqs: list) -> dict[int, tuple]:
         """The decoding sequences that draft this step: id(seq) -> (seq, Draft). A proposer

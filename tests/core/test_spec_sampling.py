@@ -6,6 +6,8 @@ The same test run on a rule that accepts every draft must fail it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ class _Engine:
     """What a Verifier's acceptance reads of its engine."""
 
     spec = None
+    model = SimpleNamespace(step=None)  # (no fused step: nothing verifies in chains)
     counts = seen = None
 
     def took(self, s, t, lp):

@@ -30,6 +30,7 @@ def k_fixed():
 @pytest.fixture(scope="module")
 def served(folder):  # noqa: F811
     model = load_model(folder, speculative="ngram", **SIZES)
+    model.generate([5, 6, 5, 6], max_new_tokens=4)  # (builds the C step here, not in a request)
     srv = Server(create_app(model, "tiny"))
     srv.model = model
     yield srv
