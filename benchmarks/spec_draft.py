@@ -37,14 +37,15 @@ PROMPT = (
 )
 
 
-def timed_drafting(proposer) -> list[float]:
-    """Seconds each `propose` of `proposer` takes from now (appended to the returned list)."""
+def timed_drafting(proposer) -> list[tuple[float, int]]:
+    """(seconds, tokens drafted) of each `propose` of `proposer` from now (appended to the
+    returned list)."""
     spent, propose = [], proposer.propose
 
     def timed(seq, k):
         t0 = time.perf_counter()
         out = propose(seq, k)
-        spent.append(time.perf_counter() - t0)
+        spent.append((time.perf_counter() - t0, len(out.tokens)))
         return out
 
     proposer.propose = timed
@@ -75,7 +76,7 @@ def main() -> None:
     drafting = timed_drafting(speculator.proposer)
     rates = {"plain": [], "draft": []}
     walls = {"plain": [], "draft": []}
-    spent, want = 0.0, None
+    share, per_token, want = [], [], None
     for i in range(args.repeat + 1):  # the first of each: warm-up, untimed
         for kind, s in (("plain", None), ("draft", speculator)):
             drafting.clear()
@@ -85,7 +86,10 @@ def main() -> None:
             if i:
                 rates[kind].append(rate)
                 walls[kind].append(wall)
-                spent += sum(drafting) / wall if kind == "draft" else 0.0
+                if kind == "draft":
+                    seconds, tokens = (sum(x) for x in zip(*drafting, strict=True))
+                    share.append(seconds / wall)
+                    per_token.append(seconds / tokens)
     model.speculator = speculator
     st = speculator.stats
     plain, drafted = statistics.median(rates["plain"]), statistics.median(rates["draft"])
@@ -100,7 +104,9 @@ def main() -> None:
           f"{statistics.median(walls['draft']):.2f} | {st.acceptance_rate:.2f} | "
           f"{st.mean_accepted_length:.2f} |")  # fmt: skip
     print(f"\nspeculative / plain: {drafted / plain:.2f}x; drafting took "
-          f"{100 * spent / args.repeat:.0f}% of a speculative run's wall time")  # fmt: skip
+          f"{100 * statistics.median(share):.0f}% of a speculative run's wall time, "
+          f"{1e3 * statistics.median(per_token):.1f} ms per drafted token (a plain step of the "
+          f"target: {1e3 / plain:.1f} ms)")  # fmt: skip
     if draft == args.model:
         print("(a self-draft: every draft is accepted, and each costs a step of the target "
               "itself; this is the overhead of drafting, not a speed-up. A target with random "

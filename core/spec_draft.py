@@ -143,15 +143,20 @@ class DraftProposer(Proposer):
     def _feed(self, row: int, ids: list[int], start: int) -> torch.Tensor:
         """Feed ids at positions start.. of the draft's row: the last one's logits (V_draft,).
         A few tokens (what a verify accepted, the target's own one) go through the fused CPU
-        step one by one, where it takes the row: ~10x a module forward's speed per token at
-        this size; a prompt in one forward."""
-        dev = self.draft.device
-        if len(ids) == 1 or (len(ids) <= STEPWISE and self.draft.step.takes_rows(1)):
+        step: as one chain where it takes one (`takes_chain`), else one by one (~10x a module
+        forward's speed per token at this size); a prompt in one forward."""
+        dev, step, n = self.draft.device, self.draft.step, len(ids)
+        chain = getattr(step, "takes_chain", None)
+        if n > 1 and chain is not None and chain(n):
+            at = torch.arange(start, start + n, device=dev)
+            rows = torch.full((n,), row, device=dev)
+            return step(torch.tensor(ids, device=dev), at, start + n, rows=rows)[-1]
+        if n == 1 or (n <= STEPWISE and step.takes_rows(1)):
             for i, t in enumerate(ids):
                 logits = self._step(row, torch.tensor([t], device=dev), start + i)
             return logits
         x = torch.tensor([ids], device=dev)
-        at = torch.tensor([len(ids) - 1], device=dev)
+        at = torch.tensor([n - 1], device=dev)
         return self.draft.net(x, start, logits_at=at, row=row)[0, -1]
 
     def _step(self, row: int, token: torch.Tensor, pos: int) -> torch.Tensor:
