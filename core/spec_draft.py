@@ -54,7 +54,6 @@ class DraftProposer(Proposer):
 
     def __init__(self, draft: Model, vocab_size: int):
         self.draft, self.vocab_size = draft, vocab_size
-        self.cache = draft.net.kv_cache
         self.fed: dict[int, list[int]] = {}  # per row: the tokens the draft's row holds
         self._drafted: dict[int, _Fed] = {}  # per row: drafts fed until `accepted`
 
@@ -80,6 +79,11 @@ class DraftProposer(Proposer):
         _check_vocab(draft, target)
         return cls(draft, target.config.vocab_size)
 
+    @property
+    def cache(self):
+        """The draft's `StaticKVCache` (read each time: `setup_caches` may replace it)."""
+        return self.draft.net.kv_cache
+
     # --- the Proposer contract ----------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seq, k: int) -> Draft | None:
@@ -87,6 +91,8 @@ class DraftProposer(Proposer):
         k: the drafts fed must not overwrite it twice)."""
         row, toks = seq.row, seq.ids + seq.out
         self._settle(row)
+        if k < 1:
+            return None
         self.draft.forget()  # (its own engine's rows no longer hold what they held)
         fed = self.fed.pop(row, [])  # (unknown until the forward is done)
         n = self._held(fed, toks)
