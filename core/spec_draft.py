@@ -94,10 +94,9 @@ class DraftProposer(Proposer):
         if k < 1:
             return None
         self.draft.forget()  # (its own engine's rows no longer hold what they held)
-        fed = self.fed.pop(row, [])  # (unknown until the forward is done)
+        fed = self.fed.pop(row, [])  # (unknown until the drafts are in: a failure starts over)
         n = self._held(fed, toks)
         logits = self._feed(row, toks[n:], n)
-        self.fed[row] = toks
         k = min(k, self.cache.kept)
         kept = self.cache.keep(row, len(toks), k - 1) if k > 1 else None
         chosen, probs = [], []
@@ -108,7 +107,7 @@ class DraftProposer(Proposer):
             chosen.append(token)
             probs.append(q)
         tokens = torch.cat(chosen).tolist()  # (the one wait for the device)
-        self._drafted[row] = _Fed(len(toks), tokens[:-1], kept)
+        self.fed[row], self._drafted[row] = toks, _Fed(len(toks), tokens[:-1], kept)
         return Draft(tokens, None if probs[0] is None else torch.stack(probs))
 
     def accepted(self, seq, n: int) -> None:
