@@ -40,9 +40,8 @@ STEPWISE = 16
 
 @dataclass
 class _Fed:
-    """Drafts fed to a row and not yet verified: the row held `base` tokens before them."""
+    """Drafts fed to a row past the tokens it holds (`fed`), not yet verified."""
 
-    base: int
     tokens: list[int]
     kept: Kept | None  # what they overwrote of older positions (rings, recurrent states)
 
@@ -107,7 +106,7 @@ class DraftProposer(Proposer):
             chosen.append(token)
             probs.append(q)
         tokens = torch.cat(chosen).tolist()  # (the one wait for the device)
-        self.fed[row], self._drafted[row] = toks, _Fed(len(toks), tokens[:-1], kept)
+        self.fed[row], self._drafted[row] = toks, _Fed(tokens[:-1], kept)
         return Draft(tokens, None if probs[0] is None else torch.stack(probs))
 
     def accepted(self, seq, n: int) -> None:
@@ -128,7 +127,7 @@ class DraftProposer(Proposer):
         n = min(n, len(drafted.tokens))
         undo = n < len(drafted.tokens) and drafted.kept is not None
         if undo and self.cache.rewind(row, drafted.kept, n):
-            return  # (a recurrent state: the row holds `base` tokens, as fed says)
+            return  # (a recurrent state: back to what fed says, the drafts refed next time)
         fed.extend(drafted.tokens[:n])
 
     def _held(self, fed: list[int], toks: list[int]) -> int:
