@@ -74,6 +74,11 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     @property
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones included) -> its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
