@@ -18,6 +18,7 @@ drafts it has been accepting (`AdaptiveK`), down to proposing nothing when they 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -294,6 +295,7 @@ class Speculator:
         self.config, self.proposer = config, proposer
         self.cost = StepCost()  # the engine times its steps into it ...
         self.timed = False  # ... where they run synchronously (CPUs): set by the engine
+        self.drafting_s = 0.0  # time the proposer took this step, added to the verify's
         self.stats = SpecStats()
         self._k: dict[int, AdaptiveK] = {}  # by id(seq)
 
@@ -307,7 +309,9 @@ class Speculator:
                 return None  # (a plain step first: what a verify is measured against)
         k = self._k[id(seq)].next() if self.config.adaptive else self.config.k
         k = min(k, limit)
+        t0 = time.perf_counter()
         draft = self.proposer.propose(seq, k) if k > 0 else None
+        self.drafting_s += time.perf_counter() - t0  # (a draft model's steps: part of a verify)
         if draft is None or not draft.tokens:
             return None
         if len(draft.tokens) > k:
