@@ -4,7 +4,7 @@ forward of the same T tokens (`net(ids (1, T), position)`), and against T differ
 position (the same products without a chain's one extra meeting of the threads per block).
 
     python benchmarks/verify_cost.py [MODEL] [--tokens 1 2 4 6 8 16] [--repeat 30]
-                                     [--position 256] [--quantize int8]
+                                     [--position 256] [--quantize int8] [--threads 1]
 
 Every (kind, T) is timed once per round, round after round, so that drifts in a shared
 machine's speed hit all alike; prints the median and the 10th percentile per (kind, T) and
@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--position", type=int, default=256, help="the first token's position")
     p.add_argument("--quantize", default=None, help="int8 / int4: quantized at load")
+    p.add_argument("--threads", type=int, default=None, help="torch's (and the C step's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     top = max(args.tokens)
     m = load_model(args.model, max_batch_size=top, max_seq_len=args.position + top + 1,
                    quantize=args.quantize)  # fmt: skip
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
                     fn()
                     times[k, n].append((time.perf_counter() - t) * 1e3)
     q = f" ({args.quantize} at load)" if args.quantize else ""
-    print(f"{args.model}{q}: T tokens at positions {args.position}.., {args.repeat} rounds; "
+    print(f"{args.model}{q}: T tokens at positions {args.position}.., {args.repeat} rounds, "
+          f"{torch.get_num_threads()} threads; "
           f"{machine()}, {datetime.date.today()}, torch {torch.__version__}, "
           f"Python {platform.python_version()}")  # fmt: skip
     # the median, and the 10th percentile: the calls a busy machine slowed least
