@@ -10,7 +10,9 @@ blocks of one sub-block, attention's or the MLP's; weights fp32 or kept quantize
 embeds the tokens, hands the blocks to `kernels.cpu.decode.Blocks` and runs the final norm and
 the head; otherwise, or for more than `MAX_ROWS` rows, under `ZOO_KERNELS=torch|triton`, or
 where the C library cannot be built, the modules run as always. The two agree to fp32
-rounding (tests/core/test_cpu_step.py). Which models take it: `zoo info` says.
+rounding (tests/core/test_cpu_step.py). Which models take it: `zoo info` says. Several
+consecutive tokens of one row (a chain: drafted tokens verified) go in one call where no layer
+is recurrent or a ring that wraps (`FusedStep.takes_chain`; tests/core/test_cpu_step_chain.py).
 """
 
 from __future__ import annotations
@@ -104,6 +106,21 @@ def why_not(net: CausalLM) -> str | None:
             why = f"activation is {mlp.act}"
         if why:
             return f"block {i}'s {why}"
+    return None
+
+
+def why_no_chain(net: CausalLM) -> str | None:
+    """Why the fused step cannot take several consecutive tokens of one cache row (None: it
+    can): a recurrent layer would step its row's state by each token at once, and a ring that
+    wraps would evict, at a later token's slot, a key that an earlier token still reads."""
+    seq = net.kv_cache.max_seq_len if net.kv_cache is not None else None
+    for i, layer in enumerate(net.model.layers):
+        attn = layer.self_attn
+        if type(attn) in RECURRENT:
+            return f"block {i} is a recurrent layer ({type(attn).__name__})"
+        window = getattr(getattr(attn, "spec", None), "window", None)
+        if window is not None and (seq is None or window < seq):
+            return f"block {i} keeps a ring of its last {window} positions"
     return None
 
 
@@ -352,6 +369,7 @@ class FusedStep:
     def __init__(self, net: CausalLM):
         self.net = net
         self.unfit = why_not(net)  # the kinds of blocks do not change; their tensors may
+        self.unchained = why_no_chain(net)
         self._built: tuple | None = None  # (the tensors the view was built from, the view)
 
     def _blocks(self) -> Blocks | None:
@@ -376,6 +394,13 @@ class FusedStep:
             return "a weight or cache tensor the C step cannot read"
         return None
 
+    def takes_chain(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens may hold chains (`__call__`'s rows naming a cache
+        row more than once: that sequence's tokens at consecutive positions, each attending to
+        the row's cache up to its own, as the modules' forward of those tokens computes them).
+        Not where a layer is recurrent or a ring that wraps (`unchained` says which)."""
+        return self.unchained is None and self.why_not(tokens) is None
+
     def __call__(
         self,
         tokens: torch.Tensor,
@@ -387,17 +412,38 @@ class FusedStep:
         if self.why_not(b) is not None:
             return None
         net, fused = self.net, self._built[1]  # why_not built (or checked) it just now
-        if rows is not None:  # the C step writes where these point: check them first
-            rows = rows.to(torch.int64).contiguous()
-            at, top = rows.tolist(), net.kv_cache.max_batch_size
-            if len(at) != b or len(set(at)) != b or not 0 <= min(at) <= max(at) < top:
-                raise IndexError(f"cache rows {at} for {b} tokens ({top} rows, each once)")
         pos = positions.to(torch.int64).contiguous()
         if b and not 0 <= int(pos.min()) <= int(pos.max()) < net.kv_cache.max_seq_len:
             raise IndexError(
                 f"positions {pos.tolist()} past the cache's {net.kv_cache.max_seq_len}"
             )
+        if rows is not None:  # the C step writes where these point: check them first
+            rows = rows.to(torch.int64).contiguous()
+            self._check_rows(rows.tolist(), pos.tolist())
         h = net.model.embed_tokens(tokens[:, None]).reshape(b, -1).contiguous()
         tables = [tuple(t.contiguous() for t in rotary(pos, 1, end)) for rotary in net.rotaries]
         logits = fused(h, pos, tables, rows)
         return net.head(h[:, None])[:, -1] if logits is None else net.scale_logits(logits)
+
+    def _check_rows(self, at: list[int], pos: list[int]) -> None:
+        """IndexError unless the cache rows `at` of the tokens at positions `pos` are rows of
+        the cache, each named once or (where the step takes chains) at consecutive positions
+        in the order the tokens come."""
+        b, top = len(pos), self.net.kv_cache.max_batch_size
+        if len(at) != b or not 0 <= min(at, default=0) <= max(at, default=0) < top:
+            raise IndexError(f"cache rows {at} for {b} tokens ({top} rows)")
+        if len(set(at)) == b:
+            return
+        if self.unchained is not None:  # (the rest of takes_chain: __call__ checked it)
+            raise IndexError(
+                f"cache rows {at} name a row twice, and this model's step takes no chains "
+                f"({self.unchained}): name each row once"
+            )
+        last: dict[int, int] = {}
+        for row, p in zip(at, pos, strict=True):
+            if row in last and p != last[row] + 1:
+                raise IndexError(
+                    f"cache rows {at} at positions {pos}: row {row}'s tokens go at consecutive "
+                    f"positions ({last[row] + 1} after {last[row]}, not {p})"
+                )
+            last[row] = p

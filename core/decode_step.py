@@ -71,6 +71,15 @@ class DecodeStep:
         fused = self.fused is not None and self.compiled is None
         return fused and self.fused.why_not(rows) is None
 
+    def takes_chain(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens may name a cache row more than once (`rows=` of
+        `__call__`): a chain, that row's tokens at consecutive positions in the order given,
+        each attending to the row's cache up to its own (a sequence's drafted tokens verified
+        in one call). The fused CPU step alone, on models of no recurrent layer nor a ring that
+        wraps (`FusedStep.takes_chain`)."""
+        fused = self.fused is not None and self.compiled is None
+        return fused and self.fused.takes_chain(tokens)
+
     def __call__(
         self,
         tokens: torch.Tensor,
@@ -78,7 +87,8 @@ class DecodeStep:
         end: int,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """rows: the cache rows of the B tokens (where `takes_rows(B)`); None: rows 0..B-1."""
+        """rows: the cache rows of the B tokens (where `takes_rows(B)`), a row named more than
+        once only where `takes_chain(B)`; None: rows 0..B-1."""
         if self.fused is not None and self.compiled is None:
             logits = self.fused(tokens, positions, end, rows)
             if logits is not None:

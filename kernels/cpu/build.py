@@ -31,7 +31,7 @@ _C_FILES = ("qgemv.c", "qdot.c", "qformats.c", "ops.c", "decode.c", "moe.c", "de
 _H_FILES = ("zoo_cpu.h", "qformats.h", "qvec.h", "step.h")
 SOURCES = [Path(__file__).with_name(name) for name in _C_FILES]
 HEADERS = [Path(__file__).with_name(name) for name in _H_FILES]
-MAX_ROWS = 8  # rows of x a fused decode step takes (zoo_cpu.h's MAX_ROWS)
+MAX_ROWS = 16  # rows of x a fused decode step takes (zoo_cpu.h's MAX_ROWS)
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # the instruction set: this machine's; tests also build x86-64-v3 (AVX2) and x86-64 (plain C)
 MARCH = os.environ.get("ZOO_QGEMV_MARCH", "native")

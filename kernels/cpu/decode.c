@@ -202,18 +202,73 @@ static void rotate(const zblock_t *b, float *x, int64_t r, const float *const *c
              (int)b->interleaved);
 }
 
-// GQA attention of the normed rows xn for block b: q|k|v (rows split over the threads), each
-// kv head of each row's k rotated and both written to the row's cache slot, then the head's
-// query heads rotated and, together, attending to the row's filled slots (each key and value
-// read once for the group) into att (M, hq d). A thread reads only the cache slots it writes
-// itself: no meeting between the two. With `ogate`, q_h and gate_h alternate per head in q|k|v
-// and each head's output is multiplied by sigmoid(gate_h).
+// Unit u = (row r, kv head kh) of q|k|v: row r's k of head kh normed (q/k norms) and rotated
+// in place (q|k|v is this step's own), then k and v written to the row's cache slot.
+static void write_kv(const zblock_t *b, float *qkv, int64_t u, const int64_t *pos,
+                     const int64_t *rows, const float *const *cos, const float *const *sin,
+                     const int64_t *cstride) {
+    const int64_t r = u / b->hkv, kh = u % b->hkv, dh = b->d;
+    const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
+    const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
+    float *kr = qkv + r * b->qkv.N + b->hq * (b->ogate ? 2 * dh : dh) + kh * dh;
+    float *vr = kr + b->hkv * dh;
+    void *kc = slot_at(b->k, c * b->ksb + kh * b->ksh + slot * b->kss, b->kv_half);
+    void *vc = slot_at(b->v, c * b->vsb + kh * b->vsh + slot * b->vss, b->kv_half);
+    if (b->knorm && !b->qk_whole) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
+    rotate(b, kr, r, cos, sin, cstride);
+    if (b->kv_half) {
+        zoo_float_to_half(kr, kc, dh);
+        zoo_float_to_half(vr, vc, dh);
+    } else {
+        memcpy(kc, kr, dh * sizeof(float));
+        memcpy(vc, vr, dh * sizeof(float));
+    }
+}
+
+// Unit u's query heads (kv head kh's group) normed and rotated into q, then, together,
+// attending to row r's filled slots (each key and value read once for the group) into att.
+static void attend_unit(const zblock_t *b, const float *qkv, float *att, int64_t u,
+                        const int64_t *pos, const int64_t *rows, const float *const *cos,
+                        const float *const *sin, const int64_t *cstride, float *q, float *p,
+                        float *tmp) {
+    const int64_t r = u / b->hkv, kh = u % b->hkv, dh = b->d, group = b->hq / b->hkv;
+    const int64_t j0 = kh * group, qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs apart
+    const int64_t c = rows ? rows[r] : r;
+    const float *qr = qkv + r * b->qkv.N;
+    float *o = att + (r * b->hq + j0) * dh;
+    for (int64_t g = 0; g < group; g++) {
+        memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
+        if (b->qnorm && !b->qk_whole)
+            zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh, b->qk_eps);
+        rotate(b, q + g * dh, r, cos, sin, cstride);
+    }
+    const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
+    zoo_attend_group(q, group, dh, slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half), b->kss,
+                     slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half), b->vss, 0, seen, dh,
+                     dh, b->scale, b->softcap, b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half,
+                     p, tmp, o);
+    for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
+        const float *gate = qr + (j0 + g) * qs + dh;
+        for (int64_t i = 0; i < dh; i++) o[g * dh + i] *= 1.0f / (1.0f + expf(-gate[i]));
+    }
+}
+
+// GQA attention of the normed rows xn for block b: q|k|v (rows split over the threads), then
+// each (row, kv head) unit of a thread's share writes its k and v to the row's cache slot
+// (write_kv) and attends (attend_unit) into att (M, hq d). A thread attends to the slots of
+// this step that it wrote itself, except in a chain (`chained`: a cache row repeated at
+// consecutive positions, the tokens of one sequence verified together), where a token reads
+// the slots of the row's earlier tokens, which other threads write: every thread writes its
+// units first and the threads meet before attending. (A ring would evict a key that an
+// earlier token of the chain still reads: core/cpu_step.py runs no chain over one.) With
+// `ogate`, q_h and gate_h alternate per head in q|k|v and each head's output is multiplied by
+// sigmoid(gate_h).
 static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, int64_t M,
-                   const int64_t *pos, const int64_t *rows, const float *const *cos,
-                   const float *const *sin, const int64_t *cstride, int64_t t, int64_t T,
-                   float *q, float *p, float *tmp, qx_t *px, char *buf, spin_barrier_t *bar) {
-    const int64_t nq = b->qkv.N, group = b->hq / b->hkv, dh = b->d;
-    const int64_t qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs floats apart
+                   const int64_t *pos, const int64_t *rows, int64_t chained,
+                   const float *const *cos, const float *const *sin, const int64_t *cstride,
+                   int64_t t, int64_t T, float *q, float *p, float *tmp, qx_t *px, char *buf,
+                   spin_barrier_t *bar) {
+    const int64_t nq = b->qkv.N, dh = b->d;
     zoo_linear_share(&b->qkv, xn, qkv, M, t, T, px, buf);
     zoo_meet(bar, T);
     if (b->qk_whole) {  // each row's whole q and k normed first: the heads below read them all
@@ -224,39 +279,11 @@ static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, i
         }
         zoo_meet(bar, T);
     }
-    for (int64_t u = M * b->hkv * t / T; u < M * b->hkv * (t + 1) / T; u++) {
-        const int64_t r = u / b->hkv, kh = u % b->hkv, j0 = kh * group;
-        const int64_t slot = b->ring ? pos[r] % b->slots : pos[r];
-        const int64_t c = rows ? rows[r] : r;  // the row's place in the cache
-        float *qr = qkv + r * nq, *kr = qr + b->hq * qs + kh * dh;
-        float *vr = kr + b->hkv * dh, *o = att + (r * b->hq + j0) * dh;
-        const int64_t ka = c * b->ksb + kh * b->ksh, va = c * b->vsb + kh * b->vsh;
-        void *kc = slot_at(b->k, ka + slot * b->kss, b->kv_half);
-        void *vc = slot_at(b->v, va + slot * b->vss, b->kv_half);
-        if (b->knorm && !b->qk_whole) zoo_rms_norm(kr, NULL, NULL, b->knorm, kr, 1, dh, b->qk_eps);
-        rotate(b, kr, r, cos, sin, cstride);  // in place: q|k|v is this step's own
-        if (b->kv_half) {
-            zoo_float_to_half(kr, kc, dh);
-            zoo_float_to_half(vr, vc, dh);
-        } else {
-            memcpy(kc, kr, dh * sizeof(float));
-            memcpy(vc, vr, dh * sizeof(float));
-        }
-        for (int64_t g = 0; g < group; g++) {
-            memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
-            if (b->qnorm && !b->qk_whole)
-                zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh, b->qk_eps);
-            rotate(b, q + g * dh, r, cos, sin, cstride);
-        }
-        const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-        zoo_attend_group(q, group, dh, slot_at(b->k, ka, b->kv_half), b->kss,
-                         slot_at(b->v, va, b->kv_half), b->vss, 0, seen, dh, dh, b->scale,
-                         b->softcap, b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half, p, tmp, o);
-        for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
-            const float *gate = qr + (j0 + g) * qs + dh;
-            for (int64_t i = 0; i < dh; i++) o[g * dh + i] *= 1.0f / (1.0f + expf(-gate[i]));
-        }
-    }
+    const int64_t u0 = M * b->hkv * t / T, u1 = M * b->hkv * (t + 1) / T;
+    for (int64_t u = u0; u < u1; u++) write_kv(b, qkv, u, pos, rows, cos, sin, cstride);
+    if (chained) zoo_meet(bar, T);
+    for (int64_t u = u0; u < u1; u++)
+        attend_unit(b, qkv, att, u, pos, rows, cos, sin, cstride, q, p, tmp);
 }
 
 // The final norm and the LM head: logits (M, V) = head(rms_norm(h)).
@@ -269,6 +296,9 @@ typedef struct {
 // The L blocks on h (M, H) in place, for M <= MAX_ROWS rows at positions pos (M,) in the
 // cache rows `rows` (M,; NULL: rows 0..M-1), then (where hd is given) the logits (M, V) of the
 // result. cos[j], sin[j]: rope table j for this step, (1 or M, half) with row stride cstride[j].
+// A row named more than once is a chain: its tokens at consecutive positions, each attending
+// to the row's cache up to its own (the caller checks the positions and that no block is a
+// ring or a recurrent layer, whose state the tokens would step in parallel).
 void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, int64_t H,
                        const int64_t *pos, const int64_t *rows, const float *const *cos,
                        const float *const *sin, const int64_t *cstride, const zhead_t *hd,
@@ -276,6 +306,9 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1, group = 1;
     int64_t pairs = 1, experts = 1, ebytes = 64;  // MoE: rows x chosen experts, router rows
     int64_t mshared = 1;                          // MLA's shared scratch
+    int64_t chained = 0;  // a cache row named twice: a chain of one sequence's tokens
+    for (int64_t i = 0; rows && i < M; i++)
+        for (int64_t j = 0; j < i; j++) chained |= rows[i] == rows[j];
     if (hd) {
         arena = zoo_linear_bytes(&hd->head, M);
     }
@@ -349,8 +382,8 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                     zoo_mla(b->mla, xn, att, M, pos, rows, cos[b->rope], sin[b->rope],
                             cstride[b->rope], t, T, mla, mlocal_t, px, buf, &bar);
                 else
-                    attend(b, xn, qkv, att, M, pos, rows, cos, sin, cstride, t, T, q, p, tmp, px,
-                           buf, &bar);
+                    attend(b, xn, qkv, att, M, pos, rows, chained, cos, sin, cstride, t, T, q, p,
+                           tmp, px, buf, &bar);
                 zoo_meet(&bar, T);
                 // h += o(attention): this thread's columns of h
                 zoo_add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,

@@ -23,7 +23,7 @@ typedef struct {
     const float *ds16;   // the same per half block (16 codes)
 } q8row_t;
 
-#define MAX_ROWS 8  // rows of x a decode step takes (kernels/cpu/build.py's MAX_ROWS)
+#define MAX_ROWS 16  // rows of x a decode step takes (kernels/cpu/build.py's MAX_ROWS)
 
 // x (M, K) prepared once for a weight's row products (zoo_qx_prepare).
 typedef struct {
