@@ -69,8 +69,8 @@ PARAGRAPH = (
     "corridor smelled of dust, tape and cold coffee."
 )
 TASKS = {
-    "code-edit": "Rename the function compute_total to total_spent everywhere in this code "
-    "and output the whole code, changed, in a code block:\n\n```python\n" + CODE + "```",
+    "code-edit": "```python\n" + CODE + "```\n\nRewrite the code above with the function "
+    "compute_total renamed to total_spent. Output the complete code.",
     "rewrite": "Rewrite this paragraph exactly, word for word, except that Monday becomes "
     "Tuesday:\n\n" + PARAGRAPH,
     "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
