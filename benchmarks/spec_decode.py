@@ -6,7 +6,10 @@ templated as `zoo run` sends it; decode tokens/s (after the first token) of each
 be the plain one, token for token. Prints a markdown table.
 
     .venv/bin/python benchmarks/spec_decode.py [--model smollm2] [--spec ngram] [--k 8]
-        [--repeat 3] [--tasks code-edit rewrite story] [--fixed]
+        [--repeat 3] [--tasks code-edit rewrite story] [--fixed] [--temperature 1.0]
+
+With --temperature the answers are sampled (the same seed, but speculation draws differently):
+"same" is not checked, only the rates compared.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 import torch
 
 from core import load_model
-from core.speculative import SpecConfig, make_speculator
+from core.speculative import Draft, Proposer, SpecConfig, make_speculator
 
 CODE = '''def load_orders(path):
     """Read orders from a CSV file: one order per line, id, customer, amount."""
@@ -77,24 +80,54 @@ TASKS = {
 }
 
 
-def run(model, prompt: list[int], new: int):
-    r = model.generate(prompt, max_new_tokens=new, temperature=0.0)
+class Noise(Proposer):
+    """Uniformly random drafts: what speculation costs when nothing is accepted."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.g = vocab, torch.Generator().manual_seed(0)
+
+    def propose(self, seq, k: int) -> Draft:
+        return Draft(torch.randint(0, self.vocab, (k,), generator=self.g).tolist())
+
+
+def run(model, prompt: list[int], new: int, temperature: float):
+    """(decode tokens/s, the result); sampling runs all `new` tokens (ignore_eos, seeded)."""
+    if temperature:
+        sample = dict(temperature=temperature, top_p=0.95, seed=0, ignore_eos=True)
+        r = model.generate(prompt, max_new_tokens=new, **sample)
+    else:
+        r = model.generate(prompt, max_new_tokens=new, temperature=0.0)
     return r.timings["decode_tokens_per_s"], r
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--spec", default="ngram", choices=["ngram", "mtp"])
+    ap.add_argument(
+        "--spec",
+        default="ngram",
+        choices=["ngram", "mtp", "random"],
+        help="random: drafts uniformly random tokens (accepted ~never), for the cost "
+        "of speculation that does not pay",
+    )
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--fixed", action="store_true", help="always k drafts (no adaptive k)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--new", type=int, default=400, help="most tokens per answer")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample (top-p 0.95, seeded, every token of --new): answers differ",
+    )
     args = ap.parse_args()
 
     model = load_model(args.model, max_seq_len=2048)
-    spec = make_speculator(SpecConfig(method=args.spec, k=args.k, adaptive=not args.fixed), model)
+    method = "ngram" if args.spec == "random" else args.spec
+    spec = make_speculator(SpecConfig(method=method, k=args.k, adaptive=not args.fixed), model)
+    if args.spec == "random":
+        spec.proposer = Noise(model.config.vocab_size)
     print(
         f"# {args.model}, {args.spec} k={args.k}{' fixed' if args.fixed else ' adaptive'}; "
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
@@ -109,13 +142,13 @@ def main() -> None:
         for _ in range(args.repeat):  # alternating, each from a cold cache
             model.speculator = None
             model.reset()
-            rate, want = run(model, ids, args.new)
+            rate, want = run(model, ids, args.new, args.temperature)
             plain.append(rate)
             model.speculator = spec
             model.reset()
-            rate, got = run(model, ids, args.new)
+            rate, got = run(model, ids, args.new, args.temperature)
             fast.append(rate)
-            same &= got.token_ids == want.token_ids
+            same &= got.token_ids == want.token_ids or bool(args.temperature)
             stats = got.speculation
         p, s = statistics.median(plain), statistics.median(fast)
         acc = f"{stats.acceptance_rate:.0%}" if stats else "-"

@@ -162,8 +162,8 @@ class StepCost:
     plain step time, a line fitted through the recent mean time of each k seen (with one k
     seen: the prior's slope through it; none: the prior, 1 + `per_token` k)."""
 
-    def __init__(self, per_token: float = 0.15, decay: float = 0.9):
-        self.per_token, self.decay = per_token, decay
+    def __init__(self, per_token: float = 0.15, decay: float = 0.9, floor: float = 0.03):
+        self.per_token, self.decay, self.floor = per_token, decay, floor
         self.plain_s: float | None = None  # recent mean of a plain step's seconds
         self.verify_s: dict[int, tuple[float, float]] = {}  # k -> (recent mean s, weight)
 
@@ -186,7 +186,9 @@ class StepCost:
         slope = self.per_token
         if var > 0:  # (never below zero: noise must not make long drafts look free)
             slope = max(0.0, sum(w * (j - mk) * (r - mr) for j, r, w in pts) / var)
-        return max(mr + slope * (k - mk), 1e-3)
+        # (a verify of k drafts does more than a plain step: never below 1 + floor k, so noise
+        # in the timings cannot make drafts that are never accepted look free)
+        return max(mr + slope * (k - mk), 1 + self.floor * k)
 
 
 class AdaptiveK:
@@ -206,10 +208,11 @@ class AdaptiveK:
         decay: float = 0.8,
         hopeful: float = 0.8,
         overhead: float = 0.02,
+        margin: float = 0.02,
     ):
         self.k_max, self.cost, self.decay = k_max, cost, decay
         self.hits, self.trials = 2 * prior, 2.0
-        self.hopeful, self.overhead = hopeful, overhead
+        self.hopeful, self.overhead, self.margin = hopeful, overhead, margin
         self.idle, self.backoff = 0, 1
 
     @property
@@ -217,8 +220,9 @@ class AdaptiveK:
         return self.hits / self.trials
 
     def _best(self, r: float) -> tuple[int, float]:
-        """(the k that maximizes tokens per unit of time at acceptance rate r, that figure)."""
-        best, best_k, gain = 1.0, 0, 1.0
+        """(the k that maximizes tokens per unit of time at acceptance rate r, that figure;
+        k = 0 unless drafting beats a plain step by `margin`)."""
+        best, best_k, gain = 1.0 + self.margin, 0, 1.0
         for k in range(1, self.k_max + 1):
             gain += r**k
             if gain / self.cost.ratio(k) > best:

@@ -109,3 +109,19 @@ def test_bad_settings_are_refused_by_name(bad, words):
 def test_spec_config_shorthands():
     assert SpecConfig.of("ngram").method == "ngram" and SpecConfig.of(None) is None
     assert SpecConfig.of({"method": "draft", "draft": "x", "k": 3}).k == 3
+
+
+def test_noisy_timings_cannot_make_refused_drafts_look_free():
+    """A verify timed faster than a plain step (a busy machine) must not keep a sequence whose
+    drafts are all refused drafting: a verify never counts as cheaper than a step."""
+    cost = StepCost()
+    cost.plain(0.040)
+    cost.verify(1, 0.030)
+    k = AdaptiveK(8, cost)
+    drafted = 0
+    for _ in range(400):
+        n = k.next()
+        if n:
+            drafted += 1
+            k.update(n, 0)
+    assert drafted < 30
