@@ -11,7 +11,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from core.config_kinds import HyperConnectionSpec, PerLayerInputSpec
+    from core.config_kinds import HyperConnectionSpec, MTPSpec, PerLayerInputSpec
 
 
 # --- rotary position embeddings: one frozen spec per kind -------------------------------------
@@ -337,18 +337,6 @@ class MoESpec:
         if not self.gated:  # Nemotron-H: the shared expert is the routed ones' kind
             return DenseMLPSpec(self.shared_width, self.shared_bias, act=self.act, gated=False)
         return DenseMLPSpec(self.shared_width, self.shared_bias)
-
-
-@dataclass(frozen=True)
-class MTPSpec:
-    """A multi-token-prediction layer of DeepSeek V3's kind (also GLM-4.5's), stored after the
-    decoder's as `model.layers.{num_layers}.*`: the next token's embedding and a position's
-    last hidden state, each RMS-normed, concatenated and projected back to the hidden size,
-    then a decoder layer of these kinds (core/mtp.py). `mlp`: a DenseMLPSpec or MoESpec (its
-    `layers` unread)."""
-
-    attention: Any
-    mlp: Any
 
 
 # --- the whole model -------------------------------------------------------------------------

@@ -335,3 +335,15 @@ class PerLayerInputSpec:
     vocab_size: int
     norm: Any  # the norm spec of the projection's norm and the block's post norm
     act: Literal["gelu_tanh"] = "gelu_tanh"
+
+
+@dataclass(frozen=True)
+class MTPSpec:
+    """A multi-token-prediction layer of DeepSeek V3's kind (also GLM-4.5's), stored after the
+    decoder's as `model.layers.{num_layers}.*`: the next token's embedding and a position's
+    last hidden state, each RMS-normed, concatenated and projected back to the hidden size,
+    then a decoder layer of these kinds (core/mtp.py). `mlp`: a DenseMLPSpec or MoESpec (its
+    `layers` unread)."""
+
+    attention: Any
+    mlp: Any

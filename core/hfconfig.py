@@ -19,11 +19,11 @@ from core.config import (
     EmbeddingSpec,
     GQASpec,
     MoESpec,
-    MTPSpec,
     RMSNormSpec,
     RopeSpec,
     RuntimeConfig,
 )
+from core.config_kinds import MTPSpec
 from core.errors import ConfigError
 from core.hfrope import ROPE_KINDS
 

@@ -9,7 +9,8 @@ from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
-from core.config import MLASpec, MoESpec, MTPSpec, RopeSpec
+from core.config import MLASpec, MoESpec, RopeSpec
+from core.config_kinds import MTPSpec
 from core.errors import ConfigError
 from core.hfconfig import DecoderConfig
 from core.hfrope import yarn_mscale
