@@ -60,7 +60,10 @@ class Verifier:
         logits = self._logits(items, feeds)
         if self.spec.timed:  # (the tokens it drafted, drafting them and verifying them)
             spent = time.perf_counter() - t0 + self.spec.drafting_s
-            self.spec.cost.verify(sum(len(d.tokens) for _, d in items), spent)
+            drafted = sum(len(d.tokens) for _, d in items)
+            self.spec.cost.verify(drafted, spent)
+            if not drafted:  # (rows verified without drafts, as MTP's: a plain step)
+                self.spec.cost.plain(spent)
         self.spec.drafting_s = 0.0
         for (s, d), f, held, x in zip(items, feeds, kept, logits, strict=True):
             start = s.pos
