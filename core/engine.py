@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from core.generation import Seq, TokenLogprob
+from core.parallel.distributed import world_size
 from core.sampling import next_tokens, penalizes, sampler_groups
 from core.slots import Slots
 from core.spec_step import Verifier
@@ -80,8 +81,9 @@ class Engine:
         # speculative decoding (core/speculative.py): the model's, where it was loaded with it
         self.spec = getattr(model, "speculator", None)
         self.verifier = Verifier(self) if self.spec is not None else None
-        if self.spec is not None:  # (wall clock measures a step only where it is synchronous)
-            self.spec.timed = model.device.type == "cpu"
+        if self.spec is not None:  # (wall clock measures a step only where it is synchronous,
+            # and on one rank: tensor-parallel ranks timing their own would pick their own k)
+            self.spec.timed = model.device.type == "cpu" and world_size() == 1
         # (a verify reads its tokens on the host before the next step: nothing runs ahead)
         self.ahead = bool(getattr(model, "ahead", False)) and self.spec is None
         self.slots = Slots.of(model.net, rows) if slots is None else slots

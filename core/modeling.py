@@ -334,6 +334,19 @@ class CausalLM(nn.Module):
         if self.mtp is not None:
             self.mtp.copy_rows(src, dst, n)
 
+    def keep_row(self, row: int, start: int, n: int):
+        """`StaticKVCache.keep` of row (on every rank): what a verify of n tokens overwrites."""
+        kept = self.kv_cache.keep(row, start, n)
+        if kept is not None and self.lead is not None:  # (the same on every rank: its layers)
+            self.lead.keep(row, start, n)
+        return kept
+
+    def rewind_row(self, row: int, kept, n: int) -> bool:
+        """`StaticKVCache.rewind` of row to the first n positions `kept` followed (every rank)."""
+        if self.lead is not None:
+            self.lead.rewind(row, n)
+        return self.kv_cache.rewind(row, kept, n)
+
     # Recurrent rows' snapshots (core/kv_cache.py): one rank only, as tensor parallelism
     # refuses recurrent layers; here beside copy_rows so that every row op goes through the net.
     def snapshot_row(self, row: int, slot: int) -> None:

@@ -52,20 +52,23 @@ class Verifier:
     def run(self, drafts: dict[int, tuple]) -> None:
         """Verify every planned row; each takes its tokens."""
         eng = self.engine
-        cache = eng.model.net.kv_cache
+        net = eng.model.net  # (keep / rewind through the net: tensor parallelism's ranks too)
         items = list(drafts.values())
         feeds = [[s.out[-1], *d.tokens] for s, d in items]
-        kept = [cache.keep(s.row, s.pos, len(f)) for (s, _), f in zip(items, feeds, strict=True)]
+        kept = [net.keep_row(s.row, s.pos, len(f)) for (s, _), f in zip(items, feeds, strict=True)]
         t0 = time.perf_counter()
         logits = self._logits(items, feeds)
         if self.spec.timed:  # (the tokens it drafted, drafting them and verifying them)
             spent = time.perf_counter() - t0 + self.spec.drafting_s
-            self.spec.cost.verify(sum(len(d.tokens) for _, d in items), spent)
+            drafted = sum(len(d.tokens) for _, d in items)
+            self.spec.cost.verify(drafted, spent)
+            if not drafted:  # (rows verified without drafts, as MTP's: a plain step)
+                self.spec.cost.plain(spent)
         self.spec.drafting_s = 0.0
         for (s, d), f, held, x in zip(items, feeds, kept, logits, strict=True):
             start = s.pos
             a = self._accept(s, d, x)
-            if held is not None and a < len(d.tokens) and cache.rewind(s.row, held, a + 1):
+            if held is not None and a < len(d.tokens) and net.rewind_row(s.row, held, a + 1):
                 eng.forward_row(s, f[: a + 1], start)  # a recurrent state: its kept tokens again
             eng.slots.feed(s.row, f[: a + 1], eng.reuse)
             s.pos = start + a + 1

@@ -173,6 +173,11 @@ class StepCost:
 
     def verify(self, k: int, seconds: float) -> None:
         mean, w = self.verify_s.get(k, (seconds, 0.0))
+        # the other k's age: one not timed lately is forgotten (a slow verify at a k that is
+        # then never drafted again would otherwise price that k for good)
+        self.verify_s = {
+            j: (m, v * self.decay) for j, (m, v) in self.verify_s.items() if v * self.decay > 0.5
+        }
         self.verify_s[k] = (mean + (seconds - mean) / min(w + 1, 1 / (1 - self.decay)), w + 1)
 
     def ratio(self, k: int) -> float:

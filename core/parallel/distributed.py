@@ -8,7 +8,8 @@ collectives a sharded model runs, rank 0 driving the others, and the launcher.
   seed), and every rank gets the same logits (gathered) and so the same tokens.
 - The CLI and the server let rank 0 drive: `lead` sets the network's `lead` hook, with which
   each forward first broadcasts its arguments (its cache row included), and each copy between
-  cache rows (the engine's prefix reuse) too; `follow` runs on the other ranks, replaying each
+  cache rows (the engine's prefix reuse) and each keep / rewind of a row's rings (speculative
+  decoding's rejected drafts) too; `follow` runs on the other ranks, replaying each
   until rank 0 `finish`es.
   Only rank 0 samples, streams, prints and serves; a heartbeat keeps an idle group alive.
 - `launch` starts N ranks of `python -m core.cli ...` through torch.distributed.run.
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from core.errors import ConfigError, DistributedError
 
 TIMEOUT_S = float(os.environ.get("ZOO_TP_TIMEOUT", "300"))
-_STOP, _FORWARD, _BEAT, _COPY = 0, 1, 2, 3
+_STOP, _FORWARD, _BEAT, _COPY, _KEEP, _REWIND = 0, 1, 2, 3, 4, 5
 _lock = threading.Lock()  # rank 0: one broadcast + forward at a time (heartbeats wait)
 _state: dict = {"leading": False, "stop": None}
 
@@ -134,6 +135,14 @@ class Lead:
         with _lock:
             _guard(dist.broadcast, _header(_COPY, src, dst, n, device=self.wire), 0)
 
+    def keep(self, row: int, start: int, n: int) -> None:
+        with _lock:
+            _guard(dist.broadcast, _header(_KEEP, row, start, n, device=self.wire), 0)
+
+    def rewind(self, row: int, n: int) -> None:
+        with _lock:
+            _guard(dist.broadcast, _header(_REWIND, row, n, device=self.wire), 0)
+
 
 def lead(net: torch.nn.Module, device: torch.device) -> None:
     """Rank 0: every forward of `net` and every copy between its cache rows first goes to
@@ -161,6 +170,7 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
     so, or dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     wire = _wire(device)
+    kept = {}  # per row: what a speculative verify overwrote (`keep`), until its `rewind`
     while True:
         head = _header(device=wire)
         _guard(dist.broadcast, head, 0)
@@ -169,6 +179,10 @@ def follow(net: torch.nn.Module, device: torch.device) -> None:
             return
         if cmd == _COPY:  # (src, dst, n) in the b, t, per_row fields
             net.kv_cache.copy(b, t, per_row)
+        if cmd == _KEEP:  # (row, start, n)
+            kept[b] = net.kv_cache.keep(b, t, per_row)
+        if cmd == _REWIND:  # (row, n)
+            net.kv_cache.rewind(b, kept.pop(b), t)
         if cmd != _FORWARD:
             continue
 

@@ -55,6 +55,21 @@ def test_adaptive_k_follows_acceptance():
     assert k.next() == 0  # nothing accepted: plain steps
 
 
+def test_one_slow_verify_does_not_price_its_k_for_good():
+    cost = StepCost()
+    cost.plain(1.0)
+    cost.verify(8, 10.0)  # one verify of 8 drafts slowed down (a busy machine)
+    k = AdaptiveK(8, cost)
+    seen = []
+    for _ in range(600):  # every draft accepted, a verify costs 1 + 0.1 k plain steps
+        n = k.next()
+        seen.append(n)
+        if n:
+            cost.verify(n, 1 + 0.1 * n)
+            k.update(n, n)
+    assert seen[-1] == 8  # back to the longest drafts
+
+
 def test_probes_cost_little_when_nothing_is_accepted():
     cost = StepCost()
     cost.plain(0.01)

@@ -137,6 +137,15 @@ def test_server_batch_beside_rows_that_draft_nothing(model):
     assert seqs[1].spec is not None and seqs[1].spec.drafts == 0 and seqs[0].spec.drafts > 0
 
 
+def test_tensor_parallel_ranks_do_not_time_their_steps(model, monkeypatch):
+    """Each rank of a tensor-parallel group runs its own engine (library use): k from its own
+    clock would differ between ranks, and so would the shapes of their collectives."""
+    speculating(model, Scripted({}, model.config.vocab_size), adaptive=True)
+    assert Engine(model, rows=1).spec.timed
+    monkeypatch.setattr("core.engine.world_size", lambda: 2)
+    assert not Engine(model, rows=1).spec.timed
+
+
 def test_prompt_lookup_greedy(model):
     """Prompt lookup on a prompt that repeats itself: it drafts, and answers as plain."""
     ids = ([5, 9, 14, 21, 30, 41, 17] * 6)[: SEQ // 4]

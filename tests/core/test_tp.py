@@ -225,10 +225,13 @@ def runs(tmp_path_factory):
     death = (out / "rank0.txt").read_text().split("\n", 1)
     one = load_model(folders["llama3.2"], max_seq_len=64, max_batch_size=2)
     rows = (torch.load(out / "rows.pt"), tp_ranks.rows_and_copies(one))
+    plain = tp_ranks.speculate(load_model(folders["gemma4"], max_seq_len=64, max_batch_size=2))
+    spec = (torch.load(out / "spec.pt"), plain)
     torch.set_num_threads(1)
     return {
         "death": (codes, death),
         "rows": rows,
+        "spec": spec,
         **{
             name: (
                 tp_ranks.measure(load_model(folder, max_seq_len=64, max_batch_size=2), 1),
@@ -276,6 +279,15 @@ def test_rank_0_driving_carries_the_servers_row_views_and_copies(runs):
     driven, alone = runs["rows"]
     assert driven.shape == alone.shape == (2, 1, LLAMA32["vocab_size"])
     assert rel(driven, alone) < 1e-5
+
+
+def test_rank_0_driving_speculates_on_sliding_layers(runs):
+    """Prompt lookup's rejected drafts are undone in rank 1's rings too: the greedy tokens of
+    a speculative run past the window equal a plain single-process run's."""
+    (tokens, lps, drafted, accepted), (plain, plain_lps, _, _) = runs["spec"]
+    assert 0 < accepted < drafted  # drafts made, some rejected
+    assert tokens == plain
+    assert lps == pytest.approx(plain_lps, rel=1e-4, abs=1e-5)
 
 
 def test_a_dead_rank_stops_the_other_within_seconds(runs):

@@ -55,6 +55,20 @@ def measure(model, tp: int) -> dict:
     )
 
 
+SPEC = {"method": "ngram", "k": 3, "adaptive": False, "ngram_min": 1}
+
+
+def speculate(model) -> tuple[list[int], list[float], int, int]:
+    """Greedy tokens past a sliding window (its ring wraps), their log-probabilities, tokens
+    drafted, accepted."""
+    res = model.generate(
+        PROMPT * 2, max_new_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0
+    )
+    lps = [t.logprob for t in res.logprobs]
+    spec = res.speculation
+    return res.token_ids, lps, spec.draft_tokens if spec else 0, spec.accepted_tokens if spec else 0
+
+
 @torch.inference_mode()
 def rows_and_copies(model) -> torch.Tensor:
     """What the server's engine does besides plain forwards: prefill one row of the cache
@@ -87,6 +101,16 @@ def parity_rank(rank: int, world: int, port: int, folders: dict, out: str) -> No
     if rank == 0:
         distributed.lead(model.net, model.device)
         torch.save(rows_and_copies(model), Path(out) / "rows.pt")
+        distributed.release()
+    else:
+        distributed.follow(model.net, model.device)
+    # speculative decoding driven by rank 0 on sliding layers: rank 1's rings are rewound too
+    model = load_model(
+        folders["gemma4"], tp=world, max_seq_len=64, max_batch_size=2, speculative=SPEC
+    )
+    if rank == 0:
+        distributed.lead(model.net, model.device)
+        torch.save(speculate(model), Path(out) / "spec.pt")
         distributed.release()
     else:
         distributed.follow(model.net, model.device)

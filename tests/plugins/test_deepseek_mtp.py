@@ -185,6 +185,7 @@ def test_greedy_mtp_same_tokens_and_drafts_match_reference(built):
     batch = spec.generate(PROMPTS, max_new_tokens=12, temperature=0.0)  # two rows at once
     assert [r.token_ids for r in batch] == want
     assert made and all(len(d) == n for *_, n, d, _ in made)
+    assert spec.speculator.cost.plain_s is not None  # (its last steps, undrafted, timed as plain)
     # a prompt resumed from a prefix a row holds was not fed: its MTP entries there are what
     # the row holds (stale at its end), so only the prompts fed whole are checked
     made = [m[:4] for m in made if m[4] == 0]
