@@ -35,7 +35,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     cached_tokens: int | None = None  # prompt tokens a cache row already held (not prefilled)
-    # speculative decoding's drafts and acceptances for this sequence (None: it drafted none)
+    # speculative decoding's drafts and acceptances for this sequence (None: it never reached
+    # a speculative step: no speculation, or a first token only)
     speculation: SpecStats | None = None
 
     @property

@@ -67,12 +67,12 @@ class Verifier:
         self.spec.drafting_s = 0.0
         for (s, d), f, held, x in zip(items, feeds, kept, logits, strict=True):
             start = s.pos
-            a = self._accept(s, d, x)
+            a, taken = self._accept(s, d, x)
             if held is not None and a < len(d.tokens) and net.rewind_row(s.row, held, a + 1):
                 eng.forward_row(s, f[: a + 1], start)  # a recurrent state: its kept tokens again
             eng.slots.feed(s.row, f[: a + 1], eng.reuse)
             s.pos = start + a + 1
-            self.spec.update(s, len(d.tokens), a)
+            self.spec.update(s, len(d.tokens), taken)
 
     def _logits(self, items: list[tuple], feeds: list[list[int]]) -> list[torch.Tensor]:
         """Each row's logits (k + 1, V) at its fed positions, in fp32."""
@@ -100,9 +100,10 @@ class Verifier:
                 size += len(f)
         return out
 
-    def _accept(self, s, d: Draft, x: torch.Tensor) -> int:
+    def _accept(self, s, d: Draft, x: torch.Tensor) -> tuple[int, int]:
         """Hand s the target's tokens for its verified positions x (k + 1, V) while they
-        agree with its drafts; how many drafts it accepted."""
+        agree with its drafts: (how many drafts agree, how many of them it took: fewer where
+        it stopped at an earlier token)."""
         eng, p, k = self.engine, s.params, len(d.tokens)
         if p.greedy and s.constraint is None and not penalizes(p):  # all positions at once
             target = (x if s.bias is None else x + s.bias).argmax(dim=-1)
@@ -111,11 +112,11 @@ class Verifier:
             while a < k and host[a] == d.tokens[a]:
                 a += 1
             lps = self._logprobs(s, x[: a + 1], target[: a + 1])
-            for t, lp in zip(host[: a + 1], lps, strict=True):
+            for i, (t, lp) in enumerate(zip(host[: a + 1], lps, strict=True)):
                 eng.took(s, t, lp)
-                if s.finish:
-                    break
-            return a
+                if s.finish:  # (drafts past a stop hold right K/V, but were not taken)
+                    return a, min(a, i + 1)
+            return a, a
         a = 0
         for j in range(k + 1):
             q = None if d.probs is None or j >= k else d.probs[j]
@@ -126,7 +127,7 @@ class Verifier:
             a += 1
             if s.finish:
                 break
-        return a
+        return a, a
 
     def _choose(self, s, x: torch.Tensor, draft: int | None, q: torch.Tensor | None) -> int:
         """The token at one position (x: (1, V)) as a plain step would choose it, the draft

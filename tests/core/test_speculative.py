@@ -163,7 +163,8 @@ def test_logprobs_penalties_stops_and_length(model):
     ids = prompts(model, 1)[0]
     asks = dict(max_new_tokens=13, logprobs=2, repetition_penalty=1.3, presence_penalty=0.5)
     want = plain(model, ids, **asks)
-    stop = plain(model, ids, max_new_tokens=13).token_ids[6]
+    base = plain(model, ids, max_new_tokens=13).token_ids
+    stop = base[6]
     cut = plain(model, ids, stop_token_ids=[stop], max_new_tokens=13)
     answers = {tuple(ids): want.token_ids}
     speculating(model, Scripted(answers, model.config.vocab_size, seed=5), k=4)
@@ -173,10 +174,11 @@ def test_logprobs_penalties_stops_and_length(model):
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert a.top.keys() == b.top.keys()
-    model.speculator.proposer.answers = {tuple(ids): cut.token_ids + [0] * 8}
+    model.speculator.proposer.answers = {tuple(ids): base}  # (drafts run on past the stop)
     got = model.generate(ids, temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
                          max_new_tokens=13)  # fmt: skip
     assert got.token_ids == cut.token_ids and got.finish_reason == "stop"
+    assert got.speculation.accepted_tokens <= len(got.token_ids) - 1  # (none past the stop)
 
 
 @pytest.fixture(scope="module")
