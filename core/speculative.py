@@ -65,12 +65,18 @@ class SpecConfig(BaseModel):
             ) from None
         if spec.ngram_min > spec.ngram_max:
             raise ConfigError(
-                f"speculative ngram_min ({spec.ngram_min}) exceeds ngram_max ({spec.ngram_max})"
+                f"speculative ngram_min ({spec.ngram_min}) exceeds ngram_max ({spec.ngram_max}); "
+                "pass an ngram_min no larger than ngram_max"
             )
-        if (spec.method == "draft") != (spec.draft is not None):
+        if spec.method == "draft" and spec.draft is None:
             raise ConfigError(
-                "speculative method 'draft' needs a draft model and only it takes one: pass "
+                "speculative method 'draft' needs a draft model: pass "
                 "{'method': 'draft', 'draft': NAME} (`--draft NAME` on the command line)"
+            )
+        if spec.method != "draft" and spec.draft is not None:
+            raise ConfigError(
+                f"speculative method {spec.method!r} takes no draft model (draft={spec.draft!r}): "
+                "drop 'draft', or pass {'method': 'draft', 'draft': NAME} to draft with it"
             )
         return spec
 
