@@ -146,6 +146,12 @@ def test_prompt_lookup_greedy(model):
     got = model.generate(ids, temperature=0.0, ignore_eos=True, max_new_tokens=30)
     assert got.token_ids == want
     assert got.speculation.drafts > 0
+    once = list(range(3, 3 + SEQ // 8))  # no token twice: nothing to look up, nothing drafted
+    kw = dict(temperature=0.0, ignore_eos=True, max_new_tokens=3)
+    stream = model.stream(once, **kw)
+    "".join(stream)
+    for result in (model.generate(once, **kw), stream.result):
+        assert len(result.token_ids) == 3 and result.speculation is None
 
 
 def test_logprobs_penalties_stops_and_length(model):
