@@ -68,6 +68,11 @@ def test_probes_cost_little_when_nothing_is_accepted():
         if n:
             k.update(n, 0)
     assert 0 < spent / 2000 < 0.03  # it still probes, at under 3% of the time
+    while not k.next():
+        pass
+    assert k.next() and k.next()  # a probe that drafted nothing (no update): probed again
+    k.update(1, 0)
+    assert not k.next()  # one that was verified waits its turn
 
 
 def test_expensive_verifies_need_high_acceptance():
