@@ -154,6 +154,22 @@ def test_prompt_lookup_greedy(model):
         assert len(result.token_ids) == 3 and result.speculation is None
 
 
+def test_seeded_sampling_answers_as_plain(model):
+    """A sampling row with a seed takes the tokens it takes without speculation: a one-hot
+    draft (the seeded answer, one token spoiled per draft) is taken where the row's own draw
+    at that position is it."""
+    ids = prompts(model, 1)[0]
+    kw = dict(temperature=0.8, seed=3, ignore_eos=True, max_new_tokens=24)
+    model.speculator = None
+    model.reset()
+    want = model.generate(ids, **kw).token_ids
+    speculating(model, Scripted({tuple(ids): want}, model.config.vocab_size), k=4)
+    model.reset()
+    got = model.generate(ids, **kw)
+    assert got.token_ids == want
+    assert 0 < got.speculation.accepted_tokens < got.speculation.draft_tokens
+
+
 def test_logprobs_penalties_stops_and_length(model):
     """What a row asks besides greedy tokens behaves as without speculation: the target's
     log-probabilities, penalties, stop tokens, max_new_tokens exactly."""
