@@ -144,9 +144,9 @@ class Verifier:
             if ok:
                 return draft
             filtered = rest.log()[None]
-        # a one-hot draft (prompt lookup, MTP, a greedy draft model) is taken where the plain
-        # step's own draw is it: with probability p(draft), else a token of p without it, as
-        # accept_draft's rule for q one-hot; and a seeded row answers as without speculation
+        # a one-hot draft (prompt lookup, MTP) is taken where the plain step's own draw is
+        # it: with probability p(draft), else a token of p without it, as accept_draft's rule
+        # for q one-hot; and a seeded row answers as without speculation
         return int(draw(filtered, [s.generator]))
 
     def _logprobs(self, s, x: torch.Tensor, tokens: torch.Tensor) -> list:
