@@ -196,7 +196,7 @@ class Seq:
             logprobs=self.logprobs,
             timings=timings,
             cached_tokens=self.cached,
-            speculation=self.spec,
+            speculation=self.spec if self.spec is not None and self.spec.drafts else None,
         )
 
 

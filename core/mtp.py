@@ -118,7 +118,10 @@ def mtp_network(cfg: RuntimeConfig, ckpt, source: str, tp: int = 1) -> MTPNetwor
     """`cfg`'s MTP layer on the meta device, to load from `ckpt` (`source` named in errors);
     refused (ConfigError) for a model without an MTP layer the core runs, a checkpoint
     without its tensors, or tensor parallelism."""
-    other = "pass speculative='ngram' (prompt lookup) or a draft model instead"
+    other = (
+        "pass speculative='ngram' (prompt lookup) or a draft model instead "
+        "(`--spec ngram` or `--draft MODEL` on the command line)"
+    )
     if cfg.mtp is None:
         why = (
             "has no multi-token-prediction layer Zoo runs"

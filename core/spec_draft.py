@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, ZooError
 from core.kv_cache import Kept
 from core.model import Model
 from core.sampling import draw, filter_logits
@@ -67,7 +67,10 @@ class DraftProposer(Proposer):
             from core.api import load_model
 
             sizes = dict(max_seq_len=max_seq_len, max_batch_size=max_batch_size, snapshots=0)
-            draft = load_model(draft, device=device, dtype=dtype, prefix_cache=False, **sizes)
+            try:
+                draft = load_model(draft, device=device, dtype=dtype, prefix_cache=False, **sizes)
+            except ZooError as err:  # (said as the draft's: the target's name came first)
+                raise type(err)(f"the draft model: {err}") from None
         elif not isinstance(draft, Model):
             raise ConfigError(
                 f"speculative draft {draft!r} is neither a model name or path nor a loaded Model; "

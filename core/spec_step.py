@@ -143,11 +143,14 @@ class Verifier:
         if p.greedy:
             return int(x.argmax())
         filtered = filter_logits(x, p)
-        if draft is not None:
+        if draft is not None and q is not None:
             ok, rest = accept_draft(filtered.softmax(dim=-1)[0], draft, q, s.generator)
             if ok:
                 return draft
             filtered = rest.log()[None]
+        # a one-hot draft (prompt lookup, MTP) is taken where the plain step's own draw is
+        # it: with probability p(draft), else a token of p without it, as accept_draft's rule
+        # for q one-hot; and a seeded row answers as without speculation
         return int(draw(filtered, [s.generator]))
 
     def _logprobs(self, s, x: torch.Tensor, tokens: torch.Tensor) -> list:

@@ -65,12 +65,18 @@ class SpecConfig(BaseModel):
             ) from None
         if spec.ngram_min > spec.ngram_max:
             raise ConfigError(
-                f"speculative ngram_min ({spec.ngram_min}) exceeds ngram_max ({spec.ngram_max})"
+                f"speculative ngram_min ({spec.ngram_min}) exceeds ngram_max ({spec.ngram_max}); "
+                "pass an ngram_min no larger than ngram_max"
             )
-        if (spec.method == "draft") != (spec.draft is not None):
+        if spec.method == "draft" and spec.draft is None:
             raise ConfigError(
-                "speculative method 'draft' needs a draft model and only it takes one: pass "
+                "speculative method 'draft' needs a draft model: pass "
                 "{'method': 'draft', 'draft': NAME} (`--draft NAME` on the command line)"
+            )
+        if spec.method != "draft" and spec.draft is not None:
+            raise ConfigError(
+                f"speculative method {spec.method!r} takes no draft model (draft={spec.draft!r}): "
+                "drop 'draft', or pass {'method': 'draft', 'draft': NAME} to draft with it"
             )
         return spec
 
@@ -203,7 +209,8 @@ class AdaptiveK:
     `prior`). At k = 0 it still drafts now and then (a probe: the k that would pay were r
     `hopeful`), spaced so that probes cost at most `overhead` of the time, and twice as far
     apart after each probe that accepted nothing, so a sequence that starts repeating itself
-    is noticed."""
+    is noticed. A probe that finds nothing to draft (prompt lookup without a match) costs
+    nothing and does not count: the next step probes again."""
 
     def __init__(
         self,
@@ -241,11 +248,10 @@ class AdaptiveK:
             return k
         k = self._best(self.hopeful)[0] or 1
         spacing = max(4.0, (self.cost.ratio(k) - 1) / self.overhead) * self.backoff
+        # (`update` resets idle after a probe's verify; a probe that drafted nothing cost
+        # nothing, and the next step probes again)
         self.idle += 1
-        if self.idle < spacing:
-            return 0
-        self.idle = 0
-        return k
+        return 0 if self.idle < spacing else k
 
     def update(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens took the first `accepted`."""
@@ -253,6 +259,7 @@ class AdaptiveK:
         self.hits = d * self.hits + accepted
         self.trials = d * self.trials + accepted + (accepted < drafted)
         self.backoff = 1 if accepted else min(2 * self.backoff, 8)
+        self.idle = 0
 
 
 @dataclass

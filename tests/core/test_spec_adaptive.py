@@ -83,6 +83,11 @@ def test_probes_cost_little_when_nothing_is_accepted():
         if n:
             k.update(n, 0)
     assert 0 < spent / 2000 < 0.03  # it still probes, at under 3% of the time
+    while not k.next():
+        pass
+    assert k.next() and k.next()  # a probe that drafted nothing (no update): probed again
+    k.update(1, 0)
+    assert not k.next()  # one that was verified waits its turn
 
 
 def test_expensive_verifies_need_high_acceptance():
@@ -110,9 +115,9 @@ def test_stats_follow_vllm():
     [
         ("beam", "ngram, draft, mtp"),
         ({"method": "ngram", "k": 0}, "k"),
-        ({"method": "ngram", "ngram_min": 5}, "ngram_min (5) exceeds ngram_max (4)"),
+        ({"method": "ngram", "ngram_min": 5}, "ngram_min no larger than ngram_max"),
         ("draft", "needs a draft model"),
-        ({"method": "ngram", "draft": "smollm2"}, "needs a draft model"),
+        ({"method": "ngram", "draft": "smollm2"}, "'ngram' takes no draft model"),
     ],
 )
 def test_bad_settings_are_refused_by_name(bad, words):

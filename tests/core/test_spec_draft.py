@@ -16,6 +16,7 @@ from fixtures.recurrent import HYBRID, slow_decay
 from safetensors.torch import load_file, save_file
 
 from core import ConfigError, load_model
+from core.errors import ZooError
 from core.sampling import SamplingParams, filter_logits
 from core.spec_draft import DraftProposer
 from core.speculative import Draft
@@ -166,7 +167,7 @@ def test_sampled_drafts_follow_the_rows_sampler(tmp_path, llama):
 
 
 def test_refused_drafts(tmp_path, llama):
-    """Another tokenizer, the target itself, a cache too small, each named."""
+    """Another tokenizer, the target itself, a cache too small, a draft not found, each named."""
     target, _ = llama
     other = tmp_path / "other"
     build_tokenizer_folder(other, "qwen2")
@@ -183,3 +184,5 @@ def test_refused_drafts(tmp_path, llama):
     small = load_model(target, max_seq_len=32)
     with pytest.raises(ConfigError, match=r"1 rows x 32 tokens, less than the target's 2 x 64"):
         DraftProposer.load(small, model, **load)
+    with pytest.raises(ZooError, match=f"^the draft model: '{tmp_path}/none' is not a local"):
+        DraftProposer.load(str(tmp_path / "none"), model, **load)

@@ -155,6 +155,28 @@ def test_prompt_lookup_greedy(model):
     got = model.generate(ids, temperature=0.0, ignore_eos=True, max_new_tokens=30)
     assert got.token_ids == want
     assert got.speculation.drafts > 0
+    once = list(range(3, 3 + SEQ // 8))  # no token twice: nothing to look up, nothing drafted
+    kw = dict(temperature=0.0, ignore_eos=True, max_new_tokens=3)
+    stream = model.stream(once, **kw)
+    "".join(stream)
+    for result in (model.generate(once, **kw), stream.result):
+        assert len(result.token_ids) == 3 and result.speculation is None
+
+
+def test_seeded_sampling_answers_as_plain(model):
+    """A sampling row with a seed takes the tokens it takes without speculation: a one-hot
+    draft (the seeded answer, one token spoiled per draft) is taken where the row's own draw
+    at that position is it."""
+    ids = prompts(model, 1)[0]
+    kw = dict(temperature=0.8, seed=3, ignore_eos=True, max_new_tokens=24)
+    model.speculator = None
+    model.reset()
+    want = model.generate(ids, **kw).token_ids
+    speculating(model, Scripted({tuple(ids): want}, model.config.vocab_size), k=4)
+    model.reset()
+    got = model.generate(ids, **kw)
+    assert got.token_ids == want
+    assert 0 < got.speculation.accepted_tokens < got.speculation.draft_tokens
 
 
 def test_logprobs_penalties_stops_and_length(model):

@@ -222,7 +222,8 @@ def test_checkpoint_without_mtp_refused_by_name(built, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
     (tmp_path / "model.safetensors").symlink_to(root / "model.safetensors")
     with pytest.raises(
-        ConfigError, match=r"config\.json.*(deepseek_v3|glm4_moe).*no multi-token.*ngram"
+        ConfigError,
+        match=r"config\.json.*(deepseek_v3|glm4_moe).*no multi-token.*ngram.*--spec ngram.*--draft",
     ):
         load_model(tmp_path, speculative="mtp", dtype="float32", device="cpu")
     stripped = tmp_path / "stripped"  # MTP declared, its tensors gone (a stripped copy)
