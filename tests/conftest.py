@@ -15,8 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 # what Zoo remembers per machine (the CPU split verdict, compiled C kernels) goes to a folder of
-# the test session's, never read from or written to the user's ~/.cache/zoo
-os.environ["ZOO_CACHE"] = tempfile.mkdtemp(prefix="zoo-test-cache-")
+# the test session's, never read from or written to the user's ~/.cache/zoo. One folder for the
+# whole session: pytest-xdist's workers and the pytest run test_end_to_end starts inherit it, so
+# the C library is compiled once, not once per process (its builds are atomic), and every
+# process reads one split verdict, as the processes of a user's machine do
+if "ZOO_TEST_CACHE" not in os.environ:
+    os.environ["ZOO_TEST_CACHE"] = tempfile.mkdtemp(prefix="zoo-test-cache-")
+os.environ["ZOO_CACHE"] = os.environ["ZOO_TEST_CACHE"]
 
 # The longest test files run first: `make test` hands files to its worker processes in this
 # order (pytest-xdist --dist loadfile), so one that takes minutes starts while the other

@@ -31,7 +31,7 @@ from fixtures.chat_tokenizers import (
 )
 from fixtures.fused_steps import decode, deepseek_checkpoint, feed, rel_err
 from fixtures.gemma_tokenizer import build_gemma_tokenizer_folder
-from fixtures.llama_cpp_convert import convert
+from fixtures.llama_cpp_convert import Job, convert, convert_all
 from fixtures.texts import judge
 from fixtures.tool_templates import GPT_OSS as HARMONY
 from safetensors.torch import load_file, save_file
@@ -254,18 +254,17 @@ TEXT = (
 )
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    """(name, checkpoint folder, its F32 GGUF file, the architecture written)."""
-    spec, arch = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+def make_case(name: str, root: Path) -> Job:
+    """Write case `name`'s hub-style checkpoint under root/hf; its conversion job (F32 and, for
+    test_q8_0_file_..., Q8_0 files beside it)."""
+    spec, arch = CASES[name]
     folder = root / "hf"
     if arch.startswith("gemma"):  # in the released repos' config keys
         special = build_gemma_tokenizer_folder(folder)
         ids = {k: special[t] for k, t in GEMMA_IDS.items()}
         gemma_checkpoint(folder, dict(spec, **ids, vocab_size=special["vocab_size"]))
     else:
-        tokenizer = TOKENIZERS.get(request.param, "qwen2")
+        tokenizer = TOKENIZERS.get(name, "qwen2")
         if tokenizer == "sentencepiece":
             special = build_sentencepiece_folder(folder)
         else:
@@ -277,12 +276,27 @@ def case(request, tmp_path_factory):
             spec(folder, **changes)
         else:
             make_checkpoint(folder, dict(spec, **changes), seed=3)
-    if request.param in FINISH:
-        FINISH[request.param](folder)
-    pre = PRE.get(request.param, "qwen2")
-    # the Q8_0 file beside it, by the same converter process (test_q8_0_file_...)
-    path = convert(folder, root / "f32.gguf", pre=pre, also={"q8_0": root / "q8_0.gguf"})
-    return request.param, folder, path, arch
+    if name in FINISH:
+        FINISH[name](folder)
+    outputs = {"f32": root / "f32.gguf", "q8_0": root / "q8_0.gguf"}
+    return Job(folder, outputs, PRE.get(name, "qwen2"))
+
+
+@pytest.fixture(scope="module")
+def converted(request, tmp_path_factory) -> dict[str, Job]:
+    """The cases this run's tests use, converted by one converter process."""
+    mine = [item for item in request.session.items if item.module is request.module]
+    used = {item.callspec.params.get("case") for item in mine if hasattr(item, "callspec")}
+    jobs = {name: make_case(name, tmp_path_factory.mktemp(name)) for name in CASES if name in used}
+    convert_all(list(jobs.values()))
+    return jobs
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, converted):
+    """(name, checkpoint folder, its F32 GGUF file, the architecture written)."""
+    job = converted[request.param]
+    return request.param, job.folder, job.outputs["f32"], CASES[request.param][1]
 
 
 def test_the_file_is_llama_cpps(case):

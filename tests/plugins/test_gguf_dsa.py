@@ -20,7 +20,7 @@ import gguf
 import pytest
 import torch
 from fixtures.chat_tokenizers import LLAMA3, QWEN2, build_tokenizer_folder
-from fixtures.llama_cpp_convert import convert
+from fixtures.llama_cpp_convert import Job, convert_all
 from test_deepseek_v32 import GLM, V32, make_dsa
 
 from core import load_model
@@ -66,11 +66,9 @@ def bpe_as_vocab_and_merges(folder) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    """(folder, its F32 GGUF file, the architecture written)."""
-    spec, tokenizer, pre, arch = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+def make_case(name: str, root) -> Job:
+    """Write case `name`'s checkpoint under root/hf; its conversion job (an F32 file)."""
+    spec, tokenizer, pre, arch = CASES[name]
     folder = root / "hf"
     special = build_tokenizer_folder(folder, tokenizer)
     bos = special.get(tokenizer.bos) if tokenizer.bos else None
@@ -78,7 +76,22 @@ def case(request, tmp_path_factory):
     make_dsa(folder, dict(spec, **ids))
     if arch == "deepseek32":
         bpe_as_vocab_and_merges(folder)
-    return folder, convert(folder, root / "f32.gguf", pre=pre), arch
+    return Job(folder, {"f32": root / "f32.gguf"}, pre)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Job]:
+    """Both cases' checkpoints, converted by one converter process."""
+    jobs = {name: make_case(name, tmp_path_factory.mktemp(name)) for name in CASES}
+    convert_all(list(jobs.values()))
+    return jobs
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, converted):
+    """(folder, its F32 GGUF file, the architecture written)."""
+    job = converted[request.param]
+    return job.folder, job.outputs["f32"], CASES[request.param][3]
 
 
 @torch.no_grad()

@@ -10,9 +10,10 @@ import gguf
 import numpy as np
 import pytest
 from safetensors.torch import load_file
-from test_gguf_archs import (  # noqa: F401  (case: a fixture)
+from test_gguf_archs import (  # noqa: F401  (case and the converted files it reads: fixtures)
     assert_loads_the_same,
     case,
+    converted,
     rewritten,
 )
 

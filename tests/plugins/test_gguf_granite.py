@@ -17,7 +17,7 @@ import pytest
 from conftest import make_checkpoint
 from fixtures.chat_tokenizers import build_tokenizer_folder
 from fixtures.fused_steps import decode, feed, rel_err
-from fixtures.llama_cpp_convert import convert
+from fixtures.llama_cpp_convert import Job, convert_all
 from test_gguf_archs import VOCAB, check_same_outputs
 from test_granite_hybrid import DENSE, GRANITE, hub_config
 
@@ -27,19 +27,31 @@ from core.cpu_step import why_not
 SPECS = {"moe": GRANITE, "dense": DENSE}
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Job]:
+    """Both checkpoints (the converter finds the attention layers by "attention": hub keys),
+    converted by one converter process."""
+    jobs = {}
+    for name, spec in SPECS.items():
+        root = tmp_path_factory.mktemp(name)
+        folder = root / "hf"
+        special = build_tokenizer_folder(folder, "qwen2")
+        spec = dict(spec, position_embedding_type=None, vocab_size=VOCAB,
+                    eos_token_id=special["<|im_end|>"], mamba_chunk_size=256)  # fmt: skip
+        make_checkpoint(folder, spec, seed=3)
+        hub_config(folder)
+        jobs[name] = Job(folder, {"f32": root / "f32.gguf"})
+    convert_all(list(jobs.values()))
+    return jobs
+
+
 @pytest.fixture(scope="module", params=list(SPECS))
-def loaded(request, tmp_path_factory):
+def loaded(request, converted):
     """(the F32 file, the file loaded, the checkpoint loaded)."""
-    root = tmp_path_factory.mktemp(request.param)
-    folder = root / "hf"
-    special = build_tokenizer_folder(folder, "qwen2")
-    spec = dict(SPECS[request.param], position_embedding_type=None, vocab_size=VOCAB,
-                eos_token_id=special["<|im_end|>"], mamba_chunk_size=256)  # fmt: skip
-    make_checkpoint(folder, spec, seed=3)
-    hub_config(folder)  # the converter finds the attention layers by "attention"
-    path = convert(folder, root / "f32.gguf")
+    job = converted[request.param]
+    path = job.outputs["f32"]
     kw = dict(max_seq_len=64, max_batch_size=2, dtype="float32")
-    return path, load_model(path, **kw), load_model(folder, **kw)
+    return path, load_model(path, **kw), load_model(job.folder, **kw)
 
 
 def test_f32_file_equals_the_checkpoint(loaded):
