@@ -111,6 +111,7 @@ def main() -> None:
         "of speculation that does not pay",
     )
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--ngram-max", type=int, default=None, help="prompt lookup's longest n")
     ap.add_argument("--fixed", action="store_true", help="always k drafts (no adaptive k)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--new", type=int, default=400, help="most tokens per answer")
@@ -125,7 +126,9 @@ def main() -> None:
 
     model = load_model(args.model, max_seq_len=2048)
     method = "ngram" if args.spec == "random" else args.spec
-    spec = make_speculator(SpecConfig(method=method, k=args.k, adaptive=not args.fixed), model)
+    more = {} if args.ngram_max is None else {"ngram_max": args.ngram_max}
+    config = SpecConfig(method=method, k=args.k, adaptive=not args.fixed, **more)
+    spec = make_speculator(config, model)
     if args.spec == "random":
         spec.proposer = Noise(model.config.vocab_size)
     print(
