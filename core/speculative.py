@@ -38,7 +38,9 @@ class SpecConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     method: Literal["ngram", "draft", "mtp"]
-    k: int = Field(8, ge=1, le=15)  # most tokens drafted per step (vLLM's num_speculative_tokens)
+    # most tokens drafted per step (vLLM's num_speculative_tokens); 7: a verify of 8 positions,
+    # two passes of the CPU products' 4-row blocks (a 9th costs a third)
+    k: int = Field(7, ge=1, le=15)
     adaptive: bool = True  # k follows each sequence's acceptance (False: always k)
     ngram_max: int = Field(4, ge=1)  # prompt lookup matches the last n tokens, n from max ...
     ngram_min: int = Field(2, ge=1)  # ... down to min (vLLM's prompt_lookup_max / _min)

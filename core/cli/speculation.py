@@ -13,7 +13,7 @@ from core.errors import ConfigError
 if TYPE_CHECKING:  # (torch loads on first use: `zoo list` and `zoo --help` stay fast)
     from core.speculative import SpecStats
 
-K_DEFAULT = 8  # SpecConfig's k, said in --help without importing torch (a test compares)
+K_DEFAULT = 7  # SpecConfig's k, said in --help without importing torch (a test compares)
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -125,7 +125,7 @@ def since(model, before: SpecStats | None) -> dict[str, float]:
 
 
 def method(model) -> str:
-    """'ngram (k <= 8, adaptive)': how the model drafts, for `zoo bench`; '' when it does not."""
+    """'ngram (k <= 7, adaptive)': how the model drafts, for `zoo bench`; '' when it does not."""
     spec = getattr(model, "speculator", None)
     if spec is None:
         return ""

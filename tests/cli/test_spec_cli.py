@@ -90,7 +90,7 @@ def test_bench_reports_acceptance_per_batch(folder):
     rows = report.decode.values()
     assert sum(r["drafts"] for r in rows) == model.speculator.stats.drafts > 0
     assert sum(r["draft_tokens"] for r in rows) == model.speculator.stats.draft_tokens
-    assert report.speculative == "ngram (k <= 8, adaptive)"
+    assert report.speculative == "ngram (k <= 7, adaptive)"
     text = bench.render(report)
     assert "speculative ngram (k <= 8, adaptive)" in text and "accepted  tok/step" in text
     for b, r in report.decode.items():
