@@ -92,7 +92,7 @@ def test_bench_reports_acceptance_per_batch(folder):
     assert sum(r["draft_tokens"] for r in rows) == model.speculator.stats.draft_tokens
     assert report.speculative == "ngram (k <= 7, adaptive)"
     text = bench.render(report)
-    assert "speculative ngram (k <= 8, adaptive)" in text and "accepted  tok/step" in text
+    assert "speculative ngram (k <= 7, adaptive)" in text and "accepted  tok/step" in text
     for b, r in report.decode.items():
         figures = f"{r['acceptance_rate']:>9.0%} {r['mean_accepted_length']:>9.2f}"
         assert re.search(rf"^ +{b} .*{re.escape(figures)}$", text, re.M), text
