@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 import torch
 
 from core import load_model
-from core.speculative import Draft, Proposer, SpecConfig, make_speculator
+from core.speculative import Draft, Proposer, SpecConfig, SpecStats, make_speculator
 
 CODE = '''def load_orders(path):
     """Read orders from a CSV file: one order per line, id, customer, amount."""
@@ -141,7 +141,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for task in args.tasks:
         ids = model.tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task]}])
-        plain, fast, same, stats = [], [], True, None
+        plain, fast, same, stats = [], [], True, SpecStats()
         for _ in range(args.repeat):  # alternating, each from a cold cache
             model.speculator = None
             model.reset()
@@ -152,10 +152,11 @@ def main() -> None:
             rate, got = run(model, ids, args.new, args.temperature)
             fast.append(rate)
             same &= got.token_ids == want.token_ids or bool(args.temperature)
-            stats = got.speculation
+            if got.speculation is not None:  # (over every run of the task)
+                stats.merge(got.speculation)
         p, s = statistics.median(plain), statistics.median(fast)
-        acc = f"{stats.acceptance_rate:.0%}" if stats else "-"
-        per = f"{stats.mean_accepted_length:.2f}" if stats and stats.drafts else "-"
+        acc = f"{stats.acceptance_rate:.0%}" if stats.drafts else "-"
+        per = f"{stats.mean_accepted_length:.2f}" if stats.drafts else "-"
         print(f"| {task} | {len(ids)} | {len(want.token_ids)} | {p:.1f} | {s:.1f} | "
               f"{s / p:.2f}x | {acc} | {per} | {'yes' if same else 'NO'} |")  # fmt: skip
 

@@ -206,13 +206,16 @@ class StepCost:
 
 class AdaptiveK:
     """How many tokens a sequence drafts next: the k in 0..k_max that maximizes the expected
-    tokens per unit of time, (1 + r + ... + r^k) / cost.ratio(k), against 1 for a plain step,
-    with r the rate at which its drafts were accepted lately (a decaying count, starting at
-    `prior`). At k = 0 it still drafts now and then (a probe: the k that would pay were r
-    `hopeful`), spaced so that probes cost at most `overhead` of the time, and twice as far
-    apart after each probe that accepted nothing, so a sequence that starts repeating itself
-    is noticed. A probe that finds nothing to draft (prompt lookup without a match) costs
-    nothing and does not count: the next step probes again."""
+    tokens per unit of time, (1 + r1 + r1 r + ... + r1 r^(k-1)) / cost.ratio(k), against 1 for
+    a plain step, with r1 the rate at which its first drafted token was accepted lately and r
+    the rate of the later ones once the one before was (decaying counts, each starting at
+    `prior`): drafts either refused at once or copied whole (prompt lookup on a copy) make
+    long drafts pay where one rate for both would not. At k = 0 it still drafts now and then
+    (a probe: the k that would pay were both rates `hopeful`), spaced so that probes cost at
+    most `overhead` of the time, and twice as far apart after each probe that accepted
+    nothing, so a sequence that starts repeating itself is noticed. A probe that finds
+    nothing to draft (prompt lookup without a match) costs nothing and does not count: the
+    next step probes again."""
 
     def __init__(
         self,
@@ -225,26 +228,31 @@ class AdaptiveK:
         margin: float = 0.02,
     ):
         self.k_max, self.cost, self.decay = k_max, cost, decay
-        self.hits, self.trials = 2 * prior, 2.0
+        # (accepted, tried) of the first drafted token, and of the later ones after an accepted
+        self.first, self.later = [2 * prior, 2.0], [2 * prior, 2.0]
         self.hopeful, self.overhead, self.margin = hopeful, overhead, margin
         self.idle, self.backoff = 0, 1
 
     @property
     def rate(self) -> float:
-        return self.hits / self.trials
+        """Drafted tokens accepted lately, over all positions."""
+        return (self.first[0] + self.later[0]) / (self.first[1] + self.later[1])
 
-    def _best(self, r: float) -> tuple[int, float]:
-        """(the k that maximizes tokens per unit of time at acceptance rate r, that figure;
-        k = 0 unless drafting beats a plain step by `margin`)."""
-        best, best_k, gain = 1.0 + self.margin, 0, 1.0
+    def _best(self, r: float | None = None) -> tuple[int, float]:
+        """(the k that maximizes tokens per unit of time, that figure; k = 0 unless drafting
+        beats a plain step by `margin`), at r1 and r as lately, or both r where given."""
+        r1, r = (r, r) if r is not None else (self.first[0] / self.first[1],
+                                                 self.later[0] / self.later[1])  # fmt: skip
+        best, best_k, gain, chance = 1.0 + self.margin, 0, 1.0, 1.0
         for k in range(1, self.k_max + 1):
-            gain += r**k
+            chance *= r1 if k == 1 else r
+            gain += chance
             if gain / self.cost.ratio(k) > best:
                 best, best_k = gain / self.cost.ratio(k), k
         return best_k, best
 
     def next(self) -> int:
-        k, _ = self._best(self.rate)
+        k, _ = self._best()
         if k:
             self.idle = 0
             return k
@@ -258,8 +266,12 @@ class AdaptiveK:
     def update(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens took the first `accepted`."""
         d = self.decay
-        self.hits = d * self.hits + accepted
-        self.trials = d * self.trials + accepted + (accepted < drafted)
+        later = min(accepted, drafted - 1)  # later tokens tried (after an accepted one) ...
+        passed = max(accepted - 1, 0)  # ... and accepted
+        for counts, hits, tries in ((self.first, accepted > 0, drafted > 0),
+                                    (self.later, passed, later)):  # fmt: skip
+            counts[0] = d * counts[0] + hits
+            counts[1] = d * counts[1] + tries
         self.backoff = 1 if accepted else min(2 * self.backoff, 8)
         self.idle = 0
 
