@@ -129,6 +129,8 @@ class Engine:
         dropped, self.running, self._pending, self._batch = self.running, [], None, None
         for seq in dropped:
             self._release(seq)
+        if self.spec is not None:  # (a failed step's drafting is no verify's)
+            self.spec.drafting_s = 0.0
         if forget:
             self.slots.forget()
         return dropped
