@@ -3,8 +3,8 @@ call holding several consecutive tokens of a cache row (speculative decoding ver
 drafted tokens so) beside another row's single token gives the logits and cache writes of the
 modules' forward over each row's tokens: GQA with and without q/k norms, DeepSeek's MLA, fp32
 weights and weights kept in 8-bit and 4-bit blocks, a chain far into an fp16 cache. Models whose
-step cannot take a chain (a ring that wraps, a recurrent layer) say so, and a chain at non-consecutive positions is
-refused before the C step writes anything."""
+step cannot take a chain (a ring that wraps, a recurrent layer) say so, and a chain at
+non-consecutive positions is refused before the C step writes anything."""
 
 from __future__ import annotations
 
@@ -134,7 +134,6 @@ def test_a_chain_equals_the_modules_forward_of_its_tokens(folder, case, quantize
     assert rel_err(got[rows == 0], want0) < bound
     for t, a in zip(caches(m), after, strict=True):
         assert rel_err(t, a) < bound
-
 
 
 def test_a_chain_far_into_an_fp16_cache(folder):
