@@ -304,20 +304,36 @@ static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, i
         return;
     }
     zoo_meet(bar, T);
-    int64_t first[MAX_ROWS], nf = 0;  // each cache row's first token
+    int64_t first[MAX_ROWS], nf = 0, most = 1;  // each cache row's first token; its most
     for (int64_t r = 0; r < M; r++) {
-        int64_t seen = 0;
-        for (int64_t j = 0; j < r; j++) seen |= rows[j] == rows[r];
-        if (!seen) first[nf++] = r;
+        int64_t before = 0, n = 0;
+        for (int64_t j = 0; j < M; j++) {
+            before |= j < r && rows[j] == rows[r];
+            n += rows[j] == rows[r];
+        }
+        if (!before) first[nf++] = r;
+        most = max64(most, n);
     }
-    const int64_t c0 = nf * b->hkv * t / T, c1 = nf * b->hkv * (t + 1) / T;
+    // Where the units cannot be shared evenly (one row's chain, 3 kv heads, 2 threads), each
+    // row's tokens go in `parts` parts (each reading the slots once), enough to share them.
+    int64_t parts = T, x = nf * b->hkv;  // parts = T / gcd(units, T), at most `most`
+    for (int64_t y = T; y;) {
+        const int64_t z = x % y;
+        x = y;
+        y = z;
+    }
+    parts = parts / x < most ? parts / x : most;
+    const int64_t units = nf * b->hkv * parts, c0 = units * t / T, c1 = units * (t + 1) / T;
     for (int64_t u = c0; u < c1; u++) {
-        const int64_t r0 = first[u / b->hkv];
-        int64_t toks[MAX_ROWS], n = 0;  // the row's tokens, in order (ascending positions)
+        const int64_t r0 = first[u / parts / b->hkv], part = u % parts;
+        int64_t all[MAX_ROWS], n = 0;  // the row's tokens, in order (ascending positions)
         for (int64_t r = r0; r < M; r++)
-            if (rows[r] == rows[r0]) toks[n++] = r;
-        attend_unit(b, qkv, att, u % b->hkv, toks, n, pos, rows, cos, sin, cstride, q, p, tmp,
-                    o);
+            if (rows[r] == rows[r0]) all[n++] = r;
+        const int64_t *toks = all + n * part / parts;
+        n = n * (part + 1) / parts - n * part / parts;
+        if (n == 0) continue;
+        attend_unit(b, qkv, att, u / parts % b->hkv, toks, n, pos, rows, cos, sin, cstride, q,
+                    p, tmp, o);
     }
 }
 

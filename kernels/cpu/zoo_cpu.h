@@ -61,8 +61,9 @@ void zoo_attend_group(const float *q, int64_t G, int64_t qs, const void *k, int6
                       float scale, float cap, const float *sinks, int half, float *p,
                       float *tmp, float *o);
 // The same for G query heads in groups of `per` (a chain's tokens), group i against slots
-// lo..his[i]-1, head g's sink sinks[g % per]: each key and value row read once for all the
-// heads that reach it. p: G * (max his - lo) floats, tmp max(D, Dv) + G, o G rows of Dv.
+// lo..his[i]-1 (his ascending), head g's sink sinks[g % per]: each key and value row read
+// once for all the heads that reach it. p: G * (his[last] - lo) floats, tmp max(D, Dv) + G,
+// o G rows of Dv.
 void zoo_attend_heads(const float *q, int64_t G, int64_t per, int64_t qs, const void *k,
                       int64_t kss, const void *v, int64_t vss, int64_t lo, const int64_t *his,
                       int64_t D, int64_t Dv, float scale, float cap, const float *sinks,

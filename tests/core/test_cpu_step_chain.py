@@ -139,25 +139,32 @@ def test_a_chain_equals_the_modules_forward_of_its_tokens(folder, case, quantize
 def test_a_chain_far_into_an_fp16_cache(folder):
     """Row 1 prefilled to position 100 in an fp16 cache, then 8 drafted tokens in one call with
     row 0's next token among them (the chain's tokens read each key and value once, together,
-    each as far as its own position): the modules' forward over the same cache."""
+    each as far as its own position): the modules' forward over the same cache, on 2 threads
+    and on 3 (4 units of (row, kv head) for 3 threads: each row's tokens go in 3 parts)."""
     m = load_model(folder("llama"), max_batch_size=2, max_seq_len=128, kv_dtype="float16")
     g = torch.Generator().manual_seed(7)
     m.reset()
     m.forward(torch.randint(3, 96, (2, 100), generator=g), 0, lengths=[4, 100])
     chain, single = torch.randint(3, 96, (8,), generator=g), torch.tensor([44])
     before = [t.clone() for t in caches(m)]
+    tokens = torch.cat([chain[:3], single, chain[3:]])
+    rows = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 1])
+    positions = torch.tensor([100, 101, 102, 4, 103, 104, 105, 106, 107])
+    threads = torch.get_num_threads()
     with torch.inference_mode():
         want1 = m.net(chain[None], 100, row=1)[0]
         want0 = m.net(single[None], 4, row=0)[0]
-        for t, b in zip(caches(m), before, strict=True):
-            t.copy_(b)
-        tokens = torch.cat([chain[:3], single, chain[3:]])
-        rows = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 1])
-        positions = torch.tensor([100, 101, 102, 4, 103, 104, 105, 106, 107])
-        got = m.step.fused(tokens, positions, 108, rows=rows)
-    assert got is not None  # the C step ran
-    assert rel_err(got[rows == 1], want1) < 1e-5
-    assert rel_err(got[rows == 0], want0) < 1e-5
+        try:
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                for t, b in zip(caches(m), before, strict=True):
+                    t.copy_(b)
+                got = m.step.fused(tokens, positions, 108, rows=rows)
+                assert got is not None  # the C step ran
+                assert rel_err(got[rows == 1], want1) < 1e-5, n
+                assert rel_err(got[rows == 0], want0) < 1e-5, n
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_what_takes_no_chain(folder):
