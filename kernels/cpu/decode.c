@@ -225,31 +225,44 @@ static void write_kv(const zblock_t *b, float *qkv, int64_t u, const int64_t *po
     }
 }
 
-// Unit u's query heads (kv head kh's group) normed and rotated into q, then, together,
-// attending to row r's filled slots (each key and value read once for the group) into att.
-static void attend_unit(const zblock_t *b, const float *qkv, float *att, int64_t u,
-                        const int64_t *pos, const int64_t *rows, const float *const *cos,
-                        const float *const *sin, const int64_t *cstride, float *q, float *p,
-                        float *tmp) {
-    const int64_t r = u / b->hkv, kh = u % b->hkv, dh = b->d, group = b->hq / b->hkv;
+// Kv head kh of the n tokens toks of one cache row (a chain's, at ascending positions; else
+// n = 1): each token's query heads (kh's group) normed and rotated into q, then all of them
+// attending together to the row's filled slots, token i's heads to the slots up to its own
+// position: each key and value read (and converted) once for them all (zoo_attend_heads),
+// into att (through o, n group rows of d, for a chain).
+static void attend_unit(const zblock_t *b, const float *qkv, float *att, int64_t kh,
+                        const int64_t *toks, int64_t n, const int64_t *pos, const int64_t *rows,
+                        const float *const *cos, const float *const *sin,
+                        const int64_t *cstride, float *q, float *p, float *tmp, float *o) {
+    const int64_t dh = b->d, group = b->hq / b->hkv;
     const int64_t j0 = kh * group, qs = b->ogate ? 2 * dh : dh;  // q_h (and gate_h) qs apart
-    const int64_t c = rows ? rows[r] : r;
-    const float *qr = qkv + r * b->qkv.N;
-    float *o = att + (r * b->hq + j0) * dh;
-    for (int64_t g = 0; g < group; g++) {
-        memcpy(q + g * dh, qr + (j0 + g) * qs, dh * sizeof(float));
-        if (b->qnorm && !b->qk_whole)
-            zoo_rms_norm(q + g * dh, NULL, NULL, b->qnorm, q + g * dh, 1, dh, b->qk_eps);
-        rotate(b, q + g * dh, r, cos, sin, cstride);
+    const int64_t c = rows ? rows[toks[0]] : toks[0];
+    int64_t seen[MAX_ROWS];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = toks[i];
+        for (int64_t g = 0; g < group; g++) {
+            float *qg = q + (i * group + g) * dh;
+            memcpy(qg, qkv + r * b->qkv.N + (j0 + g) * qs, dh * sizeof(float));
+            if (b->qnorm && !b->qk_whole)
+                zoo_rms_norm(qg, NULL, NULL, b->qnorm, qg, 1, dh, b->qk_eps);
+            rotate(b, qg, r, cos, sin, cstride);
+        }
+        seen[i] = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
     }
-    const int64_t seen = b->ring && pos[r] >= b->slots ? b->slots : pos[r] + 1;
-    zoo_attend_group(q, group, dh, slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half), b->kss,
+    float *out = n == 1 ? att + (toks[0] * b->hq + j0) * dh : o;
+    zoo_attend_heads(q, n * group, group, dh,
+                     slot_at(b->k, c * b->ksb + kh * b->ksh, b->kv_half), b->kss,
                      slot_at(b->v, c * b->vsb + kh * b->vsh, b->kv_half), b->vss, 0, seen, dh,
                      dh, b->scale, b->softcap, b->sinks ? b->sinks + j0 : NULL, (int)b->kv_half,
-                     p, tmp, o);
-    for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
-        const float *gate = qr + (j0 + g) * qs + dh;
-        for (int64_t i = 0; i < dh; i++) o[g * dh + i] *= 1.0f / (1.0f + expf(-gate[i]));
+                     p, tmp, out);
+    for (int64_t i = 0; i < n; i++) {
+        const float *qr = qkv + toks[i] * b->qkv.N;
+        float *oi = att + (toks[i] * b->hq + j0) * dh;
+        if (n > 1) memcpy(oi, o + i * group * dh, group * dh * sizeof(float));
+        for (int64_t g = 0; b->ogate && g < group; g++) {  // the output gate
+            const float *gate = qr + (j0 + g) * qs + dh;
+            for (int64_t e = 0; e < dh; e++) oi[g * dh + e] *= 1.0f / (1.0f + expf(-gate[e]));
+        }
     }
 }
 
@@ -259,15 +272,16 @@ static void attend_unit(const zblock_t *b, const float *qkv, float *att, int64_t
 // this step that it wrote itself, except in a chain (`chained`: a cache row repeated at
 // consecutive positions, the tokens of one sequence verified together), where a token reads
 // the slots of the row's earlier tokens, which other threads write: every thread writes its
-// units first and the threads meet before attending. (A ring would evict a key that an
-// earlier token of the chain still reads: core/cpu_step.py runs no chain over one.) With
-// `ogate`, q_h and gate_h alternate per head in q|k|v and each head's output is multiplied by
-// sigmoid(gate_h).
+// units first and the threads meet, then the units of attention are (cache row, kv head),
+// each holding all of the row's tokens, which read the row's slots once together. (A ring
+// would evict a key that an earlier token of the chain still reads: core/cpu_step.py runs no
+// chain over one.) With `ogate`, q_h and gate_h alternate per head in q|k|v and each head's
+// output is multiplied by sigmoid(gate_h).
 static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, int64_t M,
                    const int64_t *pos, const int64_t *rows, int64_t chained,
                    const float *const *cos, const float *const *sin, const int64_t *cstride,
-                   int64_t t, int64_t T, float *q, float *p, float *tmp, qx_t *px, char *buf,
-                   spin_barrier_t *bar) {
+                   int64_t t, int64_t T, float *q, float *p, float *tmp, float *o, qx_t *px,
+                   char *buf, spin_barrier_t *bar) {
     const int64_t nq = b->qkv.N, dh = b->d;
     zoo_linear_share(&b->qkv, xn, qkv, M, t, T, px, buf);
     zoo_meet(bar, T);
@@ -281,9 +295,46 @@ static void attend(const zblock_t *b, const float *xn, float *qkv, float *att, i
     }
     const int64_t u0 = M * b->hkv * t / T, u1 = M * b->hkv * (t + 1) / T;
     for (int64_t u = u0; u < u1; u++) write_kv(b, qkv, u, pos, rows, cos, sin, cstride);
-    if (chained) zoo_meet(bar, T);
-    for (int64_t u = u0; u < u1; u++)
-        attend_unit(b, qkv, att, u, pos, rows, cos, sin, cstride, q, p, tmp);
+    if (!chained) {
+        for (int64_t u = u0; u < u1; u++) {
+            const int64_t r = u / b->hkv;
+            attend_unit(b, qkv, att, u % b->hkv, &r, 1, pos, rows, cos, sin, cstride, q, p, tmp,
+                        o);
+        }
+        return;
+    }
+    zoo_meet(bar, T);
+    int64_t first[MAX_ROWS], nf = 0, most = 1;  // each cache row's first token; its most
+    for (int64_t r = 0; r < M; r++) {
+        int64_t before = 0, n = 0;
+        for (int64_t j = 0; j < M; j++) {
+            before |= j < r && rows[j] == rows[r];
+            n += rows[j] == rows[r];
+        }
+        if (!before) first[nf++] = r;
+        most = max64(most, n);
+    }
+    // Where the units cannot be shared evenly (one row's chain, 3 kv heads, 2 threads), each
+    // row's tokens go in `parts` parts (each reading the slots once), enough to share them.
+    int64_t parts = T, x = nf * b->hkv;  // parts = T / gcd(units, T), at most `most`
+    for (int64_t y = T; y;) {
+        const int64_t z = x % y;
+        x = y;
+        y = z;
+    }
+    parts = parts / x < most ? parts / x : most;
+    const int64_t units = nf * b->hkv * parts, c0 = units * t / T, c1 = units * (t + 1) / T;
+    for (int64_t u = c0; u < c1; u++) {
+        const int64_t r0 = first[u / parts / b->hkv], part = u % parts;
+        int64_t all[MAX_ROWS], n = 0;  // the row's tokens, in order (ascending positions)
+        for (int64_t r = r0; r < M; r++)
+            if (rows[r] == rows[r0]) all[n++] = r;
+        const int64_t *toks = all + n * part / parts;
+        n = n * (part + 1) / parts - n * part / parts;
+        if (n == 0) continue;
+        attend_unit(b, qkv, att, u / parts % b->hkv, toks, n, pos, rows, cos, sin, cstride, q,
+                    p, tmp, o);
+    }
 }
 
 // The final norm and the LM head: logits (M, V) = head(rms_norm(h)).
@@ -306,9 +357,13 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     int64_t arena = 0, in = H, nqkv = 0, hqd = 0, inter = 0, slots = 1, d = 1, group = 1;
     int64_t pairs = 1, experts = 1, ebytes = 64;  // MoE: rows x chosen experts, router rows
     int64_t mshared = 1;                          // MLA's shared scratch
-    int64_t chained = 0;  // a cache row named twice: a chain of one sequence's tokens
-    for (int64_t i = 0; rows && i < M; i++)
-        for (int64_t j = 0; j < i; j++) chained |= rows[i] == rows[j];
+    int64_t chain = 1;  // the most tokens of one cache row: over 1, a chain of a sequence's
+    for (int64_t i = 0; rows && i < M; i++) {
+        int64_t n = 0;
+        for (int64_t j = 0; j < M; j++) n += rows[i] == rows[j];
+        chain = max64(chain, n);
+    }
+    const int64_t chained = chain > 1;
     if (hd) {
         arena = zoo_linear_bytes(&hd->head, M);
     }
@@ -354,9 +409,11 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         float *xn = malloc(M * in * sizeof(float));
-        // attention: the scores of a kv head's query heads, the heads, a row and the totals
-        float *p = malloc(group * slots * sizeof(float)), *q = malloc(group * d * sizeof(float));
-        float *tmp = malloc((d + group) * sizeof(float));
+        // attention: the scores of a kv head's query heads (of each token of a chain), the
+        // heads, a row and the totals, the heads' outputs
+        const int64_t heads = chain * group;
+        float *p = malloc(heads * slots * sizeof(float)), *q = malloc(heads * d * sizeof(float));
+        float *tmp = malloc((d + heads) * sizeof(float)), *o = malloc(heads * d * sizeof(float));
         char *buf = aligned_alloc(64, (arena + 64) / 64 * 64);
         char *ebuf = aligned_alloc(64, (ebytes + 63) / 64 * 64);
         int64_t mlocal = 1;  // MLA's scratch: it depends on the heads of each of the T threads
@@ -383,7 +440,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
                             cstride[b->rope], t, T, mla, mlocal_t, px, buf, &bar);
                 else
                     attend(b, xn, qkv, att, M, pos, rows, chained, cos, sin, cstride, t, T, q, p,
-                           tmp, px, buf, &bar);
+                           tmp, o, px, buf, &bar);
                 zoo_meet(&bar, T);
                 // h += o(attention): this thread's columns of h
                 zoo_add_product(&b->o, att, h, y, M, H, h0, h1, px, buf, b->post1, b->post_eps1, xn,
@@ -415,6 +472,7 @@ void zoo_decode_blocks(const zblock_t *blocks, int64_t L, float *h, int64_t M, i
         free(p);
         free(q);
         free(tmp);
+        free(o);
         free(buf);
         free(ebuf);
         free(mlocal_t);

@@ -192,31 +192,46 @@ void zoo_attend_group(const float *q, int64_t G, int64_t qs, const void *k, int6
                       const void *v, int64_t vss, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
                       float scale, float cap, const float *sinks, int half, float *p,
                       float *tmp, float *o) {
-    const int64_t n = hi - lo, at = D > Dv ? D : Dv;  // tmp: a converted row, then G totals
-    for (int64_t s = 0; s < n; s++) {
+    zoo_attend_heads(q, G, G, qs, k, kss, v, vss, lo, &hi, D, Dv, scale, cap, sinks, half, p,
+                     tmp, o);
+}
+
+// The same for G query heads in groups of `per` (a chain's tokens, one group each), group i
+// against slots lo..his[i]-1 (his ascending) and head g with sink sinks[g % per]: each key
+// and value row is read (and converted) once for all the heads that reach it, each head's
+// arithmetic still zoo_attend's. p: G * (his[last] - lo) floats.
+void zoo_attend_heads(const float *q, int64_t G, int64_t per, int64_t qs, const void *k,
+                      int64_t kss, const void *v, int64_t vss, int64_t lo, const int64_t *his,
+                      int64_t D, int64_t Dv, float scale, float cap, const float *sinks,
+                      int half, float *p, float *tmp, float *o) {
+    const int64_t n = his[G / per - 1] - lo, at = D > Dv ? D : Dv;  // tmp: a row, G totals
+    for (int64_t s = 0, i = 0, g0 = 0; s < n; s++) {  // groups i.. (heads g0..) reach slot s
         const float *kr = row(k, lo + s, kss, D, half, tmp);
-        for (int64_t g = 0; g < G; g++) {
+        for (; lo + s >= his[i]; i++) g0 += per;
+        for (int64_t g = g0; g < G; g++) {
             float score = dot16(q + g * qs, kr, D) * scale;
             if (cap > 0) score = tanhf(score / cap) * cap;
             p[g * n + s] = score;
         }
     }
     for (int64_t g = 0; g < G; g++) {  // softmax weights, unnormalized; each head's total
-        float top = sinks ? sinks[g] : -INFINITY, *pg = p + g * n;
-        for (int64_t s = 0; s < n; s++) top = pg[s] > top ? pg[s] : top;
-        for (int64_t s = 0; s < n; s++) pg[s] -= top;
-        zoo_exp_nonpositive(pg, pg, n);
+        const int64_t ng = his[g / per] - lo;
+        float top = sinks ? sinks[g % per] : -INFINITY, *pg = p + g * n;
+        for (int64_t s = 0; s < ng; s++) top = pg[s] > top ? pg[s] : top;
+        for (int64_t s = 0; s < ng; s++) pg[s] -= top;
+        zoo_exp_nonpositive(pg, pg, ng);
         for (int64_t d = 0; d < Dv; d++) o[g * Dv + d] = 0;
         float sink = 0.0f;
         if (sinks) {
-            const float ds = sinks[g] - top;
+            const float ds = sinks[g % per] - top;
             zoo_exp_nonpositive(&ds, &sink, 1);
         }
         tmp[at + g] = sink;  // the total so far
     }
-    for (int64_t s = 0; s < n; s++) {
+    for (int64_t s = 0, i = 0, g0 = 0; s < n; s++) {
         const float *vr = row(v, lo + s, vss, Dv, half, tmp);
-        for (int64_t g = 0; g < G; g++) {
+        for (; lo + s >= his[i]; i++) g0 += per;
+        for (int64_t g = g0; g < G; g++) {
             tmp[at + g] += p[g * n + s];
             axpy(o + g * Dv, p[g * n + s], vr, Dv);
         }

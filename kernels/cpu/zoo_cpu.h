@@ -60,6 +60,14 @@ void zoo_attend_group(const float *q, int64_t G, int64_t qs, const void *k, int6
                       const void *v, int64_t vss, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
                       float scale, float cap, const float *sinks, int half, float *p,
                       float *tmp, float *o);
+// The same for G query heads in groups of `per` (a chain's tokens), group i against slots
+// lo..his[i]-1 (his ascending), head g's sink sinks[g % per]: each key and value row read
+// once for all the heads that reach it. p: G * (his[last] - lo) floats, tmp max(D, Dv) + G,
+// o G rows of Dv.
+void zoo_attend_heads(const float *q, int64_t G, int64_t per, int64_t qs, const void *k,
+                      int64_t kss, const void *v, int64_t vss, int64_t lo, const int64_t *his,
+                      int64_t D, int64_t Dv, float scale, float cap, const float *sinks,
+                      int half, float *p, float *tmp, float *o);
 // e[i] = exp(x[i]) for x[i] <= 0, vectorized (about 2 ulp; 0 below -87).
 void zoo_exp_nonpositive(const float *x, float *e, int64_t n);
 // fp16 <-> fp32, n values (round to nearest even).

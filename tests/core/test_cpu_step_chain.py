@@ -2,9 +2,9 @@
 call holding several consecutive tokens of a cache row (speculative decoding verifies a row's
 drafted tokens so) beside another row's single token gives the logits and cache writes of the
 modules' forward over each row's tokens: GQA with and without q/k norms, DeepSeek's MLA, fp32
-weights and weights kept in 8-bit and 4-bit blocks. Models whose step cannot take a chain
-(a ring that wraps, a recurrent layer) say so, and a chain at non-consecutive positions is
-refused before the C step writes anything."""
+weights and weights kept in 8-bit and 4-bit blocks, a chain far into an fp16 cache. Models whose
+step cannot take a chain (a ring that wraps, a recurrent layer) say so, and a chain at
+non-consecutive positions is refused before the C step writes anything."""
 
 from __future__ import annotations
 
@@ -134,6 +134,37 @@ def test_a_chain_equals_the_modules_forward_of_its_tokens(folder, case, quantize
     assert rel_err(got[rows == 0], want0) < bound
     for t, a in zip(caches(m), after, strict=True):
         assert rel_err(t, a) < bound
+
+
+def test_a_chain_far_into_an_fp16_cache(folder):
+    """Row 1 prefilled to position 100 in an fp16 cache, then 8 drafted tokens in one call with
+    row 0's next token among them (the chain's tokens read each key and value once, together,
+    each as far as its own position): the modules' forward over the same cache, on 2 threads
+    and on 3 (4 units of (row, kv head) for 3 threads: each row's tokens go in 3 parts)."""
+    m = load_model(folder("llama"), max_batch_size=2, max_seq_len=128, kv_dtype="float16")
+    g = torch.Generator().manual_seed(7)
+    m.reset()
+    m.forward(torch.randint(3, 96, (2, 100), generator=g), 0, lengths=[4, 100])
+    chain, single = torch.randint(3, 96, (8,), generator=g), torch.tensor([44])
+    before = [t.clone() for t in caches(m)]
+    tokens = torch.cat([chain[:3], single, chain[3:]])
+    rows = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 1])
+    positions = torch.tensor([100, 101, 102, 4, 103, 104, 105, 106, 107])
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        want1 = m.net(chain[None], 100, row=1)[0]
+        want0 = m.net(single[None], 4, row=0)[0]
+        try:
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                for t, b in zip(caches(m), before, strict=True):
+                    t.copy_(b)
+                got = m.step.fused(tokens, positions, 108, rows=rows)
+                assert got is not None  # the C step ran
+                assert rel_err(got[rows == 1], want1) < 1e-5, n
+                assert rel_err(got[rows == 0], want0) < 1e-5, n
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_what_takes_no_chain(folder):
