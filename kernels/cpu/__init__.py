@@ -1,7 +1,8 @@
 """Kernels for CPUs: the C sources, the one module that builds them, and the Python around them.
 
-- build.py: compiles the C files here (qgemv.c, qdot.c, qformats.c, ops.c, decode.c, moe.c,
-  delta.c, mla.c; headers zoo_cpu.h, qformats.h, qvec.h, step.h) into one library, cached per
+- build.py: compiles the C files here (qgemv.c, qdot.c, qformats.c, ops.c, step.c, decode.c,
+  moe.c, delta.c, mla.c, mamba.c, shortconv.c; headers zoo_cpu.h, qformats.h, qvec.h, step.h)
+  into one library, cached per
   machine, and loads it (ctypes); the other modules call that library through its `library()`.
 - quant.py: products of GGML block weights (qdot.c; their formats: qformats.c, the 16-lane
   vectors: qvec.h), also as an op a compiled step calls.

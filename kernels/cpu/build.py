@@ -26,8 +26,8 @@ log = logging.getLogger("zoo")
 
 # the block products, decode's small ops (kernels/cpu/ops.py) and its fused blocks
 # (kernels/cpu/decode.py): one library; the headers are hashed into the cache key with them
-_C_FILES = ("qgemv.c", "qdot.c", "qformats.c", "ops.c", "decode.c", "moe.c", "delta.c", "mla.c",
-            "mamba.c", "shortconv.c")  # fmt: skip
+_C_FILES = ("qgemv.c", "qdot.c", "qformats.c", "ops.c", "step.c", "decode.c", "moe.c", "delta.c",
+            "mla.c", "mamba.c", "shortconv.c")  # fmt: skip
 _H_FILES = ("zoo_cpu.h", "qformats.h", "qvec.h", "step.h")
 SOURCES = [Path(__file__).with_name(name) for name in _C_FILES]
 HEADERS = [Path(__file__).with_name(name) for name in _H_FILES]
