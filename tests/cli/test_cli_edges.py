@@ -148,6 +148,10 @@ def test_ctrl_c_at_the_chat_prompt_exits_130():
         while "zoo chat:" not in (line := p.stderr.readline()):  # the banner: loaded, reading
             assert line, "zoo chat ended before its banner"
         p.send_signal(signal.SIGINT)
+        try:  # stdin stays open: closing it first, the child may read EOF (exit 0) before
+            p.wait(timeout=60)  # it handles the signal
+        except subprocess.TimeoutExpired:  # (one caught before input() began reading leaves
+            p.send_signal(signal.SIGINT)  # the read waiting: a user presses Ctrl-C again)
         # communicate reads both pipes to the end (a child blocked writing to a full pipe
         # never exits); the time is generous for a loaded machine (the suite runs 2 processes)
         _, err = p.communicate(timeout=180)
