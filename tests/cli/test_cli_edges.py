@@ -139,10 +139,18 @@ def test_chat_answers_an_unknown_command_with_the_list():
     assert " prompt tokens at " not in out.stderr  # nothing was sent to the model
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C as a terminal's shell leaves it. A test process may
+    hold SIGINT ignored (seen in the suite's workers: an ignored signal stays ignored across
+    exec, and Python then installs no KeyboardInterrupt for it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_at_the_chat_prompt_exits_130():
     p = subprocess.Popen(
         [sys.executable, "-m", "core.cli", "chat"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     try:
         while "zoo chat:" not in (line := p.stderr.readline()):  # the banner: loaded, reading
