@@ -3,11 +3,13 @@
 The engine (core/engine.py) asks a sequence's proposer for up to k tokens that follow what it
 has (`Proposer.propose`), feeds its last token and the k drafts at their positions in one
 forward (a verify), and takes the target model's tokens position by position while they
-agree with the drafts (greedy: the argmax; sampling: the rejection rule of Leviathan et al.
-2023 / Chen et al. 2023, `accept_draft`, so the tokens are distributed exactly as the target
-model's). The first disagreement is replaced by the target's own token, and a verify that
-accepts all k adds the target's next token too: every verify takes 1 to k + 1 tokens. What the
-rejected positions wrote into the cache is rolled back (`StaticKVCache.keep` / `rewind`).
+agree with the drafts (greedy: the argmax; sampling: a drafted token chosen outright is kept
+where the target's own draw is it, one a draft model drew passes the rejection rule of
+Leviathan et al. 2023 / Chen et al. 2023, `accept_draft`; either way the tokens are
+distributed exactly as the target model's). The first disagreement is replaced by the
+target's own token, and a verify that accepts all k adds the target's next token too: every
+verify takes 1 to k + 1 tokens. What the rejected positions wrote into the cache is rolled
+back (`StaticKVCache.keep` / `rewind`).
 
 Proposers: prompt lookup (`NgramProposer`: the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens), a draft model (core/spec_draft.py) and a
@@ -381,28 +383,19 @@ def make_speculator(config: SpecConfig | None, model, **load: Any) -> Speculator
 
 
 def accept_draft(
-    p: torch.Tensor, token: int, q: torch.Tensor | None, generator: torch.Generator | None
+    p: torch.Tensor, token: int, q: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[bool, torch.Tensor | None]:
-    """The rejection rule for one drafted `token` under the target's distribution p (V,) and
-    the proposal's q (V,; None: one-hot on token): accept with probability min(1, p/q); else
-    the distribution to draw the replacement from, max(0, p - q) normalized. Together they
-    give tokens distributed as p whatever q is."""
-    pt = float(p[token])
-    qt = 1.0 if q is None else float(q[token])
+    """The rejection rule for one `token` a draft model drew from q (V,), under the target's
+    distribution p (V,): accept with probability min(1, p/q); else the distribution to draw
+    the replacement from, max(0, p - q) normalized. Together they give tokens distributed as
+    p whatever q is. (A one-hot q needs no rule: the engine keeps the draft where its own
+    draw from p is that token.)"""
+    pt, qt = float(p[token]), float(q[token])
     u = torch.rand((), generator=generator, device=p.device).item()
     if qt > 0 and u < min(1.0, pt / qt):
         return True, None
-    if q is None:
-        rest = p.clone()
-        rest[token] = 0
-    else:
-        rest = (p - q).clamp_(min=0)
+    rest = (p - q).clamp_(min=0)
     total = float(rest.sum())
     if not math.isfinite(total) or total <= 0:  # (p == q: no mass left; take p itself)
         return False, p
     return False, rest / total
-
-
-def probs_to_logits(p: torch.Tensor) -> torch.Tensor:
-    """A distribution as logits whose softmax is p (-inf where p is 0), for `draw`."""
-    return p.log()
