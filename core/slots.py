@@ -67,11 +67,7 @@ class Slots:
         fed = self.fed[row]
         if self.net is None or len(fed) >= self.kept:
             return 0
-        n = 0
-        for a, b in zip(fed[: len(ids) - 1], ids, strict=False):
-            if a != b:
-                break
-            n += 1
+        n = shared_prefix(fed, ids[:-1])
         if not self.recurrent or (n == len(fed) and self.live[row]):
             return n
         return max((p for p in self.snaps[row] if p <= n), default=0)
@@ -154,3 +150,13 @@ class Slots:
         for fed, snaps in zip(self.fed, self.snaps, strict=True):
             fed.clear()
             snaps.clear()
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

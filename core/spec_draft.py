@@ -31,6 +31,7 @@ from core.errors import ConfigError, ZooError
 from core.kv_cache import Kept
 from core.model import Model
 from core.sampling import draw, filter_logits
+from core.slots import shared_prefix
 from core.speculative import Draft, Proposer
 
 # Tokens a row lacks that are fed through the decode step one by one (the fused CPU step),
@@ -137,11 +138,7 @@ class DraftProposer(Proposer):
         """How many of toks the row can resume after (its longest common prefix with fed; the
         last token is always fed, its logits give the first draft). A ring that has wrapped or
         a recurrent state cannot be cut back: anything shorter than fed starts over."""
-        n = 0
-        for a, b in zip(fed, toks[:-1], strict=False):
-            if a != b:
-                break
-            n += 1
+        n = shared_prefix(fed, toks[:-1])
         wrapped = self.cache.kept < self.cache.max_seq_len and len(fed) > self.cache.kept
         if n < len(fed) and (self.cache.recurrent or wrapped):
             return 0

@@ -16,8 +16,7 @@ import torch
 from core.sampling import apply_penalties, draw, filter_logits, penalizes
 from core.speculative import Draft, accept_draft
 from core.structured import Masks
-
-MAX_CHAIN = 16  # the most tokens a fused call is asked to take (FusedStep.takes_chain says)
+from kernels.cpu.build import MAX_ROWS
 
 
 class Verifier:
@@ -27,7 +26,7 @@ class Verifier:
         self.engine, self.spec = engine, engine.spec
         # the most tokens one fused call verifies (0: each row through its own forward)
         takes = getattr(engine.model.step, "takes_chain", None)
-        fits = [n for n in range(2, MAX_CHAIN + 1) if takes is not None and takes(n)]
+        fits = [n for n in range(2, MAX_ROWS + 1) if takes is not None and takes(n)]
         self.chain = 0 if not fits or self.spec.proposer.wants_hidden else max(fits)
 
     def plan(self, seqs: list) -> dict[int, tuple]:
