@@ -151,6 +151,17 @@ def chat_llama_folder(root: Path) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def drafts_k_max():
+    """Every sequence drafts k tokens a step (adaptive k follows the steps' timing, which on
+    a busy machine may stop drafting for a while): what is counted does not vary by run."""
+    from core.speculative import AdaptiveK
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AdaptiveK, "next", lambda self: self.k_max)
+        yield
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     """Factory fixture: checkpoint(spec, **kw) -> (folder, reference model)."""

@@ -14,16 +14,9 @@ from conftest import chat_llama_folder
 from core import load_model
 from core.cli import bench, commands
 from core.cli.speculation import K_DEFAULT, speculative
-from core.speculative import AdaptiveK, SpecConfig
+from core.speculative import SpecConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def k_fixed():
-    """Every sequence drafts k tokens a step (adaptive k follows the steps' timing, which on
-    a busy machine may stop drafting for a while): what is counted does not vary by run."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(AdaptiveK, "next", lambda self: self.k_max)
-        yield
+pytestmark = pytest.mark.usefixtures("drafts_k_max")
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,11 @@ from core import load_model
 from core.serve.app import create_app
 from core.serve.metrics import ServerMetrics
 from core.serve.scheduler import Scheduler
-from core.speculative import AdaptiveK
 
 SIZES = dict(max_seq_len=96, max_batch_size=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def k_fixed():
-    """Every sequence drafts k tokens a step (adaptive k follows the steps' timing, which on
-    a busy machine may stop drafting for a while): what is counted does not vary by run."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(AdaptiveK, "next", lambda self: self.k_max)
-        yield
+pytestmark = pytest.mark.usefixtures("drafts_k_max")
 
 
 @pytest.fixture(scope="module")
